@@ -1,0 +1,36 @@
+"""Seeded batches with labels shifted outside the model (why: see ``model.py``).
+
+Every rank draws the same global batches from the same seed, so no broadcast is needed and
+every system trains on identical data. Tokens are uniform random: the benchmark measures cost
+and exactness, not learning.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def make_batches(steps: int, batch: int, seq: int, vocab: int, seed: int,
+                 ignore_prefix: float = 0.0) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``steps`` pairs of global ``(input_ids, labels)`` int64 [batch, seq].
+
+    ``labels[:, t] = input_ids[:, t+1]`` and ``labels[:, -1] = -100``: the targets of
+    ``Llama(ids, labels=ids)``, already shifted. ``ignore_prefix`` masks that fraction of
+    each sequence's first labels with -100 (an SFT prompt), which leaves the sequence shards
+    with unequal numbers of valid labels: the case where a mean of per-shard means is wrong.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(steps):
+        ids = torch.randint(0, vocab, (batch, seq), generator=gen)
+        labels = torch.full_like(ids, -100)
+        labels[:, :-1] = ids[:, 1:]
+        labels[:, : int(seq * ignore_prefix)] = -100
+        out.append((ids, labels))
+    return out
+
+
+def shard(t: torch.Tensor, rank: int, world: int, dim: int = 1) -> torch.Tensor:
+    """This rank's contiguous slice of the sequence dim (what a hand-written loader gives)."""
+    n = t.shape[dim] // world
+    return t.narrow(dim, rank * n, n)

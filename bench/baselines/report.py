@@ -1,0 +1,90 @@
+"""Markdown tables of one run's results, and the PNG of a sequence-length sweep."""
+
+from __future__ import annotations
+
+from .systems import BASELINE
+
+KIB, MIB = 1024.0, 1024.0 ** 2
+
+
+def _fmt(x, spec: str, missing: str = "-") -> str:
+    return missing if x is None else format(x, spec)
+
+
+def _baseline_time(rows: list[dict], mode: str) -> float | None:
+    name, bmode = BASELINE.get(mode, BASELINE["compiled"])
+    for r in rows:
+        if r["system"] == name and r["mode"] == bmode and r["status"] == "ok":
+            return r["median_step_s"]
+    return None
+
+
+def table(result: dict) -> str:
+    """One markdown table: time, parity, bytes and memory of every system in one run."""
+    rows, floor = result["rows"], result["floor"]
+    head = ("| system | mode | step s (median) | x ulysses (same mode) | first step s "
+            "| loss rel err | grad rel err | all-to-all KiB | all-reduce KiB | other KiB "
+            "| total KiB | x floor | peak MiB |")
+    out = [head, "|" + "---|" * 13]
+    for r in rows:
+        label = f"| {r['system']} | {r['mode']} |"
+        if r["status"] != "ok":
+            out.append(f"{label} {r['status']}: {r['reason']} |" + " |" * 10)
+            continue
+        base = _baseline_time(rows, r["mode"])
+        ratio = r["median_step_s"] / base if base and r["system"] != "reference" else None
+        comm = r["comm_bytes"]
+        a2a, ar = comm.get("all_to_all", 0.0), comm.get("all_reduce", 0.0)
+        other = r["comm_total"] - a2a - ar
+        x_floor = r["comm_total"] / floor["total"] if floor["total"] else None
+        out.append(
+            f"{label} {r['median_step_s']:.3f} | {_fmt(ratio, '.2f')} | {r['first_step_s']:.2f} "
+            f"| {_fmt(r.get('loss_rel_err'), '.1e', 'ref')} "
+            f"| {_fmt(r.get('grad_rel_err'), '.1e', 'ref')} "
+            f"| {a2a / KIB:.1f} | {ar / KIB:.1f} | {other / KIB:.1f} | {r['comm_total'] / KIB:.1f} "
+            f"| {_fmt(x_floor if r['system'] != 'reference' else None, '.2f')} "
+            f"| {r['peak_bytes'] / MIB:.1f} |")
+    out.append(
+        f"| analytic Ulysses floor | | | | | | | {floor['all_to_all'] / KIB:.1f} "
+        f"| {floor['all_reduce'] / KIB:.1f} | 0.0 | {floor['total'] / KIB:.1f} | 1.00 | |")
+    return "\n".join(out)
+
+
+def header(result: dict) -> str:
+    c = result["config"]
+    return (f"model `{c['model']}`, {c['world']} gloo ranks (SP {c['world']}), batch {c['batch']}, "
+            f"seq {c['seq']}, {c['warmup']} warm-up + {c['steps']} timed steps, "
+            f"ignore_prefix {c['ignore_prefix']}")
+
+
+def plot_sweep(results: list[dict], path: str) -> None:
+    """Step time and peak memory against sequence length, one line per system."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    series: dict[str, dict[str, list]] = {}
+    for res in sorted(results, key=lambda r: r["config"]["seq"]):
+        for r in res["rows"]:
+            if r["status"] != "ok":
+                continue
+            s = series.setdefault(f"{r['system']} {r['mode']}", {"seq": [], "t": [], "m": []})
+            s["seq"].append(res["config"]["seq"])
+            s["t"].append(r["median_step_s"])
+            s["m"].append(r["peak_bytes"] / MIB)
+    fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for label, s in series.items():
+        ax_t.plot(s["seq"], s["t"], marker="o", label=label)
+        ax_m.plot(s["seq"], s["m"], marker="o", label=label)
+    world = results[0]["config"]["world"] if results else "?"
+    for ax, title, unit in ((ax_t, "median step time", "s"), (ax_m, "peak tensor memory", "MiB")):
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("sequence length (tokens)")
+        ax.set_ylabel(unit)
+        ax.set_title(f"{title}, SP {world} (per rank; reference: 1 process)")
+        ax.grid(True, which="both", alpha=0.3)
+    ax_t.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -1,0 +1,57 @@
+"""spdsl, as a user calls it: ``spdsl.sp_shard(seq=P, compile=...)(module)``.
+
+The hook this benchmark relies on (keep it compatible):
+
+    fn = spdsl.sp_shard(seq=P)(module)               # or sp_shard(seq=P, compile=True)
+    loss = fn(input_ids, labels)                     # every rank: the same GLOBAL tensors
+    loss.backward()                                  # p.grad == single-device grad, every rank
+
+``module`` is ``ShiftedLoss(llama)``: the model's own forward (positions from
+``torch.arange`` inside it) and the mean cross-entropy on pre-shifted labels; ``loss`` is a
+0-dim tensor holding the exact global mean. Until ``spdsl.sp_shard`` exists the system is
+reported as not available.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .model import ShiftedLoss, build_llama
+from .systems import RunConfig, Unavailable
+
+
+def _sp_shard():
+    try:
+        import spdsl
+    except ImportError as e:
+        raise Unavailable(f"spdsl does not import ({e})")
+    sp_shard = getattr(spdsl, "sp_shard", None)
+    if sp_shard is None:
+        raise Unavailable("not available yet: spdsl.sp_shard is not defined")
+    return sp_shard
+
+
+class SpdslTrainer:
+    def __init__(self, cfg: RunConfig, compiled: bool) -> None:
+        sp_shard = _sp_shard()
+        self.llama = build_llama(cfg.model, cfg.seed)
+        kwargs = {"compile": True} if compiled else {}
+        self.fn = sp_shard(seq=cfg.world, **kwargs)(ShiftedLoss(self.llama))
+        self.opt = torch.optim.AdamW(self.llama.parameters(), lr=cfg.lr)
+
+    def zero_grad(self) -> None:
+        self.opt.zero_grad(set_to_none=True)
+
+    def forward_backward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> float:
+        loss = self.fn(input_ids, labels)
+        loss.backward()
+        # A DTensor loss (replicated) is read through its full value.
+        value = loss.full_tensor() if hasattr(loss, "full_tensor") else loss
+        return float(value.detach())
+
+    def optimizer_step(self) -> None:
+        self.opt.step()
+
+
+def build(cfg: RunConfig, compiled: bool) -> SpdslTrainer:
+    return SpdslTrainer(cfg, compiled)

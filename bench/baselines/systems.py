@@ -1,0 +1,93 @@
+"""What a benchmarked system is, and the list of them.
+
+A system builds a ``Trainer`` for one run. Every trainer receives the same *global* batch on
+every rank and must leave, after ``forward_backward``, the exact single-device gradient in
+``p.grad`` of the model's parameters on every rank, and return the exact global loss. How it
+shards (by hand, by AutoSP, by spdsl) is its own business; so are its collectives.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from typing import Callable, Protocol
+
+import torch
+
+
+class Unavailable(Exception):
+    """The system cannot run here (not installed, not written yet); the reason is reported."""
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    model: str          # a key of model.CONFIGS
+    batch: int
+    seq: int
+    world: int          # SP degree = number of ranks
+    rank: int
+    seed: int
+    lr: float
+
+
+class Trainer(Protocol):
+    llama: torch.nn.Module   # the parameters whose .grad is compared with the reference
+
+    def zero_grad(self) -> None: ...
+
+    def forward_backward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> float:
+        """One forward and backward on the global batch; the global loss, on every rank."""
+
+    def optimizer_step(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class System:
+    name: str
+    mode: str                          # "eager" or "compiled"
+    module: str                        # bench.baselines.<module> holding build(cfg, compiled)
+    single_process: bool = False       # the reference: rank 0 alone, the others wait
+
+    @property
+    def label(self) -> str:
+        return f"{self.name} {self.mode}"
+
+    @property
+    def compiled(self) -> bool:
+        return self.mode == "compiled"
+
+    def build(self, cfg: RunConfig) -> Trainer:
+        # Imported lazily: deepspeed and spdsl are optional, and importing either is slow.
+        mod = importlib.import_module(f"bench.baselines.{self.module}")
+        build: Callable[[RunConfig, bool], Trainer] = mod.build
+        return build(cfg, self.compiled)
+
+
+# The order they run in: AutoSP last, because deepspeed.initialize patches global state.
+SYSTEMS = [
+    System("reference", "eager", "reference", single_process=True),
+    System("ulysses", "eager", "ulysses"),
+    System("ulysses", "compiled", "ulysses"),
+    System("spdsl", "eager", "spdsl_adapter"),
+    System("spdsl", "compiled", "spdsl_adapter"),
+    System("autosp", "compiled", "autosp"),
+]
+
+# The hand-written baseline each system's time is divided by (same mode; AutoSP is compiled).
+BASELINE = {"eager": ("ulysses", "eager"), "compiled": ("ulysses", "compiled")}
+
+
+def select(names: list[str] | None) -> list[System]:
+    """Systems by name (``ulysses``) or label (``ulysses-compiled``); all when ``names`` is None.
+
+    The reference always runs: parity is measured against it.
+    """
+    if not names:
+        return list(SYSTEMS)
+    wanted = set(names) | {"reference"}
+    picked = [s for s in SYSTEMS if s.name in wanted or f"{s.name}-{s.mode}" in wanted]
+    unknown = wanted - {s.name for s in SYSTEMS} - {f"{s.name}-{s.mode}" for s in SYSTEMS}
+    if unknown:
+        raise SystemExit(f"unknown systems {sorted(unknown)}; choose from "
+                         f"{sorted({s.name for s in SYSTEMS} | {f'{s.name}-{s.mode}' for s in SYSTEMS})}")
+    return picked

@@ -1,0 +1,140 @@
+"""Side-by-side Ulysses sequence-parallel training: reference, spdsl, hand-written DeepSpeed-Ulysses,
+DeepSpeed AutoSP. Same model, weights, batches and labels for all; gloo CPU ranks.
+
+One configuration (4 ranks, 4096 tokens)::
+
+    torchrun --standalone --nproc_per_node=4 bench/compare.py --seq 4096 --out /tmp/sp4.json
+
+CI smoke (one step, 256 tokens, reference + hand-written Ulysses, exits 1 on a parity miss)::
+
+    torchrun --standalone --nproc_per_node=2 bench/compare.py --smoke --systems ulysses-eager \
+        --check 1e-5
+
+Everything that bench/RESULTS.md reports (SP 2 and SP 4 at 4096 tokens, the SP 4 sweep over
+1K..16K tokens, the plot; about 15 minutes on 2 cores), then rewrites its tables::
+
+    python bench/compare.py --suite
+
+Needs the ``bench`` extra (matplotlib, deepspeed==0.19.8; deepspeed is optional: its systems
+report "unavailable" without it). Per system it prints: median step time after warm-up, the
+ratio to hand-written Ulysses in the same mode, the first (compiling) step, loss and gradient
+relative error against the single-process reference, bytes sent per rank per step by kind
+of collective beside the analytic Ulysses floor, and peak tensor memory per rank.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import sys
+
+# DeepSpeed picks its accelerator at import; CPU here, whatever imports it first.
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+from bench.baselines import report  # noqa: E402
+from bench.baselines.analytic import ulysses_floor  # noqa: E402
+from bench.baselines.data import make_batches  # noqa: E402
+from bench.baselines.model import CONFIGS  # noqa: E402
+from bench.baselines.runner import run_system  # noqa: E402
+from bench.baselines.systems import RunConfig, select  # noqa: E402
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="tiny", choices=sorted(CONFIGS))
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--seq", type=int, default=None, help="global tokens per sequence (4096)")
+    p.add_argument("--steps", type=int, default=None, help="timed steps after warm-up (5)")
+    p.add_argument("--warmup", type=int, default=None, help="untimed first steps (2)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--ignore-prefix", type=float, default=0.0,
+                   help="mask this fraction of each sequence's first labels (SFT prompt)")
+    p.add_argument("--systems", nargs="*", default=None,
+                   help="names (ulysses) or name-mode (ulysses-compiled); reference always runs")
+    p.add_argument("--smoke", action="store_true", help="1 step at 256 tokens, for CI")
+    p.add_argument("--check", type=float, default=None,
+                   help="exit 1 if a system that ran misses the loss (and grad) parity bound")
+    p.add_argument("--out", default=None, help="write the results as JSON here (rank 0)")
+    p.add_argument("--suite", action="store_true",
+                   help="launch every configuration of bench/RESULTS.md via torchrun")
+    args = p.parse_args(argv)
+    defaults = (256, 1, 0) if args.smoke else (4096, 5, 2)
+    for name, value in zip(("seq", "steps", "warmup"), defaults):
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    return args
+
+
+def run(args: argparse.Namespace) -> dict | None:
+    """All systems for one configuration on this rank; rank 0 returns the results."""
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    # Long steps at 16K tokens: time out a stuck collective after 15 min, not gloo's 30.
+    dist.init_process_group("gloo", timeout=datetime.timedelta(minutes=15))
+    cfg = RunConfig(model=args.model, batch=args.batch, seq=args.seq, world=world, rank=rank,
+                    seed=args.seed, lr=args.lr)
+    vocab = CONFIGS[args.model]().vocab_size
+    batches = make_batches(args.warmup + args.steps + 1, args.batch, args.seq, vocab,
+                           args.seed + 1, args.ignore_prefix)
+    rows, reference = [], None
+    for system in select(args.systems):
+        torch._dynamo.reset()            # each compiled system starts from a clean Dynamo
+        row = run_system(system, cfg, batches[:-1], batches[-1], args.warmup, reference)
+        if rank == 0:
+            if system.single_process and row["status"] == "ok":
+                reference = {"losses": row["losses"], "grads": row.pop("_grads")}
+            rows.append(row)
+            print(f"[compare] {system.label}: {row['status']} {row.get('reason', '')}",
+                  flush=True)
+    dist.barrier()
+    dist.destroy_process_group()
+    if rank != 0:
+        return None
+    config = {k: getattr(args, k) for k in ("model", "batch", "seq", "steps", "warmup", "seed",
+                                            "lr", "ignore_prefix")}
+    config.update(world=world, torch=torch.__version__, threads=torch.get_num_threads())
+    floor = ulysses_floor(CONFIGS[args.model](), args.batch, args.seq, world)
+    return {"config": config, "floor": floor, "rows": rows}
+
+
+def parity_failures(result: dict, bound: float) -> list[str]:
+    bad = []
+    for r in result["rows"]:
+        for key in ("loss_rel_err", "grad_rel_err"):
+            if r["status"] == "ok" and r.get(key) is not None and r[key] > bound:
+                bad.append(f"{r['system']} {r['mode']}: {key} {r[key]:.2e} > {bound:.0e}")
+    return bad
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.suite:
+        from bench.baselines.suite import run_suite
+        return run_suite()
+    result = run(args)
+    if result is None:
+        return 0
+    print(report.header(result))
+    print(report.table(result))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+    if args.check is not None:
+        bad = parity_failures(result, args.check)
+        ran = [r for r in result["rows"] if r["status"] == "ok" and r["system"] != "reference"]
+        if bad or not ran:
+            print("PARITY FAIL:", "; ".join(bad) or "no system besides the reference ran")
+            return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,74 @@
+"""``spdsl.mesh``: a DeviceMesh with named axes over the ranks of the job."""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from spdsl.errors import ShardingError
+
+
+def _device_type() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def ensure_process_group() -> None:
+    """Initialise the default process group from torchrun's environment if nobody did."""
+    if dist.is_initialized():
+        return
+    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+        raise ShardingError(
+            rule="process group",
+            detail="sharded execution needs a process group, and none is initialised",
+            fix="launch with `torchrun --standalone --nproc_per_node=N script.py`, call "
+                "torch.distributed.init_process_group first, or use spdsl.plan(...) to plan "
+                "without running",
+        )
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group(backend)
+
+
+def mesh(**axes: int) -> DeviceMesh:
+    """Build a DeviceMesh whose named axes cover the whole job, outermost axis first.
+
+    Example::
+
+        mesh = spdsl.mesh(sp=4)          # 4 ranks, one axis "sp"
+        mesh = spdsl.mesh(dp=2, sp=2)    # rows are dp groups, columns sp groups
+    """
+    if not axes:
+        raise ShardingError(rule="mesh axes", detail="spdsl.mesh needs at least one axis",
+                            fix="spdsl.mesh(sp=4)")
+    for name, size in axes.items():
+        if not isinstance(size, int) or size < 1:
+            raise ShardingError(rule="mesh axes", detail=f"axis {name!r} has size {size!r}",
+                                fix="give every axis a positive integer size")
+    ensure_process_group()
+    world = dist.get_world_size()
+    if math.prod(axes.values()) != world:
+        shape = " x ".join(f"{k}={v}" for k, v in axes.items())
+        raise ShardingError(
+            rule="mesh size",
+            detail=f"mesh {shape} has {math.prod(axes.values())} ranks but the job has {world}",
+            fix=f"launch {math.prod(axes.values())} ranks (torchrun --nproc_per_node="
+                f"{math.prod(axes.values())}) or change the axis sizes to multiply to {world}",
+        )
+    return init_device_mesh(_device_type(), tuple(axes.values()), mesh_dim_names=tuple(axes))
+
+
+def axis_size(m: DeviceMesh, axis: str) -> int:
+    names = m.mesh_dim_names or ()
+    if axis not in names:
+        raise ShardingError(
+            rule="unknown mesh axis",
+            detail=f"a spec names mesh axis {axis!r}, but the mesh has axes {tuple(names)}",
+            fix=f"use one of {tuple(names)} in P(...), or build the mesh with "
+                f"spdsl.mesh({axis}=N)",
+        )
+    return m.size(names.index(axis))

@@ -1,0 +1,262 @@
+"""Autograd-aware collectives on local tensors, the only place spdsl talks to other ranks.
+
+Each is a functional collective (``torch.distributed._functional_collectives``) inside an
+``autograd.Function`` whose backward is written out, because the gradient rule depends on what
+the value means (spdsl's invariant: the gradient of a replicated value is the full gradient,
+the same on every rank; of a split value, the local piece; of a partial sum, the full gradient):
+
+=====================  ==========================  ===============================
+redistribution         forward                     backward
+=====================  ==========================  ===============================
+Shard -> Shard         all-to-all                  all-to-all back
+Shard -> Replicate     all-gather                  local slice
+Replicate -> Shard     local slice                 all-gather
+Partial -> Replicate   all-reduce                  identity
+Replicate, used split  identity                    all-reduce (partial grad)
+slice of a split dim   halo exchange (all-to-all)  halo exchange back
+=====================  ==========================  ===============================
+
+All-to-alls are real ``all_to_all_single`` calls (DTensor's CPU path gathers instead).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed._functional_collectives as fc
+
+from spdsl.propagate.placement import chunk_bounds
+
+COUNTER: list = []   # (kind, bytes) of every collective issued, when a test or bench asks
+
+
+def _note(kind: str, t: torch.Tensor) -> None:
+    if COUNTER and COUNTER[0] is not None:
+        COUNTER[0].append((kind, t.numel() * t.element_size()))
+
+
+def _a2a_raw(buf: torch.Tensor, group: str, out_splits=None, in_splits=None) -> torch.Tensor:
+    _note("all_to_all", buf)
+    return fc.wait_tensor(fc.all_to_all_single(buf.contiguous(), out_splits, in_splits, group))
+
+
+def _all_reduce_raw(x: torch.Tensor, group: str) -> torch.Tensor:
+    _note("all_reduce", x)
+    return fc.wait_tensor(fc.all_reduce(x.contiguous(), "sum", group))
+
+
+def _all_gather_raw(x: torch.Tensor, group: str) -> torch.Tensor:
+    """[n, ...] on each rank -> [P*n, ...], rank order."""
+    _note("all_gather", x)
+    return fc.wait_tensor(fc.all_gather_tensor(x.contiguous(), 0, group))
+
+
+class _AllToAll(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, buf: torch.Tensor, group: str, out_splits, in_splits):
+        ctx.group, ctx.out_splits, ctx.in_splits = group, out_splits, in_splits
+        return _a2a_raw(buf, group, out_splits, in_splits)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _a2a_raw(grad, ctx.group, ctx.in_splits, ctx.out_splits), None, None, None
+
+
+class _AllReduce(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: str):
+        return _all_reduce_raw(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class _GradAllReduce(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: str):
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_reduce_raw(grad, ctx.group), None
+
+
+def all_reduce(x: torch.Tensor, group: str) -> torch.Tensor:
+    """Partial -> Replicate."""
+    return _AllReduce.apply(x, group)
+
+
+def grad_all_reduce(x: torch.Tensor, group: str) -> torch.Tensor:
+    """A replicated value used where the computation is split: its gradient is partial."""
+    if not x.requires_grad:
+        return x
+    return _GradAllReduce.apply(x, group)
+
+
+def _split_dim(x: torch.Tensor, dim: int, outer: int) -> tuple[torch.Tensor, int]:
+    """View ``dim`` as ``(outer, rest)``; returns the view and the index of ``rest``."""
+    shape = list(x.shape)
+    return x.reshape(shape[:dim] + [outer, shape[dim] // outer] + shape[dim + 1:]), dim + 1
+
+
+def all_to_all(x: torch.Tensor, src: tuple[int, int], dst: tuple[int, int], parts: int,
+               group: str) -> torch.Tensor:
+    """Move the split of ``x`` from ``src = (dim, outer)`` to ``dst = (dim, outer)``."""
+    return all_to_all_many([x], [src], [dst], parts, group)[0]
+
+
+def _pack(x: torch.Tensor, dst: tuple[int, int], parts: int) -> torch.Tensor:
+    """[.., n_dst, ..] -> [P, rest]: the chunk each destination rank gets, flattened."""
+    dd, od = dst
+    shape = list(x.shape)
+    y = x.reshape(shape[:dd] + [od, parts, shape[dd] // (od * parts)] + shape[dd + 1:])
+    return y.movedim(dd + 1, 0).reshape(parts, -1)
+
+
+def _unpack(buf: torch.Tensor, like_shape: list[int], src: tuple[int, int],
+            dst: tuple[int, int], parts: int) -> torch.Tensor:
+    """[P, rest] received (row = source rank) -> local tensor split on ``dst``."""
+    ds, os_ = src
+    dd, od = dst
+    shape = list(like_shape)
+    shape[dd] //= parts
+    # the packed layout of one source chunk: x's shape with dd as (od, n/(od*P))
+    chunk = shape[:dd] + [od, shape[dd] // od] + shape[dd + 1:]
+    y = buf.reshape([parts] + chunk)
+    # merge dd back, then insert the source-rank axis inside ds, after its outer factor
+    y = y.reshape([parts] + shape)
+    s = list(y.shape[1:])
+    y = y.reshape([parts] + s[:ds] + [os_, s[ds] // os_] + s[ds + 1:])
+    y = y.movedim(0, ds + 1)
+    out = list(s)
+    out[ds] *= parts
+    return y.reshape(out)
+
+
+def all_to_all_many(xs: list[torch.Tensor], srcs, dsts, parts: int,
+                    group: str) -> list[torch.Tensor]:
+    """One all-to-all for several tensors (q, k and v of an attention)."""
+    packed = [_pack(x, d, parts) for x, d in zip(xs, dsts)]
+    sizes = [p.shape[1] for p in packed]
+    buf = torch.cat(packed, dim=1) if len(packed) > 1 else packed[0]
+    got = _AllToAll.apply(buf.contiguous(), group, None, None).reshape(parts, -1)
+    pieces = torch.split(got, sizes, dim=1) if len(packed) > 1 else [got]
+    return [_unpack(p, list(x.shape), s, d, parts) for p, x, s, d in zip(pieces, xs, srcs, dsts)]
+
+
+class _Gather(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, split: tuple, parts: int, rank: int, group: str):
+        ctx.args = (split, parts, rank)
+        return _gather(x, split, parts, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        split, parts, rank = ctx.args
+        return _take(grad, split, parts, rank), None, None, None, None
+
+
+class _Take(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, split: tuple, parts: int, rank: int, group: str):
+        ctx.args = (split, parts, group)
+        return _take(x, split, parts, rank)
+
+    @staticmethod
+    def backward(ctx, grad):
+        split, parts, group = ctx.args
+        return _gather(grad, split, parts, group), None, None, None, None
+
+
+def _take(x: torch.Tensor, split: tuple, parts: int, rank: int) -> torch.Tensor:
+    dim, outer, size, inner = split
+    lo, hi = chunk_bounds(size, parts, rank)
+    y, d = _split_dim(x, dim, outer)
+    y = y.narrow(d, lo * inner, (hi - lo) * inner)
+    shape = list(x.shape)
+    shape[dim] = outer * (hi - lo) * inner
+    return y.reshape(shape)
+
+
+def _gather(x: torch.Tensor, split: tuple, parts: int, group: str) -> torch.Tensor:
+    dim, outer, size, inner = split
+    full = -(-size // parts) * inner
+    y, d = _split_dim(x, dim, outer)
+    if y.shape[d] < full:   # uneven chunks: pad so that every rank sends the same size
+        pad = list(y.shape)
+        pad[d] = full - y.shape[d]
+        y = torch.cat([y, y.new_zeros(pad)], dim=d)
+    g = _all_gather_raw(y.movedim(d, 0), group)
+    g = g.reshape([parts, full] + list(g.shape[1:]))
+    keep = [(hi - lo) * inner for lo, hi in (chunk_bounds(size, parts, r) for r in range(parts))]
+    g = torch.cat([g[r, :k] for r, k in enumerate(keep)], dim=0).movedim(0, d)
+    shape = list(x.shape)
+    shape[dim] = outer * size * inner
+    return g.reshape(shape)
+
+
+def gather(x: torch.Tensor, split: tuple, parts: int, rank: int, group: str) -> torch.Tensor:
+    """Shard -> Replicate; ``split = (dim, outer, size, inner)``."""
+    return _Gather.apply(x, split, parts, rank, group)
+
+
+def take(x: torch.Tensor, split: tuple, parts: int, rank: int, group: str) -> torch.Tensor:
+    """Replicate -> Shard: this rank's chunk, for free."""
+    return _Take.apply(x, split, parts, rank, group)
+
+
+def window_plan(size_in: int, start: int, n_out: int, parts: int):
+    """For re-chunking ``x[start:start+n_out]`` of a dim split ``torch.chunk``-style: per rank
+    the list of rows it sends to each rank (global positions), or None when every rank already
+    holds what it needs (a trailing trim)."""
+    own = [chunk_bounds(size_in, parts, r) for r in range(parts)]
+    need = [tuple(start + b for b in chunk_bounds(n_out, parts, r)) for r in range(parts)]
+    if all(own[r][0] <= need[r][0] and need[r][1] <= own[r][1] or need[r][0] == need[r][1]
+           for r in range(parts)):
+        return None
+    sends = [[(max(own[s][0], need[q][0]), min(own[s][1], need[q][1])) for q in range(parts)]
+             for s in range(parts)]
+    return own, sends
+
+
+class _Window(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, dim: int, plan, parts: int, rank: int, group: str):
+        own, sends = plan
+        lo = own[rank][0]
+        idx, out_splits, in_splits = [], [], []
+        for q in range(parts):
+            a, b = sends[rank][q]
+            n = max(0, b - a)
+            in_splits.append(n)
+            idx.extend(range(a - lo, a - lo + n))
+            a2, b2 = sends[q][rank]
+            out_splits.append(max(0, b2 - a2))
+        x0 = x.movedim(dim, 0)
+        index = torch.tensor(idx, dtype=torch.long, device=x.device)
+        buf = x0.index_select(0, index)
+        out = _a2a_raw(buf, group, out_splits, in_splits)
+        ctx.save_for_backward(index)
+        ctx.args = (dim, list(x0.shape), out_splits, in_splits, group)
+        return out.movedim(0, dim)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (index,) = ctx.saved_tensors
+        dim, shape0, out_splits, in_splits, group = ctx.args
+        back = _a2a_raw(grad.movedim(dim, 0).contiguous(), group, in_splits, out_splits)
+        gx = back.new_zeros(shape0).index_add_(0, index, back)
+        return gx.movedim(0, dim), None, None, None, None, None
+
+
+def window(x: torch.Tensor, dim: int, size_in: int, start: int, n_out: int, parts: int,
+           rank: int, group: str) -> torch.Tensor:
+    """This rank's ``torch.chunk`` piece of ``X[start:start+n_out]`` along ``dim``, where ``x``
+    is its piece of ``X``: a halo exchange of the rows that cross a chunk boundary."""
+    plan = window_plan(size_in, start, n_out, parts)
+    if plan is None:
+        lo = chunk_bounds(size_in, parts, rank)[0]
+        a, b = chunk_bounds(n_out, parts, rank)
+        return x.narrow(dim, start + a - lo, b - a)
+    return _Window.apply(x, dim, plan, parts, rank, group)

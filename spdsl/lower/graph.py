@@ -1,0 +1,161 @@
+"""Lowering: the global graph and its decisions -> one rank's graph over local tensors.
+
+This is the one place where global shapes become local ones: shape arguments of views are
+rewritten to the rank's local shape, redistributions become calls into ``spdsl.collectives``,
+and nodes with a named lowering become calls into ``spdsl.lower.ops``. Backward is autograd's
+job: every inserted call carries its own gradient rule.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+from typing import Any
+
+import torch
+from torch.utils._pytree import tree_map
+
+from spdsl import collectives as C
+from spdsl.lower import ops
+from spdsl.propagate.engine import Propagator, tensor_inputs
+from spdsl.propagate.placement import Partial, Placement, Replicate, Shard, chunk_bounds, local_shape
+
+aten = torch.ops.aten
+
+
+class Lowering:
+    def __init__(self, prop: Propagator, rank: int, group: str) -> None:
+        self.prop, self.parts, self.rank, self.group = prop, prop.parts, rank, group
+        self.graph = torch.fx.Graph()
+        self.env: dict[torch.fx.Node, torch.fx.Node] = {}
+        self.marked: dict[torch.fx.Node, torch.fx.Node] = {}
+
+    def call(self, fn, *args) -> torch.fx.Node:
+        return self.graph.call_function(fn, tuple(args))
+
+    def redistribute(self, x: torch.fx.Node, src: Placement, dst: Placement,
+                     meta: torch.Tensor) -> torch.fx.Node:
+        if src == dst or self.parts == 1:
+            return x
+        P, r, g = self.parts, self.rank, self.group
+        shape = tuple(meta.shape)
+        if isinstance(src, Partial):
+            x = self.call(C.all_reduce, x, g)
+            src = Replicate()
+            if src == dst:
+                return x
+        if isinstance(src, Replicate) and isinstance(dst, Shard):
+            return self.call(C.take, x, (dst.dim, dst.outer, dst.size, dst.inner(shape)), P, r, g)
+        if isinstance(src, Shard) and isinstance(dst, Replicate):
+            return self.call(C.gather, x, (src.dim, src.outer, src.size, src.inner(shape)), P, r, g)
+        if isinstance(src, Shard) and isinstance(dst, Shard):
+            return self.call(C.all_to_all, x, (src.dim, src.outer), (dst.dim, dst.outer), P, g)
+        raise AssertionError(f"no redistribution {src} -> {dst}")
+
+    def _inputs(self, node: torch.fx.Node) -> dict[int, torch.fx.Node]:
+        d = self.prop.decisions[node]
+        out = {}
+        for i, a in enumerate(tensor_inputs(node)):
+            x = self.env[a]
+            if i in d.redistribute:
+                src, dst = d.redistribute[i]
+                x = self.redistribute(x, src, dst, a.meta["val"])
+            if i in d.grad_reduce and self.parts > 1:
+                if a not in self.marked:
+                    self.marked[a] = self.call(C.grad_all_reduce, self.env[a], self.group)
+                x = self.marked[a]
+            out[i] = x
+        return out
+
+    def _args(self, node: torch.fx.Node, local: dict[int, torch.fx.Node]):
+        counter = iter(range(10 ** 9))
+
+        def sub(a: Any) -> Any:
+            if isinstance(a, torch.fx.Node):
+                if isinstance(a.meta.get("val"), torch.Tensor):
+                    return local[next(counter)]
+                return self.env[a]
+            return a
+        return tree_map(sub, node.args), tree_map(sub, node.kwargs)
+
+    def lower(self, out_placements: list[Placement]) -> torch.fx.GraphModule:
+        for node in self.prop.gm.graph.nodes:
+            if node.op == "placeholder":
+                self.env[node] = self.graph.placeholder(node.name)
+            elif node.op == "get_attr":
+                self.env[node] = self.graph.get_attr(node.target)
+            elif node.op == "call_function":
+                self.env[node] = self._node(node)
+            elif node.op == "output":
+                outs = []
+                for o, want in zip(node.args[0], out_placements):
+                    x = self.env[o]
+                    if isinstance(o.meta.get("val"), torch.Tensor):
+                        x = self.redistribute(x, self.prop.placement(o), want, o.meta["val"])
+                    outs.append(x)
+                self.graph.output(outs)
+        gm = torch.fx.GraphModule(self.prop.gm, self.graph)
+        return gm
+
+    def _node(self, node: torch.fx.Node) -> torch.fx.Node:
+        if node.target is operator.getitem:
+            return self.call(operator.getitem, self.env[node.args[0]], node.args[1])
+        d = self.prop.decisions.get(node)
+        if d is None:
+            args, kwargs = tree_map(lambda a: self.env[a] if isinstance(a, torch.fx.Node) else a,
+                                    (node.args, node.kwargs))
+            return self.graph.call_function(node.target, args, kwargs)
+        local = self._inputs(node)
+        args, kwargs = self._args(node, local)
+        low = d.strategy.lowering
+        if self.parts == 1 and low not in ("view", "constraint", "ulysses"):
+            low = None
+        meta = node.meta["val"]
+        P, r, g = self.parts, self.rank, self.group
+        if low == "view":
+            shape = local_shape(meta.shape, d.output, P, r)
+            return self.graph.call_function(node.target, (args[0], shape) + tuple(args[2:]),
+                                            kwargs)
+        if low == "constraint" or node.target is torch.ops.spdsl.constraint.default:
+            return args[0]
+        if low == "ulysses":
+            a = list(args) + [None] * (8 - len(args))
+            q, k, v, mask, dropout_p, is_causal, scale, gqa = a[:8]
+            return self.call(ops.ulysses_attention, q, k, v, mask, dropout_p or 0.0,
+                             bool(is_causal), scale, bool(gqa), P, r, g)
+        if low == "nll_mean":
+            two_d = node.target.overloadpacket is aten.nll_loss2d_forward
+            return self.call(ops.nll_mean, args[0], args[1], args[2], args[4], g, two_d)
+        if low == "mean_partial":
+            src = node.args[0].meta["val"]
+            dims = node.args[1] if len(node.args) > 1 else None
+            dims = list(range(src.dim())) if not dims else [x % src.dim() for x in dims]
+            keep = node.args[2] if len(node.args) > 2 else False
+            count = math.prod(src.shape[x] for x in dims)
+            return self.call(ops.mean_partial, args[0], dims, keep, count,
+                             node.kwargs.get("dtype"))
+        if low == "loss_mean":
+            count = node.args[0].meta["val"].numel()
+            return self.call(ops.loss_mean, node.target, tuple(args), count)
+        if low == "slice_window":
+            src = node.args[0].meta["val"]
+            dim = node.args[1] % src.dim()
+            start = node.args[2] if len(node.args) > 2 and node.args[2] is not None else 0
+            start = max(0, start + src.shape[dim]) if start < 0 else min(start, src.shape[dim])
+            return self.call(C.window, args[0], dim, src.shape[dim], start, meta.shape[dim], P, r,
+                             g)
+        if low == "select_owner":
+            src = node.args[0].meta["val"]
+            dim = node.args[1] % src.dim()
+            index = node.args[2] % src.shape[dim]
+            lo, hi = chunk_bounds(src.shape[dim], P, r)
+            return self.call(ops.select_owner, args[0], dim, index, lo, hi)
+        if node.target is torch.ops.spdsl.attention.default:    # replicated attention
+            return self.graph.call_function(ops.local_attention, args, kwargs)
+        return self.graph.call_function(node.target, args, kwargs)
+
+
+def lower(prop: Propagator, rank: int, group: str,
+          out_placements: list[Placement]) -> torch.fx.GraphModule:
+    """The local graph of ``rank`` (``group``: the axis' process group name)."""
+    return Lowering(prop, rank, group).lower(out_placements)

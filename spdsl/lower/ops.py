@@ -1,0 +1,76 @@
+"""Per-rank implementations of the nodes whose local form is not the global op itself."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from spdsl.collectives import all_reduce, all_to_all, all_to_all_many
+
+aten = torch.ops.aten
+
+
+def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                      mask: torch.Tensor | None, dropout_p: float, is_causal: bool,
+                      scale: float | None, enable_gqa: bool, parts: int, rank: int,
+                      group: str) -> torch.Tensor:
+    """Local ``[B, H, S/P, D]`` q, k, v -> attention over the whole sequence for ``H/P`` heads
+    -> local ``[B, H, S/P, D]`` output. One all-to-all in (q, k, v fused), one out."""
+    if parts == 1:
+        return local_attention(q, k, v, mask, dropout_p, is_causal, scale, enable_gqa)
+    hq, hk = q.shape[1], k.shape[1]
+    if hk < parts:
+        # fewer kv heads than ranks: each rank needs the kv head of its query heads, so repeat
+        # each kv head P/H_kv times (not H_q/H_kv: that would move more than needed)
+        r = parts // hk
+        k, v = k.repeat_interleave(r, dim=1), v.repeat_interleave(r, dim=1)
+    seq, heads = (2, 1), (1, 1)
+    qh, kh, vh = all_to_all_many([q, k, v], [seq] * 3, [heads] * 3, parts, group)
+    if mask is not None and mask.dim() >= 3 and mask.shape[-3] == hq and hq > 1:
+        n = hq // parts
+        mask = mask.narrow(-3, rank * n, n)
+    gqa = qh.shape[1] != kh.shape[1]
+    o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, dropout_p=dropout_p,
+                                       is_causal=is_causal, scale=scale, enable_gqa=gqa)
+    return all_to_all(o, heads, seq, parts, group)
+
+
+def local_attention(q, k, v, mask=None, dropout_p=0.0, is_causal=False, scale=None,
+                    enable_gqa=False) -> torch.Tensor:
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p,
+                                          is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
+
+
+def nll_mean(logp: torch.Tensor, target: torch.Tensor, weight: torch.Tensor | None,
+             ignore_index: int, group: str, two_d: bool = False):
+    """Global mean NLL: all-reduce (local sum, local weight) and divide."""
+    op = aten.nll_loss2d_forward if two_d else aten.nll_loss_forward
+    total, _ = op(logp, target, weight, 2, ignore_index)
+    valid = target != ignore_index
+    if weight is None:
+        count = valid.sum()
+    else:
+        count = (weight[target.clamp_min(0)] * valid).sum()
+    both = all_reduce(torch.stack([total, count.to(total.dtype)]), group)
+    return both[0] / both[1], both[1]
+
+
+def mean_partial(x: torch.Tensor, dims, keepdim: bool, count: int, dtype=None) -> torch.Tensor:
+    """Local share of a mean over a split dim: local sum / global count (a partial sum)."""
+    dims = list(range(x.dim())) if dims is None else dims
+    s = x.sum(dims, keepdim=keepdim, dtype=dtype)
+    return s / count
+
+
+def loss_mean(op, args: tuple, count: int) -> torch.Tensor:
+    """``op(..., reduction=mean)`` over split values as a partial sum."""
+    args = list(args)
+    args[2] = 2
+    return op(*args) / count
+
+
+def select_owner(x: torch.Tensor, dim: int, index: int, lo: int, hi: int) -> torch.Tensor:
+    """``X.select(dim, index)`` as a partial sum: the owner gives the row, others zeros."""
+    if lo <= index < hi:
+        return x.select(dim, index - lo)
+    return x.select(dim, 0) * 0

@@ -1,0 +1,224 @@
+"""The propagation engine: one pass over the traced graph in order, one rule per op.
+
+For every node it asks the op's rule for candidate strategies, prices each by the bytes its
+input redistributions move (all-to-all ``1/P`` of a gather; local slices free; partial sums
+charged their eventual reduction), keeps the cheapest (ties: the rule's order), and records the
+decision. Replicated values consumed where the output is split are marked: their gradient is a
+partial sum over the shards and is all-reduced in backward.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.utils._pytree import tree_flatten
+
+from spdsl.errors import ShardingError
+from spdsl.propagate import rules as _rules
+from spdsl.propagate.placement import (
+    PARTIAL,
+    REPLICATE,
+    Partial,
+    Placement,
+    Replicate,
+    Shard,
+    typed_shape,
+)
+from spdsl.propagate.rules import RuleCtx, Strategy
+from spdsl.propagate.source import where
+from spdsl.propagate.viewmap import atoms_through_view
+
+aten = torch.ops.aten
+INF = float("inf")
+
+_VIEWS = {aten.view.default, aten._unsafe_view.default, aten.reshape.default}
+_SAME_SHAPE_ATOMS = {aten.clone.default, aten._to_copy.default, aten.alias.default,
+                     aten.detach.default}
+
+
+@dataclass
+class Decision:
+    """What propagation decided for one node."""
+
+    output: Any                              # Placement, or tuple for tuple-valued ops
+    strategy: Strategy
+    redistribute: dict[int, tuple[Placement, Placement]] = field(default_factory=dict)
+    grad_reduce: list[int] = field(default_factory=list)   # inputs whose grads are partial
+    origin: str = ""
+
+
+def tensor_inputs(node: torch.fx.Node) -> list[torch.fx.Node]:
+    flat, _ = tree_flatten((node.args, node.kwargs))
+    return [a for a in flat if isinstance(a, torch.fx.Node)
+            and isinstance(a.meta.get("val"), torch.Tensor)]
+
+
+def nbytes(meta: torch.Tensor) -> int:
+    return meta.numel() * meta.element_size()
+
+
+def redistribute_cost(src: Placement, dst: Placement, meta: torch.Tensor, parts: int) -> float:
+    if src == dst or parts == 1:
+        return 0.0
+    b = nbytes(meta)
+    frac = (parts - 1) / parts
+    if isinstance(dst, Shard):
+        if isinstance(src, Replicate):
+            return 0.0
+        if isinstance(src, Shard):
+            if src.size % parts or dst.size % parts:
+                return INF
+            return b / parts * frac
+        return b * frac if dst.size % parts == 0 else INF       # reduce-scatter
+    if isinstance(dst, Replicate):
+        if isinstance(src, Shard):
+            return b * frac                                      # all-gather
+        return 2 * b * frac                                      # all-reduce
+    return INF                                                   # nothing becomes partial
+
+
+class Propagator:
+    def __init__(self, gm: torch.fx.GraphModule, parts: int, axis: str) -> None:
+        self.gm, self.parts, self.axis = gm, parts, axis
+        self.decisions: dict[torch.fx.Node, Decision] = {}
+        self.constraints: dict[torch.fx.Node, tuple[Placement, torch.fx.Node]] = {}
+
+    def placement(self, node: torch.fx.Node, index: int | None = None) -> Placement:
+        p = self.decisions[node].output
+        return p[index] if index is not None else p
+
+    def run(self, inputs: dict[torch.fx.Node, tuple[Placement, str]]) -> None:
+        for node in self.gm.graph.nodes:
+            if node.op == "placeholder":
+                p, origin = inputs[node]
+                self.decisions[node] = Decision(p, Strategy((), p, None, "input"), origin=origin)
+                node.meta["spdsl_atoms"] = tuple((int(n),) for n in node.meta["val"].shape)
+            elif node.op == "get_attr":
+                self.decisions[node] = Decision(REPLICATE, Strategy((), REPLICATE, None,
+                                                                    "constant"), origin="constant")
+            elif node.op == "call_function":
+                self._call(node)
+
+    def _current(self, a: torch.fx.Node) -> Placement:
+        out = self.decisions[a].output
+        return out if not isinstance(out, tuple) else REPLICATE
+
+    def _call(self, node: torch.fx.Node) -> None:
+        import operator
+        if node.target is operator.getitem:
+            src, i = node.args
+            out = self.decisions[src].output
+            p = out[i] if isinstance(out, tuple) else out
+            self.decisions[node] = Decision(p, Strategy((), p, None, "getitem"), origin="getitem")
+            return
+        val = node.meta.get("val")
+        ins = tensor_inputs(node)
+        cur = [self._current(a) for a in ins]
+        if not isinstance(val, (torch.Tensor, tuple, list)):
+            self.decisions[node] = Decision(REPLICATE, Strategy((), REPLICATE, None, "scalar"))
+            return
+        if node.target is torch.ops.spdsl.constraint.default:
+            self._constraint(node, ins[0])
+        rule = _rules.lookup(node.target)
+        if rule is None:
+            if all(isinstance(p, Replicate) for p in cur):
+                out = REPLICATE if isinstance(val, torch.Tensor) else tuple(
+                    REPLICATE for _ in val)
+                self.decisions[node] = Decision(out, Strategy(tuple(cur), out, None, "replicated"),
+                                                origin="replicated inputs")
+                self._atoms(node, ins)
+                return
+            self._unknown(node, ins, cur)
+        ctx = RuleCtx(node, ins, cur, self.parts)
+        best, best_cost = None, INF
+        for s in rule(ctx):
+            cost = s.extra_cost + sum(
+                redistribute_cost(c, r, a.meta["val"], self.parts)
+                for c, r, a in zip(cur, s.inputs, ins))
+            if cost < best_cost:
+                best, best_cost = s, cost
+        if best is None:
+            raise ShardingError(
+                rule=f"no strategy for {node.target}",
+                value=", ".join(self.typed(a) for a in ins), where=where(node),
+                detail="every way of running this op needs an unsupported redistribution",
+                fix="add spdsl.with_sharding_constraint(x, P(...)) on its inputs to choose one")
+        d = Decision(best.output, best)
+        for i, (c, r) in enumerate(zip(cur, best.inputs)):
+            if c != r:
+                d.redistribute[i] = (c, r)
+        split_out = any(not isinstance(o, Replicate) for o in
+                        (best.output if isinstance(best.output, tuple) else (best.output,)))
+        if split_out:
+            d.grad_reduce = [i for i, r in enumerate(best.inputs)
+                             if isinstance(r, Replicate) and isinstance(cur[i], Replicate)]
+        d.origin = best.rule
+        self.decisions[node] = d
+        self._atoms(node, ins)
+
+    def _atoms(self, node: torch.fx.Node, ins: list[torch.fx.Node]) -> None:
+        val = node.meta.get("val")
+        if not isinstance(val, torch.Tensor):
+            return
+        atoms = tuple((int(n),) for n in val.shape)
+        if ins and isinstance(ins[0].meta.get("val"), torch.Tensor):
+            src = ins[0].meta.get("spdsl_atoms")
+            in_shape = ins[0].meta["val"].shape
+            if src is not None:
+                if node.target in _VIEWS:
+                    atoms = tuple(atoms_through_view(in_shape, src, val.shape))
+                elif node.target in _SAME_SHAPE_ATOMS and tuple(in_shape) == tuple(val.shape):
+                    atoms = src
+                elif node.target is aten.transpose.int:
+                    n = len(val.shape)
+                    a, b = node.args[1] % n, node.args[2] % n
+                    lst = list(src)
+                    lst[a], lst[b] = lst[b], lst[a]
+                    atoms = tuple(lst)
+                elif node.target is aten.permute.default:
+                    atoms = tuple(src[d % len(src)] for d in node.args[1])
+                elif node.target is aten.expand.default:
+                    extra = len(val.shape) - len(src)
+                    atoms = tuple((int(n),) for n in val.shape[:extra]) + tuple(
+                        s if math.prod(s) == val.shape[extra + i] else (int(val.shape[extra + i]),)
+                        for i, s in enumerate(src))
+        node.meta["spdsl_atoms"] = atoms
+
+    def _constraint(self, node: torch.fx.Node, src: torch.fx.Node) -> None:
+        target = node.meta["spdsl_constraint"]
+        prev = self.constraints.get(src)
+        if prev is not None and prev[0] != target:
+            raise ShardingError(
+                rule="conflicting constraints", value=self.typed(src),
+                where=f"{where(prev[1])} and {where(node)}",
+                detail=f"one constraint asks for {prev[0]!r}, another for {target!r} on the "
+                       "same value",
+                fix="keep one with_sharding_constraint on this value, or constrain the values "
+                    "computed from it instead")
+        self.constraints[src] = (target, node)
+
+    def _unknown(self, node, ins, cur) -> None:
+        op = node.target
+        raise ShardingError(
+            rule="unknown op",
+            value=", ".join(self.typed(a) for a in ins), where=where(node),
+            detail=f"spdsl has no propagation rule for {op}, and an input is split over "
+                   f"{self.axis!r}",
+            fix=f"teach it with spdsl.register_rule({op}, rule) (see spdsl.register_rule), or "
+                "gather the input first with spdsl.with_sharding_constraint(x, P())")
+
+    def typed(self, node: torch.fx.Node, index: int | None = None) -> str:
+        val = node.meta.get("val")
+        p = self.decisions[node].output if node in self.decisions else REPLICATE
+        if isinstance(val, (tuple, list)):
+            val = val[index or 0]
+            p = p[index or 0] if isinstance(p, tuple) else p
+        if isinstance(p, tuple):
+            p = p[0]
+        return typed_shape(tuple(val.shape), val.dtype, p, self.axis)
+
+
+_ = (PARTIAL, Partial)

@@ -1,0 +1,108 @@
+"""Placements of one value over the sequence-parallel mesh axis, and typed-shape printing.
+
+spdsl follows one mesh axis through the graph (the axis named in the specs, usually ``sp``).
+A value is ``Replicate()``, ``Partial()`` (a sum still to be taken over the axis) or
+``Shard(dim, outer, size)``: along ``dim`` (global size ``outer * size * inner``) the factor of
+``size`` is split over the axis in contiguous chunks, ``torch.chunk``-style (the first ranks hold
+``ceil(size / P)``; uneven sizes arise from slicing, e.g. ``logits[:, :-1]``). ``outer > 1``
+appears when a view merges a leading dim into the split one (``[B, S] -> [B*S]``): the local
+tensor keeps every ``outer`` row, with its chunk of the factor inside.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence, Union
+
+import torch
+from torch.distributed.tensor import Partial as DPartial
+from torch.distributed.tensor import Replicate as DReplicate
+from torch.distributed.tensor import Shard as DShard
+
+
+@dataclass(frozen=True)
+class Replicate:
+    def __repr__(self) -> str:
+        return "Replicate()"
+
+
+@dataclass(frozen=True)
+class Partial:
+    def __repr__(self) -> str:
+        return "Partial(sum)"
+
+
+@dataclass(frozen=True)
+class Shard:
+    dim: int
+    outer: int = 1
+    size: int = 0   # global size of the split factor
+
+    def __repr__(self) -> str:
+        return f"Shard({self.dim})" if self.outer == 1 else f"Shard({self.dim}, outer={self.outer})"
+
+    def inner(self, shape: Sequence[int]) -> int:
+        return shape[self.dim] // (self.outer * self.size)
+
+
+Placement = Union[Replicate, Partial, Shard]
+REPLICATE = Replicate()
+PARTIAL = Partial()
+
+
+def chunk_bounds(size: int, parts: int, rank: int) -> tuple[int, int]:
+    """[start, stop) of ``rank``'s chunk of ``size`` items split ``torch.chunk``-style."""
+    c = -(-size // parts)
+    start = min(rank * c, size)
+    return start, min(start + c, size)
+
+
+def local_shape(shape: Sequence[int], p: Placement, parts: int, rank: int) -> list[int]:
+    out = list(shape)
+    if isinstance(p, Shard):
+        lo, hi = chunk_bounds(p.size, parts, rank)
+        out[p.dim] = p.outer * (hi - lo) * p.inner(shape)
+    return out
+
+
+def even(shape: Sequence[int], p: Placement, parts: int) -> bool:
+    return not isinstance(p, Shard) or p.size % parts == 0
+
+
+def shard_of(shape: Sequence[int], dim: int) -> Shard:
+    return Shard(dim, 1, int(shape[dim]))
+
+
+def to_dtensor(p: Placement):
+    if isinstance(p, Shard):
+        if p.outer != 1:
+            return None
+        return DShard(p.dim)
+    return DPartial() if isinstance(p, Partial) else DReplicate()
+
+
+_DTYPE = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16", torch.float64: "f64",
+          torch.int64: "i64", torch.int32: "i32", torch.bool: "bool", torch.int8: "i8",
+          torch.uint8: "u8", torch.int16: "i16"}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return _DTYPE.get(dtype, str(dtype).replace("torch.", ""))
+
+
+def typed_shape(shape: Sequence[int], dtype: torch.dtype, p: Placement, axis: str = "sp") -> str:
+    """``f32[2,4096@sp,512]``; partial sums ``f32[]{sum@sp}``; merged dims ``[2x4096@sp]``."""
+    dims = []
+    for d, n in enumerate(shape):
+        if isinstance(p, Shard) and p.dim == d:
+            inner = p.inner(shape)
+            s = f"{p.size}@{axis}"
+            if p.outer > 1:
+                s = f"{p.outer}x{s}"
+            if inner > 1:
+                s = f"{s}x{inner}"
+            dims.append(s)
+        else:
+            dims.append(str(n))
+    out = f"{dtype_name(dtype)}[{','.join(dims)}]"
+    return out + (f"{{sum@{axis}}}" if isinstance(p, Partial) else "")

@@ -1,0 +1,98 @@
+"""Propagation rules, one file per op family, all applied by one engine (``engine.py``).
+
+A rule looks at a node and the placements of its tensor inputs and returns candidate
+``Strategy`` values: the placement each input must have, the placement of the output, and
+(optionally) a named lowering. The engine prices each candidate by the bytes its
+redistributions move and keeps the cheapest.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from spdsl.propagate.placement import Placement
+
+aten = torch.ops.aten
+
+
+@dataclass(frozen=True)
+class Strategy:
+    inputs: tuple[Placement, ...]          # one per tensor input, in flat order
+    output: Any                            # a Placement, or a tuple of them for tuple outputs
+    lowering: str | None = None            # name of a special lowering, None: run the op as is
+    rule: str = ""                         # the rule's name, shown by plans
+    extra_cost: float = 0.0
+
+
+@dataclass
+class RuleCtx:
+    node: torch.fx.Node
+    inputs: list[torch.fx.Node]            # tensor inputs, flat order
+    placements: list[Placement]
+    parts: int                             # size of the mesh axis
+
+    def meta(self, i: int):
+        return self.inputs[i].meta["val"]
+
+    @property
+    def out(self):
+        return self.node.meta["val"]
+
+    def atoms(self, i: int):
+        return self.inputs[i].meta.get("spdsl_atoms") or tuple((int(n),) for n in self.meta(i).shape)
+
+
+Rule = Callable[[RuleCtx], list[Strategy]]
+RULES: dict[Any, Rule] = {}
+_RULE_NAMES: dict[Any, str] = {}
+
+
+def rule(*ops: Any, name: str | None = None) -> Callable[[Rule], Rule]:
+    def deco(fn: Rule) -> Rule:
+        for op in ops:
+            RULES[op] = fn
+            _RULE_NAMES[op] = name or fn.__name__.strip("_")
+        return fn
+    return deco
+
+
+def register_rule(op: Any, fn: Rule) -> None:
+    """Teach the engine an op: ``fn(ctx) -> list[Strategy]``; ``op`` is an aten overload or
+    packet (``torch.ops.mylib.myop``).
+
+    Example::
+
+        from spdsl import register_rule, Strategy
+        from spdsl.propagate.placement import REPLICATE
+        # an elementwise custom op keeps whatever placement its input has
+        register_rule(torch.ops.mylib.gelu2, lambda ctx: [
+            Strategy((ctx.placements[0],), ctx.placements[0], rule="mylib.gelu2")])
+    """
+    RULES[op] = fn
+    _RULE_NAMES[op] = getattr(fn, "__name__", str(op))
+
+
+def lookup(op: Any) -> Rule | None:
+    if op in RULES:
+        return RULES[op]
+    packet = getattr(op, "overloadpacket", None)
+    if packet in RULES:
+        return RULES[packet]
+    if isinstance(op, torch._ops.OpOverload) and torch.Tag.pointwise in op.tags:
+        from spdsl.propagate.rules.pointwise import pointwise
+        return pointwise
+    return None
+
+
+from spdsl.propagate.rules import (  # noqa: E402,F401  (registration side effects)
+    attention,
+    factory,
+    loss,
+    matmul,
+    pointwise,
+    reduction,
+    views,
+)

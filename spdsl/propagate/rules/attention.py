@@ -1,0 +1,60 @@
+"""Attention, the Ulysses rule: q, k, v arrive split on the sequence ``[B, H, S@sp, D]``; the
+lowering exchanges them to ``[B, H@sp, S, D]`` in one all-to-all, attends over the whole
+sequence for its heads, and exchanges the output back. Grouped kv heads fewer than the axis
+size are repeated just enough (``P / H_kv`` times) before the exchange."""
+
+from __future__ import annotations
+
+from spdsl.errors import ShardingError
+from spdsl.propagate.placement import REPLICATE, Replicate, Shard, typed_shape
+from spdsl.propagate.rules import RuleCtx, Strategy, rule
+import torch
+
+import spdsl.propagate.trace  # noqa: F401  (defines torch.ops.spdsl.*)
+
+
+def check_heads(ctx: RuleCtx, where: str = "") -> None:
+    q, k = ctx.meta(0), ctx.meta(1)
+    P = ctx.parts
+    if q.dim() != 4:
+        raise ShardingError(
+            rule="attention layout", value=typed_shape(q.shape, q.dtype, ctx.placements[0]),
+            where=where, detail="sequence-parallel attention needs q, k, v as [B, H, S, D]",
+            fix="transpose q/k/v to [batch, heads, seq, head_dim] before attention")
+    S, Hq, Hk = q.shape[2], q.shape[1], k.shape[1]
+    if S % P:
+        raise ShardingError(
+            rule="divisible sequence", value=typed_shape(q.shape, q.dtype, ctx.placements[0]),
+            where=where,
+            detail=f"the sequence ({S}) must split evenly over the {P} ranks of the axis",
+            fix=f"pad or trim the sequence to a multiple of {P} (e.g. {S + (-S) % P}), or use "
+                f"a sequence-parallel degree that divides {S}")
+    if Hq % P:
+        raise ShardingError(
+            rule="divisible heads", value=typed_shape(q.shape, q.dtype, ctx.placements[0]),
+            where=where,
+            detail=f"Ulysses attention splits the {Hq} query heads over {P} ranks",
+            fix=f"use a sequence-parallel degree that divides {Hq} (e.g. "
+                f"{max(d for d in range(1, P + 1) if Hq % d == 0)})")
+    if Hk % P and P % Hk:
+        raise ShardingError(
+            rule="divisible kv heads", value=typed_shape(k.shape, k.dtype, ctx.placements[1]),
+            where=where,
+            detail=f"{Hk} kv heads can neither be split over {P} ranks nor repeated to {P}",
+            fix=f"use a sequence-parallel degree that divides or is a multiple of {Hk}")
+
+
+@rule(torch.ops.spdsl.attention, name="attention.ulysses")
+def attention(ctx: RuleCtx) -> list[Strategy]:
+    if all(isinstance(p, Replicate) for p in ctx.placements):
+        return [Strategy(tuple(REPLICATE for _ in ctx.inputs), REPLICATE, None, "attention")]
+    reqs = []
+    for i in range(len(ctx.inputs)):
+        m = ctx.meta(i)
+        if i < 3:
+            reqs.append(Shard(2, 1, m.shape[2]) if m.dim() == 4 else ctx.placements[i])
+        else:
+            reqs.append(REPLICATE)
+    out = ctx.out
+    return [Strategy(tuple(reqs), Shard(2, 1, out.shape[2]) if out.dim() == 4 else REPLICATE,
+                     "ulysses", "attention.ulysses")]

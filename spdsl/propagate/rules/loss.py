@@ -1,0 +1,68 @@
+"""Losses over split tokens. A mean over valid labels is ``sum / count`` of global sums: the
+lowering computes the local sum and count, all-reduces both, and divides — exact however
+unevenly the valid labels (``ignore_index``) fall across ranks (a mean of local means is not).
+"""
+
+from __future__ import annotations
+
+import torch
+
+import spdsl.propagate.trace  # noqa: F401  (defines torch.ops.spdsl.*)
+
+from spdsl.propagate.placement import PARTIAL, REPLICATE, Shard
+from spdsl.propagate.rules import RuleCtx, Strategy, aten, rule
+
+_MEAN, _SUM = 1, 2
+
+
+@rule(aten.nll_loss_forward, aten.nll_loss2d_forward, name="loss.nll")
+def nll(ctx: RuleCtx) -> list[Strategy]:
+    p, t = ctx.placements[0], ctx.placements[1]
+    reduction = ctx.node.args[3]
+    nd = len(ctx.meta(0).shape)
+    two_d = ctx.node.target.overloadpacket is aten.nll_loss2d_forward
+    split = p if isinstance(p, Shard) else t if isinstance(t, Shard) else None
+    if split is None or nd < 2:
+        return [Strategy(tuple(REPLICATE for _ in ctx.inputs), (REPLICATE, REPLICATE), None,
+                         "loss.nll")]
+    if isinstance(p, Shard):
+        tgt = Shard(p.dim - 1 if two_d and p.dim > 1 else p.dim, p.outer, p.size) \
+            if not two_d or p.dim != 1 else None
+        inp = p
+    else:
+        tgt = t
+        inp = Shard(t.dim + 1 if two_d and t.dim >= 1 else t.dim, t.outer, t.size)
+    if tgt is None:
+        return [Strategy(tuple(REPLICATE for _ in ctx.inputs), (REPLICATE, REPLICATE), None,
+                         "loss.nll")]
+    reqs = [inp, tgt] + [REPLICATE] * (len(ctx.inputs) - 2)
+    if reduction == _MEAN:
+        out, low = (REPLICATE, REPLICATE), "nll_mean"
+    elif reduction == _SUM:
+        out, low = (PARTIAL, PARTIAL), None
+    else:
+        out, low = (tgt, PARTIAL), None
+    return [Strategy(tuple(reqs), out, low, "loss.nll.global_mean" if low else "loss.nll")]
+
+
+@rule(aten.mse_loss, aten.l1_loss, aten.smooth_l1_loss, aten.huber_loss,
+      aten.binary_cross_entropy, name="loss.elementwise")
+def elementwise_loss(ctx: RuleCtx) -> list[Strategy]:
+    p = next((q for q in ctx.placements if isinstance(q, Shard)), None)
+    reduction = ctx.node.args[2] if len(ctx.node.args) > 2 else ctx.node.kwargs.get(
+        "reduction", _MEAN)
+    if p is None:
+        return [Strategy(tuple(REPLICATE for _ in ctx.inputs), REPLICATE, None, "loss")]
+    reqs = tuple(p if ctx.meta(i).shape == ctx.meta(0).shape else REPLICATE
+                 for i in range(len(ctx.inputs)))
+    if reduction == _MEAN:
+        return [Strategy(reqs, PARTIAL, "loss_mean", "loss.global_mean")]
+    if reduction == _SUM:
+        return [Strategy(reqs, PARTIAL, None, "loss.sum")]
+    return [Strategy(reqs, p, None, "loss")]
+
+
+@rule(torch.ops.spdsl.constraint, name="constraint")
+def constraint(ctx: RuleCtx) -> list[Strategy]:
+    target = ctx.node.meta["spdsl_constraint"]
+    return [Strategy((target,), target, "constraint", "constraint")]

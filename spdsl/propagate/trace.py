@@ -1,0 +1,198 @@
+"""Trace a user function once, at global shapes, on fake tensors, to an FX graph of aten ops.
+
+Parameters and buffers of every module the function reaches become graph inputs, so the same
+graph runs on real tensors later. ``F.scaled_dot_product_attention`` is kept as one node
+(``spdsl.attention``) instead of the device-specific kernel it decomposes to, because attention
+is where the Ulysses rule applies.
+"""
+
+from __future__ import annotations
+
+import inspect
+import types
+from contextlib import ExitStack
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+from torch.fx.experimental.proxy_tensor import get_proxy_mode, make_fx
+from torch.nn.utils.stateless import _reparametrize_module
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+_TRACING = [False]
+
+
+@torch.library.custom_op("spdsl::attention", mutates_args=())
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None,
+              dropout_p: float, is_causal: bool, scale: float | None,
+              enable_gqa: bool) -> torch.Tensor:
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p,
+                                          is_causal=is_causal, scale=scale,
+                                          enable_gqa=enable_gqa)
+
+
+@attention.register_fake
+def _(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa):
+    return q.new_empty(q.shape[:-1] + v.shape[-1:])
+
+
+@torch.library.custom_op("spdsl::constraint", mutates_args=())
+def constraint(x: torch.Tensor, spec: str) -> torch.Tensor:
+    return x.clone()
+
+
+@constraint.register_fake
+def _(x, spec):
+    return torch.empty_like(x)
+
+
+def tracing() -> bool:
+    return _TRACING[0]
+
+
+class _KeepAttention(TorchFunctionMode):
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.scaled_dot_product_attention:
+            sig = _SDPA_SIG.bind(*args, **kwargs)
+            sig.apply_defaults()
+            a = sig.arguments
+            return torch.ops.spdsl.attention(a["query"], a["key"], a["value"], a["attn_mask"],
+                                             float(a["dropout_p"]), bool(a["is_causal"]),
+                                             a["scale"], bool(a["enable_gqa"]))
+        return func(*args, **kwargs)
+
+
+def _sdpa_ref(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+              enable_gqa=False):  # pragma: no cover - signature only
+    ...
+
+
+_SDPA_SIG = inspect.signature(_sdpa_ref)
+
+
+def reachable_modules(fn: Callable, args: tuple, kwargs: dict) -> list[torch.nn.Module]:
+    """Modules whose parameters the function can touch: itself, its ``self``, closure cells,
+    referenced globals and module-valued arguments (outermost first, no duplicates)."""
+    found: list[torch.nn.Module] = []
+
+    def add(obj: Any) -> None:
+        if isinstance(obj, torch.nn.Module) and not any(obj is m for m in found):
+            found.append(obj)
+
+    add(fn)
+    add(getattr(fn, "__self__", None))
+    code_fn = fn.forward if isinstance(fn, torch.nn.Module) else fn
+    code_fn = getattr(code_fn, "__func__", code_fn)
+    if isinstance(code_fn, types.FunctionType):
+        for cell in code_fn.__closure__ or ():
+            try:
+                add(cell.cell_contents)
+            except ValueError:
+                pass
+        for name in code_fn.__code__.co_names:
+            add(code_fn.__globals__.get(name))
+    for a in tree_flatten((args, kwargs))[0]:
+        add(a)
+    # a module nested in another is reparametrised through its parent
+    roots = [m for m in found if not any(m is not o and _contains(o, m) for o in found)]
+    return roots
+
+
+def _contains(outer: torch.nn.Module, inner: torch.nn.Module) -> bool:
+    return any(inner is m for m in outer.modules())
+
+
+@dataclass
+class Traced:
+    """The traced graph and how to feed it: graph inputs are ``state`` tensors then the flat
+    tensor leaves of ``(args, kwargs)``; non-tensor leaves are baked in as constants."""
+
+    graph: torch.fx.GraphModule
+    state_names: list[str]          # "<root index>.<dotted name>" for each state input
+    state: list[torch.Tensor]       # the live parameters/buffers, in graph-input order
+    arg_spec: Any                   # pytree spec of (args, kwargs)
+    tensor_leaf_index: list[int]    # which flat leaves of (args, kwargs) are graph inputs
+    out_spec: Any                   # pytree spec of the output
+
+
+def trace(fn: Callable, args: tuple, kwargs: dict) -> Traced:
+    """Trace ``fn(*args, **kwargs)`` at the global shapes of its tensor arguments."""
+    roots = reachable_modules(fn, args, kwargs)
+    state_names, state = [], []
+    seen: dict[int, int] = {}
+    per_root: list[dict[str, int]] = []
+    for r, root in enumerate(roots):
+        names: dict[str, int] = {}
+        for name, t in _named_state(root):
+            if id(t) not in seen:
+                seen[id(t)] = len(state)
+                state_names.append(f"{r}.{name}" if len(roots) > 1 else name)
+                state.append(t)
+            names[name] = seen[id(t)]
+        per_root.append(names)
+    leaves, arg_spec = tree_flatten((args, kwargs))
+    tensor_leaf_index = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
+    out_spec_box: list[Any] = []
+
+    def flat_fn(*inputs: torch.Tensor):
+        st, rest = inputs[: len(state)], inputs[len(state):]
+        new_leaves = list(leaves)
+        for i, t in zip(tensor_leaf_index, rest):
+            new_leaves[i] = t
+        a, kw = tree_unflatten(new_leaves, arg_spec)
+        with ExitStack() as stack:
+            for root, names in zip(roots, per_root):
+                stack.enter_context(_reparametrize_module(
+                    root, {n: st[i] for n, i in names.items()}, tie_weights=True, strict=False))
+            stack.enter_context(_KeepAttention())
+            out = fn(*a, **kw)
+        flat_out, spec = tree_flatten(out)
+        out_spec_box.append(spec)
+        return flat_out
+
+    names = {id(m): n for root in roots for n, m in root.named_modules()}
+    events: list[tuple[int, str | None]] = []
+    stack: list[str] = []
+
+    def graph_len() -> int:
+        mode = get_proxy_mode()
+        return len(mode.tracer.graph.nodes) if mode is not None else 0
+
+    def pre(mod, _args):
+        stack.append(names.get(id(mod), type(mod).__name__))
+        events.append((graph_len(), stack[-1]))
+
+    def post(mod, _args, _out):
+        stack.pop()
+        events.append((graph_len(), stack[-1] if stack else None))
+
+    _TRACING[0] = True
+    h1 = torch.nn.modules.module.register_module_forward_pre_hook(pre)
+    h2 = torch.nn.modules.module.register_module_forward_hook(post)
+    try:
+        gm = make_fx(flat_fn, tracing_mode="fake", record_stack_traces=True,
+                     _allow_non_fake_inputs=True)(*state, *[leaves[i] for i in tensor_leaf_index])
+    finally:
+        _TRACING[0] = False
+        h1.remove()
+        h2.remove()
+    _assign_module_paths(gm, events)
+    return Traced(gm, state_names, state, arg_spec, tensor_leaf_index, out_spec_box[-1])
+
+
+def _assign_module_paths(gm: torch.fx.GraphModule, events: list[tuple[int, str | None]]) -> None:
+    """Module path of each node, from the graph length seen at each module's entry/exit."""
+    current, e = None, 0
+    for i, node in enumerate(gm.graph.nodes):
+        while e < len(events) and events[e][0] <= i:
+            current = events[e][1]
+            e += 1
+        node.meta["spdsl_module"] = current or ""
+
+
+def _named_state(module: torch.nn.Module):
+    yield from module.named_parameters(remove_duplicate=False)
+    yield from module.named_buffers(remove_duplicate=False)

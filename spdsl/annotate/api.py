@@ -80,6 +80,13 @@ class Sharded:
         if isinstance(fn, torch.nn.Module):
             self.module = fn
 
+    def __getattr__(self, name: str):
+        # a wrapped module keeps its own attributes (parameters(), train(), ...)
+        module = self.__dict__.get("module")
+        if module is not None:
+            return getattr(module, name)
+        raise AttributeError(name)
+
     # -- mesh and group -------------------------------------------------------------------
     @property
     def parts(self) -> int:
@@ -270,7 +277,7 @@ class Sharded:
                 local_in.append(x.to_local())
             elif isinstance(p, Shard):
                 lo, hi = chunk_bounds(p.size, self.parts, entry.rank)
-                local_in.append(x.narrow(p.dim, lo, hi - lo))
+                local_in.append(x.narrow(p.dim, lo, hi - lo).contiguous())
             else:
                 local_in.append(x)
         outs = entry.local(*state, *local_in)

@@ -13,7 +13,6 @@ variable ``SPDSL_KERNELS``:
 from __future__ import annotations
 
 import contextlib
-import functools
 import importlib.util
 import os
 from collections.abc import Iterator
@@ -22,18 +21,20 @@ import torch
 
 _MODES = ("auto", "triton", "reference")
 _override: list[str] = []
+# Looked up once, without importing triton; a plain constant also keeps dynamo from tracing
+# through a cache wrapper when a compiled function calls use_triton.
+_TRITON_AVAILABLE = importlib.util.find_spec("triton") is not None
 
 
-@functools.cache
 def triton_available() -> bool:
-    """Whether the ``triton`` package can be imported (checked once, without importing it).
+    """Whether the ``triton`` package is installed (found without importing it).
 
     Example::
 
         >>> isinstance(triton_available(), bool)
         True
     """
-    return importlib.util.find_spec("triton") is not None
+    return _TRITON_AVAILABLE
 
 
 def interpreting() -> bool:

@@ -16,6 +16,11 @@ from torch.utils.checkpoint import checkpoint
 IGNORE_INDEX = -100
 
 
+def _f32(t: torch.Tensor) -> torch.Tensor:
+    """Upcast to at least fp32 (fp64 stays fp64, so tests can check the math in fp64)."""
+    return t.to(torch.promote_types(t.dtype, torch.float32))
+
+
 def attention_mask(s_q: int, s_k: int, *, causal: bool, segment_ids: torch.Tensor | None,
                    device: torch.device) -> torch.Tensor | None:
     """Boolean ``[B or 1, 1, S_q, S_k]`` mask (True = attend), or None when nothing is masked.
@@ -60,14 +65,14 @@ def flash_attn_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
     groups = q.shape[1] // k.shape[1]
     k = k.repeat_interleave(groups, dim=1)
     v = v.repeat_interleave(groups, dim=1)
-    scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
+    scores = torch.matmul(_f32(q), _f32(k).transpose(-1, -2)) * scale
     mask = attention_mask(q.shape[2], k.shape[2], causal=causal, segment_ids=segment_ids,
                           device=q.device)
     if mask is not None:
         scores = scores.masked_fill(~mask, -math.inf)
     lse = torch.logsumexp(scores, dim=-1)
     probs = torch.exp(scores - lse[..., None])
-    out = torch.matmul(probs, v.float()).to(q.dtype)
+    out = torch.matmul(probs, _f32(v)).to(q.dtype)
     return out, lse
 
 
@@ -94,9 +99,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.
         tensor([[2., 2., 2., 2.],
                 [2., 2., 2., 2.]])
     """
-    xf = x.float()
+    xf = _f32(x)
     rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return (xf * rstd * weight.float()).to(x.dtype)
+    return (xf * rstd * _f32(weight)).to(x.dtype)
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -119,8 +124,8 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """
     if cos.dim() == 3:
         cos, sin = cos[:, None], sin[:, None]
-    xf = x.float()
-    return (xf * cos.float() + rotate_half(xf) * sin.float()).to(x.dtype)
+    xf = _f32(x)
+    return (xf * _f32(cos) + rotate_half(xf) * _f32(sin)).to(x.dtype)
 
 
 def swiglu(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -131,7 +136,7 @@ def swiglu(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         >>> swiglu(torch.zeros(3), torch.ones(3))
         tensor([0., 0., 0.])
     """
-    return (F.silu(a.float()) * b.float()).to(a.dtype)
+    return (F.silu(_f32(a)) * _f32(b)).to(a.dtype)
 
 
 def default_chunk_size(n: int, vocab: int, hidden: int) -> int:
@@ -149,7 +154,7 @@ def default_chunk_size(n: int, vocab: int, hidden: int) -> int:
 
 def _chunk_loss(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor,
                 ignore_index: int) -> torch.Tensor:
-    logits = torch.matmul(hidden, weight.t()).float()
+    logits = _f32(torch.matmul(hidden, weight.t()))
     return F.cross_entropy(logits, target, ignore_index=ignore_index, reduction="sum")
 
 
@@ -173,7 +178,7 @@ def fused_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targe
     n = hidden.shape[0]
     chunk_size = chunk_size or default_chunk_size(n, weight.shape[0], weight.shape[1])
     needs_grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
-    loss_sum = hidden.new_zeros((), dtype=torch.float32)
+    loss_sum = hidden.new_zeros((), dtype=torch.promote_types(hidden.dtype, torch.float32))
     for start in range(0, n, chunk_size):
         args = (hidden[start:start + chunk_size], weight, target[start:start + chunk_size],
                 ignore_index)

@@ -60,8 +60,10 @@ class Lowering:
             if i in d.redistribute:
                 src, dst = d.redistribute[i]
                 x = self.redistribute(x, src, dst, a.meta["val"])
-            if i in d.grad_reduce and self.parts > 1:
-                if a not in self.marked:
+                if i in d.grad_reduce and self.parts > 1:
+                    x = self.call(C.grad_all_reduce, x, self.group)
+            elif i in d.grad_reduce and self.parts > 1:
+                if a not in self.marked:      # one gradient all-reduce per replicated value
                     self.marked[a] = self.call(C.grad_all_reduce, self.env[a], self.group)
                 x = self.marked[a]
             out[i] = x
@@ -114,8 +116,10 @@ class Lowering:
         P, r, g = self.parts, self.rank, self.group
         if low == "view":
             shape = local_shape(meta.shape, d.output, P, r)
-            return self.graph.call_function(node.target, (args[0], shape) + tuple(args[2:]),
-                                            kwargs)
+            # local pieces need not be contiguous where the global value was: reshape
+            target = aten.expand.default if node.target is aten.expand.default else \
+                aten.reshape.default
+            return self.graph.call_function(target, (args[0], shape) + tuple(args[2:]), kwargs)
         if low == "constraint" or node.target is torch.ops.spdsl.constraint.default:
             return args[0]
         if low == "ulysses":

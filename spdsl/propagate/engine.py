@@ -153,8 +153,8 @@ class Propagator:
         split_out = any(not isinstance(o, Replicate) for o in
                         (best.output if isinstance(best.output, tuple) else (best.output,)))
         if split_out:
-            d.grad_reduce = [i for i, r in enumerate(best.inputs)
-                             if isinstance(r, Replicate) and isinstance(cur[i], Replicate)]
+            # a replicated operand of a split computation gets a partial gradient
+            d.grad_reduce = [i for i, r in enumerate(best.inputs) if isinstance(r, Replicate)]
         d.origin = best.rule
         self.decisions[node] = d
         self._atoms(node, ins)

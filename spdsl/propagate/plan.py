@@ -136,8 +136,9 @@ def build_plan(prop: Propagator, requires: dict[torch.fx.Node, bool],
                 add("all_to_all", local, local if g else 0, purpose, node, [typed])
         for i in d.grad_reduce:
             a = ins[i]
-            if a not in marked and grad.get(a, False):
-                marked.add(a)
+            key = (node, i) if i in d.redistribute else a
+            if key not in marked and grad.get(a, False):
+                marked.add(key)
                 add("all_reduce", 0, nbytes(a.meta["val"]), "gradient", node, [prop.typed(a)])
         low = d.strategy.lowering
         if low == "ulysses":

@@ -18,44 +18,51 @@ from spdsl.kernels.backend import interpreting
 
 
 @triton.jit
-def _ce_chunk_kernel(LOGITS, TARGET, LOSS, V, s_row, ignore_index, BLOCK_V: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    ptr = LOGITS + row * s_row
+def _ce_chunk_kernel(LOGITS, TARGET, LOSS, C, V, s_row, ignore_index,
+                     BLOCK_R: tl.constexpr, BLOCK_V: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    row_ok = rows < C
+    t = tl.load(TARGET + rows, mask=row_ok, other=ignore_index)
+    valid = row_ok & (t != ignore_index)
+    base = LOGITS + rows.to(tl.int64)[:, None] * s_row
     cols = tl.arange(0, BLOCK_V)
-    t = tl.load(TARGET + row)
-    if t == ignore_index:
-        for v0 in range(0, V, BLOCK_V):
-            tl.store(ptr + v0 + cols, tl.zeros([BLOCK_V], LOGITS.dtype.element_ty),
-                     mask=v0 + cols < V)
-        tl.store(LOSS + row, 0.0)
-        return
-    # Pass 1: online max / sum-exp over the vocab, in fp32 whatever the logits dtype.
-    m = float("-inf")
-    s = 0.0
-    for v0 in range(0, V, BLOCK_V):
-        x = tl.load(ptr + v0 + cols, mask=v0 + cols < V, other=float("-inf")).to(tl.float32)
-        m_new = tl.maximum(m, tl.max(x, 0))
-        s = s * tl.exp(m - m_new) + tl.sum(tl.exp(x - m_new), 0)
-        m = m_new
-    lse = m + tl.log(s)
-    x_t = tl.load(ptr + t).to(tl.float32)
-    # Pass 2: overwrite the logits with d loss / d logits = softmax - onehot(target).
+    # Pass 1: online max / sum-exp over the vocab in fp32. Ignored rows are masked out of the
+    # loads, so they cost no memory traffic.
+    m = tl.full([BLOCK_R], float("-inf"), tl.float32)
+    s = tl.zeros([BLOCK_R], tl.float32)
     for v0 in range(0, V, BLOCK_V):
         idx = v0 + cols
-        x = tl.load(ptr + idx, mask=idx < V, other=0.0).to(tl.float32)
-        g = tl.exp(x - lse)
-        g = tl.where(idx == t, g - 1.0, g)
-        tl.store(ptr + idx, g.to(LOGITS.dtype.element_ty), mask=idx < V)
-    tl.store(LOSS + row, lse - x_t)
+        x = tl.load(base + idx[None, :], mask=valid[:, None] & (idx < V)[None, :],
+                    other=float("-inf")).to(tl.float32)
+        m_new = tl.maximum(m, tl.max(x, 1))
+        m_safe = tl.where(valid, m_new, 0.0)
+        s = s * tl.exp(m - m_safe) + tl.sum(tl.exp(x - m_safe[:, None]), 1)
+        m = m_new
+    lse = tl.where(valid, m + tl.log(tl.where(valid, s, 1.0)), 0.0)
+    x_t = tl.load(LOGITS + rows.to(tl.int64) * s_row + t, mask=valid, other=0.0).to(tl.float32)
+    # Pass 2: overwrite the logits with d loss / d logits = softmax - onehot (0 where ignored).
+    for v0 in range(0, V, BLOCK_V):
+        idx = v0 + cols
+        in_v = (idx < V)[None, :]
+        x = tl.load(base + idx[None, :], mask=valid[:, None] & in_v, other=0.0).to(tl.float32)
+        g = tl.exp(x - lse[:, None])
+        g = tl.where(idx[None, :] == t[:, None], g - 1.0, g)
+        g = tl.where(valid[:, None], g, 0.0)
+        tl.store(base + idx[None, :], g.to(LOGITS.dtype.element_ty), mask=row_ok[:, None] & in_v)
+    tl.store(LOSS + rows, tl.where(valid, lse - x_t, 0.0), mask=row_ok)
 
 
 def ce_chunk_(logits: torch.Tensor, target: torch.Tensor, ignore_index: int) -> torch.Tensor:
     """Per-row loss (fp32 ``[C]``, 0 where ignored); ``logits`` becomes its own gradient."""
     c, v = logits.shape
     loss = torch.empty((c,), dtype=torch.float32, device=logits.device)
+    # A row per program on GPU (Liger's layout); 16 under the interpreter, whose cost is per
+    # program and per reduction, not per element.
+    block_r = 16 if interpreting() else 1
     block_v = min(1024 if interpreting() else 8192, triton.next_power_of_2(v))
-    _ce_chunk_kernel[(c,)](logits, target, loss, v, logits.stride(0), ignore_index,
-                           BLOCK_V=block_v, num_warps=16 if block_v >= 4096 else 8)
+    _ce_chunk_kernel[(triton.cdiv(c, block_r),)](
+        logits, target, loss, c, v, logits.stride(0), ignore_index,
+        BLOCK_R=block_r, BLOCK_V=block_v, num_warps=16 if block_v >= 4096 else 8)
     return loss
 
 

@@ -5,10 +5,12 @@ size are repeated just enough (``P / H_kv`` times) before the exchange."""
 
 from __future__ import annotations
 
+import torch
+
 from spdsl.errors import ShardingError
 from spdsl.propagate.placement import REPLICATE, Replicate, Shard, typed_shape
 from spdsl.propagate.rules import RuleCtx, Strategy, rule
-import torch
+from spdsl.propagate.source import where
 
 import spdsl.propagate.trace  # noqa: F401  (defines torch.ops.spdsl.*)
 
@@ -48,6 +50,7 @@ def check_heads(ctx: RuleCtx, where: str = "") -> None:
 def attention(ctx: RuleCtx) -> list[Strategy]:
     if all(isinstance(p, Replicate) for p in ctx.placements):
         return [Strategy(tuple(REPLICATE for _ in ctx.inputs), REPLICATE, None, "attention")]
+    check_heads(ctx, where(ctx.node))
     reqs = []
     for i in range(len(ctx.inputs)):
         m = ctx.meta(i)

@@ -8,7 +8,7 @@ sequence -> heads all-to-all, which moves ``1/P`` of what gathering either side 
 
 from __future__ import annotations
 
-from spdsl.propagate.placement import PARTIAL, REPLICATE, Shard
+from spdsl.propagate.placement import PARTIAL, REPLICATE, Partial, Shard
 from spdsl.propagate.rules import RuleCtx, Strategy, aten, rule
 from spdsl.propagate.viewmap import innermost_split
 
@@ -52,6 +52,14 @@ def _matmul(ctx: RuleCtx, a: int, b: int, batched: bool, bias: int | None) -> li
     if sm is not None and not both_free:
         out.append(Strategy(req(sm, REPLICATE), Shard(m_dim, sm.outer, sm.size), None,
                             "matmul.rows"))
+    if bias is None:
+        for i in (a, b):
+            if isinstance(ctx.placements[i], Partial):   # linear in each operand
+                r = [REPLICATE] * n_in
+                r[i] = PARTIAL
+                out.append(Strategy(tuple(r), PARTIAL, None, "matmul.partial"))
+    replicated = Strategy(req(REPLICATE, REPLICATE), REPLICATE, None, "matmul")
+    out.append(replicated)
     sn = _split_on(ctx, b, n_dim)
     if sn is not None and not both_free:
         o = Shard(n_dim, sn.outer, sn.size)
@@ -63,7 +71,6 @@ def _matmul(ctx: RuleCtx, a: int, b: int, batched: bool, bias: int | None) -> li
             kb = Shard(k_dim_b, ka.outer, ka.size)
             out.append(Strategy(req(ka, kb), PARTIAL, None, "matmul.contract",
                                 extra_cost=_partial_penalty(ctx)))
-    out.append(Strategy(req(REPLICATE, REPLICATE), REPLICATE, None, "matmul"))
     return out
 
 

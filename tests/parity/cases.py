@@ -1,0 +1,205 @@
+"""Parity cases run on every rank of one launch: each returns the loss and per-parameter
+gradient errors of the sequence-parallel run against single-device PyTorch on the same
+weights and batch (fp32)."""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import spdsl
+from models.llama import Llama, LlamaConfig
+from models.toys import EinopsNet, GPT2Like, MeanPoolClassifier
+from spdsl import P
+
+
+def _errs(model: nn.Module, ref: nn.Module, loss, loss_ref) -> dict:
+    out = {"loss": abs(loss.item() - loss_ref.item()) / abs(loss_ref.item()),
+           "loss_value": loss.item(), "grad": 0.0, "n_grads": 0, "missing": []}
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        if q.grad is None:
+            continue
+        if p.grad is None:
+            out["missing"].append(name)
+            continue
+        scale = q.grad.abs().max().item() or 1.0
+        out["grad"] = max(out["grad"], (p.grad - q.grad).abs().max().item() / scale)
+        out["n_grads"] += 1
+    return out
+
+
+def _pair(make):
+    torch.manual_seed(0)
+    ref = make()
+    return ref, copy.deepcopy(ref)
+
+
+def _run(make, args, world, **kw):
+    ref, model = _pair(make)
+    loss_ref = ref(*args)
+    loss_ref.backward()
+    loss = spdsl.sp_shard(seq=world, **kw)(model)(*args)
+    loss.backward()
+    return _errs(model, ref, loss, loss_ref)
+
+
+def _ids(b: int, s: int, vocab: int = 256, seed: int = 1) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab, (b, s), generator=g)
+
+
+def _uneven_labels(ids: torch.Tensor) -> torch.Tensor:
+    labels = ids.clone()
+    s = ids.shape[1]
+    labels[0, : 3 * s // 4] = -100        # batch 0: only the last quarter is valid
+    labels[1, s // 8: s // 2] = -100
+    return labels
+
+
+class EinsumNet(nn.Module):
+    """A model written the way a new user might: einsum attention, chunked qkv, a triu mask
+    of -inf, a learned scale, residual scaling, mean-of-squares auxiliary term."""
+
+    def __init__(self, vocab: int = 256, dim: int = 32, heads: int = 4) -> None:
+        super().__init__()
+        self.heads = heads
+        self.emb = nn.Embedding(vocab, dim)
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.proj = nn.Linear(dim, dim)
+        self.gain = nn.Parameter(torch.ones(dim))
+        self.head = nn.Linear(dim, vocab, bias=False)
+
+    def forward(self, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        b, s = ids.shape
+        x = self.emb(ids)
+        q, k, v = self.qkv(x).chunk(3, dim=-1)
+        q, k, v = (t.view(b, s, self.heads, -1).permute(0, 2, 1, 3) for t in (q, k, v))
+        mask = torch.triu(torch.full((s, s), float("-inf")), diagonal=1)
+        att = torch.einsum("bhqd,bhkd->bhqk", q, k) / math.sqrt(q.shape[-1]) + mask
+        y = torch.einsum("bhqk,bhkd->bhqd", att.softmax(-1), v)
+        y = y.permute(0, 2, 1, 3).reshape(b, s, -1)
+        x = x + 0.5 * self.proj(y) * self.gain
+        logits = self.head(F.silu(x))
+        ce = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100)
+        return ce + 1e-3 * x.pow(2).mean()
+
+
+def case_llama(world: int) -> dict:
+    ids = _ids(2, 64)
+    return _run(lambda: Llama(LlamaConfig.tiny()), (ids, _uneven_labels(ids)), world)
+
+
+def case_llama_gqa_kv1(world: int) -> dict:
+    ids = _ids(2, 32)
+    cfg = LlamaConfig.tiny().replace(n_kv_heads=1)
+    return _run(lambda: Llama(cfg), (ids, ids), world)
+
+
+def case_llama_tied(world: int) -> dict:
+    ids = _ids(1, 32)
+    cfg = LlamaConfig.tiny().replace(tie_embeddings=True, n_layers=1)
+    return _run(lambda: Llama(cfg), (ids, ids), world)
+
+
+def case_gpt2_eager_softmax(world: int) -> dict:
+    ids = _ids(2, 32)
+    return _run(lambda: GPT2Like(GPT2Like.Config()), (ids, _uneven_labels(ids)), world)
+
+
+def case_einops_bool_tril(world: int) -> dict:
+    ids = _ids(2, 33)
+    return _run(lambda: EinopsNet(EinopsNet.Config()), (ids[:, :-1].contiguous(), ids[:, 1:].contiguous()), world)
+
+
+def case_meanpool(world: int) -> dict:
+    ids = _ids(3, 16)
+    cls = torch.tensor([1, 0, 1])
+    return _run(lambda: MeanPoolClassifier(MeanPoolClassifier.Config()), (ids, cls), world)
+
+
+def case_einsum_user_model(world: int) -> dict:
+    ids = _ids(2, 16)
+    return _run(lambda: EinsumNet(), (ids, _uneven_labels(ids)), world)
+
+
+def case_sgd_steps(world: int) -> dict:
+    ref, model = _pair(lambda: Llama(LlamaConfig.tiny()))
+    step = spdsl.sp_shard(seq=world)(model)
+    opt_ref = torch.optim.SGD(ref.parameters(), lr=0.5)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    losses = []
+    for i in range(4):
+        ids = _ids(2, 32, seed=10 + i)
+        opt_ref.zero_grad()
+        opt.zero_grad()
+        lr_, l_ = ref(ids, ids), step(ids, ids)
+        lr_.backward()
+        l_.backward()
+        opt_ref.step()
+        opt.step()
+        losses.append(abs(l_.item() - lr_.item()) / lr_.item())
+    param = max((p - q).abs().max().item() / q.abs().max().item()
+                for p, q in zip(model.parameters(), ref.parameters()))
+    return {"loss": max(losses), "param": param, "first": losses[0], "last_loss": l_.item()}
+
+
+def case_shard_specs(world: int) -> dict:
+    """The functional form with explicit specs and a constraint inside."""
+    ref, model = _pair(lambda: Llama(LlamaConfig.tiny().replace(n_layers=1)))
+
+    def loss_fn(ids, labels):
+        h = model.tok_embeddings(ids)
+        h = spdsl.with_sharding_constraint(h, P(None, "sp", None))
+        logits = model.lm_head(model.norm(h))
+        return F.cross_entropy(logits.flatten(0, 1), labels.flatten())
+
+    def ref_fn(ids, labels):
+        logits = ref.lm_head(ref.norm(ref.tok_embeddings(ids)))
+        return F.cross_entropy(logits.flatten(0, 1), labels.flatten())
+
+    ids = _ids(2, 16)
+    mesh = spdsl.mesh(sp=world)
+    step = spdsl.shard(loss_fn, mesh=mesh, in_specs=(P(None, "sp"), P(None, "sp")),
+                       out_specs=P())
+    loss_ref = ref_fn(ids, ids)
+    loss_ref.backward()
+    loss = step(ids, ids)
+    loss.backward()
+    return _errs(model, ref, loss, loss_ref)
+
+
+def case_logits_dtensor(world: int) -> dict:
+    """Sequence-shaped outputs come back as DTensors split on the sequence."""
+    ref, model = _pair(lambda: Llama(LlamaConfig.tiny().replace(n_layers=1)))
+    ids = _ids(2, 32)
+    out = spdsl.sp_shard(seq=world)(model)(ids)
+    full = out.full_tensor()
+    want = ref(ids)
+    return {"fwd": ((full - want).abs().max() / want.abs().max()).item(),
+            "placements": repr(out.placements), "local": tuple(out.to_local().shape)}
+
+
+def case_plan_bytes(world: int) -> dict:
+    model = Llama(LlamaConfig.tiny())
+    ids = _ids(2, 64)
+    plan = spdsl.plan(spdsl.sp_shard(seq=world)(model), ids, ids)
+    return {"kinds": [(c.kind, c.purpose, c.bytes, c.bytes_bwd) for c in plan.collectives]}
+
+
+CASES = {name[5:]: fn for name, fn in globals().items() if name.startswith("case_")}
+
+
+def run_all(rank: int, world: int, names: list[str] | None = None) -> dict:
+    out = {}
+    for name, fn in CASES.items():
+        if names is None or name in names:
+            try:
+                out[name] = fn(world)
+            except Exception as e:  # noqa: BLE001 - deterministic errors; reported per case
+                import traceback
+                out[name] = {"error": f"{type(e).__name__}: {e}\n{traceback.format_exc()[-1500:]}"}
+    return out

@@ -55,9 +55,13 @@ class Lowering:
     def _inputs(self, node: torch.fx.Node) -> dict[int, torch.fx.Node]:
         d = self.prop.decisions[node]
         out = {}
-        for i, a in enumerate(tensor_inputs(node)):
+        ins = tensor_inputs(node)
+        fused = self._fused_all_to_all(d, ins)
+        for i, a in enumerate(ins):
             x = self.env[a]
-            if i in d.redistribute:
+            if i in fused:
+                x = fused[i]
+            elif i in d.redistribute:
                 src, dst = d.redistribute[i]
                 x = self.redistribute(x, src, dst, a.meta["val"])
                 if i in d.grad_reduce and self.parts > 1:
@@ -68,6 +72,20 @@ class Lowering:
                 x = self.marked[a]
             out[i] = x
         return out
+
+    def _fused_all_to_all(self, d, ins) -> dict[int, torch.fx.Node]:
+        """Several operands of one op changing split dims (q and k of a score) share one
+        all-to-all."""
+        moves = {i: sd for i, sd in d.redistribute.items()
+                 if isinstance(sd[0], Shard) and isinstance(sd[1], Shard) and sd[0] != sd[1]}
+        if len(moves) < 2 or self.parts == 1:
+            return {}
+        idx = sorted(moves)
+        xs = [self.env[ins[i]] for i in idx]
+        srcs = [(moves[i][0].dim, moves[i][0].outer) for i in idx]
+        dsts = [(moves[i][1].dim, moves[i][1].outer) for i in idx]
+        many = self.call(C.all_to_all_many, xs, srcs, dsts, self.parts, self.group)
+        return {i: self.call(operator.getitem, many, k) for k, i in enumerate(idx)}
 
     def _args(self, node: torch.fx.Node, local: dict[int, torch.fx.Node]):
         counter = iter(range(10 ** 9))

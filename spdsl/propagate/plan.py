@@ -119,7 +119,16 @@ def build_plan(prop: Propagator, requires: dict[torch.fx.Node, bool],
         if node.op == "placeholder":
             continue
         ins = tensor_inputs(node)
+        fused = [(i, ins[i]) for i, (src, dst) in d.redistribute.items()
+                 if isinstance(src, Shard) and isinstance(dst, Shard) and src != dst]
+        if len(fused) > 1:
+            b = sum(nbytes(a.meta["val"]) // P for _, a in fused)
+            g = any(grad.get(a, False) for _, a in fused)
+            add("all_to_all", b, b if g else 0, "ulysses", node, [prop.typed(a) for _, a in fused])
+        fused_idx = {i for i, _ in fused} if len(fused) > 1 else set()
         for i, (src, dst) in d.redistribute.items():
+            if i in fused_idx:
+                continue
             a = ins[i]
             meta = a.meta["val"]
             local = nbytes(meta) // P

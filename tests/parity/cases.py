@@ -183,13 +183,6 @@ def case_logits_dtensor(world: int) -> dict:
             "placements": repr(out.placements), "local": tuple(out.to_local().shape)}
 
 
-def case_plan_bytes(world: int) -> dict:
-    model = Llama(LlamaConfig.tiny())
-    ids = _ids(2, 64)
-    plan = spdsl.plan(spdsl.sp_shard(seq=world)(model), ids, ids)
-    return {"kinds": [(c.kind, c.purpose, c.bytes, c.bytes_bwd) for c in plan.collectives]}
-
-
 CASES = {name[5:]: fn for name, fn in globals().items() if name.startswith("case_")}
 
 
@@ -203,3 +196,65 @@ def run_all(rank: int, world: int, names: list[str] | None = None) -> dict:
                 import traceback
                 out[name] = {"error": f"{type(e).__name__}: {e}\n{traceback.format_exc()[-1500:]}"}
     return out
+
+
+def case_collectives(world: int) -> dict:
+    """The collectives against global slicing, forward and backward, odd layouts included."""
+    import torch.distributed as dist
+
+    from spdsl import collectives as C
+    from spdsl.propagate.placement import chunk_bounds
+
+    rank = dist.get_rank()
+    group = dist.group.WORLD.group_name
+    errs = {}
+    g = torch.Generator().manual_seed(0)
+
+    def check(name, got, want):
+        errs[name] = (got - want).abs().max().item() if got.shape == want.shape else float("inf")
+
+    # all-to-all: [B, H, S@, D] -> [B, H@, S, D], and merged [B*S@, H*D] -> [B*S, H@*D]
+    X = torch.randn(2, 4 * world, 4 * world, 3, generator=g, requires_grad=True)
+    c = X.shape[2] // world
+    local = X[:, :, rank * c:(rank + 1) * c].detach().requires_grad_()
+    out = C.all_to_all(local, (2, 1), (1, 1), world, group)
+    h = X.shape[1] // world
+    check("a2a_fwd", out, X[:, rank * h:(rank + 1) * h].detach())
+    W = torch.randn(out.shape, generator=g)
+    (out * W).sum().backward()
+    # the gradient of the local input is W moved back by the inverse all-to-all
+    back = C.all_to_all(W, (1, 1), (2, 1), world, group)
+    check("a2a_bwd", local.grad, back)
+    check("a2a_roundtrip", C.all_to_all(out.detach(), (1, 1), (2, 1), world, group),
+          local.detach())
+    # merged dims: [B*S, E] split on S inside (outer=B) -> split on E
+    B, S, E = 3, 2 * world, 2 * world
+    Y = torch.randn(B, S, E, generator=g)
+    cs = S // world
+    loc = Y[:, rank * cs:(rank + 1) * cs].reshape(B * cs, E)
+    out = C.all_to_all(loc, (0, B), (1, 1), world, group)
+    ce = E // world
+    check("a2a_outer", out, Y.reshape(B * S, E)[:, rank * ce:(rank + 1) * ce])
+    # gather of an uneven split (size 4*world - 1), with outer
+    n = 4 * world - 1
+    Z = torch.randn(2, n, 5, generator=g, requires_grad=True)
+    lo, hi = chunk_bounds(n, world, rank)
+    zl = Z[:, lo:hi].detach().requires_grad_()
+    full = C.gather(zl, (1, 1, n, 1), world, rank, group)
+    check("gather_uneven", full, Z.detach())
+    V = torch.randn(Z.shape, generator=g)
+    (full * V).sum().backward()
+    check("gather_bwd", zl.grad, V[:, lo:hi])
+    # halo window: x[:, 1:] of a split dim, forward and backward
+    T = torch.randn(2, 4 * world, generator=g)
+    c = T.shape[1] // world
+    tl = T[:, rank * c:(rank + 1) * c].clone().requires_grad_()
+    w = C.window(tl, 1, T.shape[1], 1, T.shape[1] - 1, world, rank, group)
+    a, b = chunk_bounds(T.shape[1] - 1, world, rank)
+    check("window_fwd", w, T[:, 1:][:, a:b])
+    G = torch.randn(2, T.shape[1] - 1, generator=g)
+    (w * G[:, a:b]).sum().backward()
+    want = torch.zeros_like(T)
+    want[:, 1:] = G
+    check("window_bwd", tl.grad, want[:, rank * c:(rank + 1) * c])
+    return errs

@@ -1,0 +1,123 @@
+"""Errors a user can cause name the rule, the value in typed-shape notation, where it came
+from, and the fix."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+
+import spdsl
+from models.llama import Llama, LlamaConfig
+from spdsl import P, ShardingError
+
+
+def _plan(model, parts, *args):
+    return spdsl.plan(spdsl.sp_shard(seq=parts)(model), *args)
+
+
+def test_sequence_not_divisible():
+    ids = torch.randint(0, 256, (1, 4097))
+    with pytest.raises(ShardingError) as e:
+        _plan(Llama(LlamaConfig.tiny()), 4, ids, ids)
+    msg = str(e.value)
+    assert "[divisible sequence]" in msg
+    assert "i64[1,4097@sp]" in msg
+    assert "multiple of 4" in msg and "4100" in msg
+
+
+def test_query_heads_not_divisible():
+    ids = torch.randint(0, 256, (1, 64))
+    with pytest.raises(ShardingError) as e:
+        _plan(Llama(LlamaConfig.tiny()), 8, ids, ids)     # 4 query heads over 8 ranks
+    msg = str(e.value)
+    assert "[divisible heads]" in msg
+    assert "f32[1,4,64@sp,16]" in msg
+    assert "models/llama.py:" in msg and "(layers.0.attention)" in msg
+    assert "divides 4" in msg
+
+
+def test_kv_heads_neither_split_nor_repeated():
+    cfg = LlamaConfig.tiny().replace(dim=96, n_heads=6, n_kv_heads=3)
+    ids = torch.randint(0, 256, (1, 64))
+    with pytest.raises(ShardingError, match=r"\[divisible kv heads\]") as e:
+        _plan(Llama(cfg), 2, ids, ids)
+    assert "f32[1,3,64@sp,16]" in str(e.value)
+
+
+class _Flip(nn.Module):
+    def forward(self, x):
+        return torch.flip(x, dims=[1]).sum()
+
+
+def test_unknown_op_on_a_split_value_says_how_to_teach_it():
+    x = torch.randn(2, 8, 4)
+    with pytest.raises(ShardingError) as e:
+        _plan(_Flip(), 2, x)
+    msg = str(e.value)
+    assert "[unknown op]" in msg and "aten.flip" in msg
+    assert "f32[2,8@sp,4]" in msg
+    assert "spdsl.register_rule" in msg
+    assert "test_errors.py:" in msg
+
+
+def test_register_rule_teaches_an_op():
+    from spdsl.propagate.placement import REPLICATE, Shard
+    from spdsl.propagate.rules import RULES
+
+    def flip_rule(ctx):
+        p, dims = ctx.placements[0], ctx.node.args[1]
+        if isinstance(p, Shard) and p.dim in dims:
+            return [spdsl.Strategy((REPLICATE,), REPLICATE, None, "flip")]
+        return [spdsl.Strategy((p,), p, None, "flip")]
+
+    spdsl.register_rule(torch.ops.aten.flip, flip_rule)
+    try:
+        plan = _plan(_Flip(), 2, torch.randn(2, 8, 4))
+        flips = [v for v in plan.values if v.op == "aten.flip.default"]
+        assert flips[0].placement == "Replicate()" and flips[0].origin == "flip"
+        assert [c.kind for c in plan.collectives if c.bytes] == ["all_gather"]
+    finally:
+        RULES.pop(torch.ops.aten.flip, None)
+
+
+class _TwoConstraints(nn.Module):
+    def forward(self, x):
+        a = spdsl.with_sharding_constraint(x, P(None, "sp", None))
+        b = spdsl.with_sharding_constraint(x, P(None, None, "sp"))
+        return (a * 2).sum() + b.sum()
+
+
+def test_conflicting_constraints_name_both_origins():
+    with pytest.raises(ShardingError) as e:
+        _plan(_TwoConstraints(), 2, torch.randn(2, 8, 4))
+    msg = str(e.value)
+    assert "[conflicting constraints]" in msg
+    assert msg.count("test_errors.py:") == 2
+
+
+def test_constraint_is_identity_outside_a_sharded_function():
+    x = torch.randn(3)
+    assert spdsl.with_sharding_constraint(x, P("sp")) is x
+
+
+def test_spec_with_wrong_number_of_dims():
+    f = spdsl.Sharded(lambda x: x.sum(), in_specs=(P(None, "sp"),), parts=2)
+    with pytest.raises(ShardingError, match=r"\[spec rank\]") as e:
+        f.build((torch.randn(2, 4, 6),), {})
+    assert "one entry per dim" in str(e.value) and "f32[2,4,6]" in str(e.value)
+
+
+def test_spec_naming_another_axis():
+    f = spdsl.Sharded(lambda x, y: (x + y).sum(), in_specs=(P(None, "sp"), P("tp", None)),
+                      parts=2)
+    with pytest.raises(ShardingError, match=r"\[one split axis\]") as e:
+        f.build((torch.randn(2, 4), torch.randn(2, 4)), {})
+    assert "'tp'" in str(e.value)
+
+
+def test_running_without_a_process_group_says_how_to_launch():
+    model = Llama(LlamaConfig.tiny().replace(n_layers=1))
+    ids = torch.randint(0, 256, (1, 16))
+    with pytest.raises(ShardingError, match="torchrun"):
+        spdsl.sp_shard(seq=2)(model)(ids, ids)

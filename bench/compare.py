@@ -43,7 +43,7 @@ from bench.baselines import report  # noqa: E402
 from bench.baselines.analytic import ulysses_floor  # noqa: E402
 from bench.baselines.data import make_batches  # noqa: E402
 from bench.baselines.model import CONFIGS  # noqa: E402
-from bench.baselines.runner import run_system  # noqa: E402
+from bench.baselines.runner import Workload, run_system  # noqa: E402
 from bench.baselines.systems import RunConfig, select  # noqa: E402
 
 
@@ -51,13 +51,17 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="tiny", choices=sorted(CONFIGS))
     p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--seq", type=int, default=None, help="global tokens per sequence (4096)")
+    p.add_argument("--seq", type=int, nargs="+", default=None,
+                   help="global tokens per sequence; several make a sweep (4096)")
     p.add_argument("--steps", type=int, default=None, help="timed steps after warm-up (5)")
     p.add_argument("--warmup", type=int, default=None, help="untimed first steps (2)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--ignore-prefix", type=float, default=0.0,
                    help="mask this fraction of each sequence's first labels (SFT prompt)")
+    p.add_argument("--labels", choices=("shifted", "window"), default="shifted",
+                   help="shifted: labels = input_ids moved left, last -100 (default); "
+                        "window: seq+1 tokens, every label valid")
     p.add_argument("--systems", nargs="*", default=None,
                    help="names (ulysses) or name-mode (ulysses-compiled); reference always runs")
     p.add_argument("--smoke", action="store_true", help="1 step at 256 tokens, for CI")
@@ -67,42 +71,45 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--suite", action="store_true",
                    help="launch every configuration of bench/RESULTS.md via torchrun")
     args = p.parse_args(argv)
-    defaults = (256, 1, 0) if args.smoke else (4096, 5, 2)
+    defaults = ([256], 1, 0) if args.smoke else ([4096], 5, 2)
     for name, value in zip(("seq", "steps", "warmup"), defaults):
         if getattr(args, name) is None:
             setattr(args, name, value)
     return args
 
 
-def run(args: argparse.Namespace) -> dict | None:
-    """All systems for one configuration on this rank; rank 0 returns the results."""
+def run(args: argparse.Namespace) -> list[dict] | None:
+    """All systems at every ``--seq`` on this rank; rank 0 returns one result per length."""
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     # Long steps at 16K tokens: time out a stuck collective after 15 min, not gloo's 30.
     dist.init_process_group("gloo", timeout=datetime.timedelta(minutes=15))
-    cfg = RunConfig(model=args.model, batch=args.batch, seq=args.seq, world=world, rank=rank,
-                    seed=args.seed, lr=args.lr)
+    cfg = RunConfig(model=args.model, batch=args.batch, world=world, rank=rank, seed=args.seed,
+                    lr=args.lr)
     vocab = CONFIGS[args.model]().vocab_size
-    batches = make_batches(args.warmup + args.steps + 1, args.batch, args.seq, vocab,
-                           args.seed + 1, args.ignore_prefix)
-    rows, reference = [], None
+    workloads = []
+    for i, seq in enumerate(args.seq):
+        batches = make_batches(args.warmup + args.steps + 1, args.batch, seq, vocab,
+                               args.seed + 1 + i, args.ignore_prefix, args.labels == "window")
+        workloads.append(Workload(seq, batches[:-1], batches[-1]))
+    rows, references = [], {}
     for system in select(args.systems):
         torch._dynamo.reset()            # each compiled system starts from a clean Dynamo
-        row = run_system(system, cfg, batches[:-1], batches[-1], args.warmup, reference)
-        if rank == 0:
+        for row in run_system(system, cfg, workloads, args.warmup, references):
             if system.single_process and row["status"] == "ok":
-                reference = {"losses": row["losses"], "grads": row.pop("_grads")}
+                references[row["seq"]] = {"losses": row["losses"], "grads": row.pop("_grads")}
             rows.append(row)
-            print(f"[compare] {system.label}: {row['status']} {row.get('reason', '')}",
+            print(f"[compare] {system.label} seq {row['seq']}: {row['status']} {row['reason']}",
                   flush=True)
     dist.barrier()
     dist.destroy_process_group()
     if rank != 0:
         return None
-    config = {k: getattr(args, k) for k in ("model", "batch", "seq", "steps", "warmup", "seed",
-                                            "lr", "ignore_prefix")}
+    config = {k: getattr(args, k) for k in ("model", "batch", "steps", "warmup", "seed", "lr",
+                                            "labels", "ignore_prefix")}
     config.update(world=world, torch=torch.__version__, threads=torch.get_num_threads())
-    floor = ulysses_floor(CONFIGS[args.model](), args.batch, args.seq, world)
-    return {"config": config, "floor": floor, "rows": rows}
+    return [{"config": {**config, "seq": seq},
+             "floor": ulysses_floor(CONFIGS[args.model](), args.batch, seq, world),
+             "rows": [r for r in rows if r["seq"] == seq]} for seq in args.seq]
 
 
 def parity_failures(result: dict, bound: float) -> list[str]:
@@ -119,17 +126,19 @@ def main(argv=None) -> int:
     if args.suite:
         from bench.baselines.suite import run_suite
         return run_suite()
-    result = run(args)
-    if result is None:
+    results = run(args)
+    if results is None:
         return 0
-    print(report.header(result))
-    print(report.table(result))
+    for result in results:
+        print(report.header(result))
+        print(report.table(result))
     if args.out:
         with open(args.out, "w") as f:
-            json.dump(result, f, indent=1)
+            json.dump(results, f, indent=1)
     if args.check is not None:
-        bad = parity_failures(result, args.check)
-        ran = [r for r in result["rows"] if r["status"] == "ok" and r["system"] != "reference"]
+        bad = [b for result in results for b in parity_failures(result, args.check)]
+        ran = [r for result in results for r in result["rows"]
+               if r["status"] == "ok" and r["system"] != "reference"]
         if bad or not ran:
             print("PARITY FAIL:", "; ".join(bad) or "no system besides the reference ran")
             return 1

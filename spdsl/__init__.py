@@ -8,12 +8,15 @@ Example::
     loss.backward()                      # p.grad == the single-device gradient
 """
 
+from spdsl import dtensor_ops as _dtensor_ops
 from spdsl.annotate.api import Sharded, plan, shard, sp_shard, with_sharding_constraint
 from spdsl.annotate.mesh import mesh
 from spdsl.annotate.spec import P
 from spdsl.errors import ShardingError
 from spdsl.propagate.plan import Collective, ShardingPlan
 from spdsl.propagate.rules import RuleCtx, Strategy, register_rule
+
+_dtensor_ops.register()
 
 __all__ = [
     "P",

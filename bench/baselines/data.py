@@ -11,20 +11,27 @@ import torch
 
 
 def make_batches(steps: int, batch: int, seq: int, vocab: int, seed: int,
-                 ignore_prefix: float = 0.0) -> list[tuple[torch.Tensor, torch.Tensor]]:
+                 ignore_prefix: float = 0.0, window: bool = False
+                 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """``steps`` pairs of global ``(input_ids, labels)`` int64 [batch, seq].
 
-    ``labels[:, t] = input_ids[:, t+1]`` and ``labels[:, -1] = -100``: the targets of
-    ``Llama(ids, labels=ids)``, already shifted. ``ignore_prefix`` masks that fraction of
-    each sequence's first labels with -100 (an SFT prompt), which leaves the sequence shards
-    with unequal numbers of valid labels: the case where a mean of per-shard means is wrong.
+    Default: ``labels[:, t] = input_ids[:, t+1]`` and ``labels[:, -1] = -100``, the targets of
+    ``Llama(ids, labels=ids)`` already shifted; the last sequence shard then holds one valid
+    label fewer than the others. ``window`` instead draws ``seq + 1`` tokens and takes
+    ``labels = tokens[:, 1:]`` (Megatron-style windows): every label valid, equal counts per
+    shard. ``ignore_prefix`` masks that fraction of each sequence's first labels with -100 (an
+    SFT prompt): very unequal counts, the case where a mean of per-shard means is far off.
     """
     gen = torch.Generator().manual_seed(seed)
     out = []
     for _ in range(steps):
-        ids = torch.randint(0, vocab, (batch, seq), generator=gen)
-        labels = torch.full_like(ids, -100)
-        labels[:, :-1] = ids[:, 1:]
+        tokens = torch.randint(0, vocab, (batch, seq + 1), generator=gen)
+        ids = tokens[:, :seq].clone()
+        if window:
+            labels = tokens[:, 1:].clone()
+        else:
+            labels = torch.full_like(ids, -100)
+            labels[:, :-1] = ids[:, 1:]
         labels[:, : int(seq * ignore_prefix)] = -100
         out.append((ids, labels))
     return out

@@ -54,7 +54,7 @@ def header(result: dict) -> str:
     c = result["config"]
     return (f"model `{c['model']}`, {c['world']} gloo ranks (SP {c['world']}), batch {c['batch']}, "
             f"seq {c['seq']}, {c['warmup']} warm-up + {c['steps']} timed steps, "
-            f"ignore_prefix {c['ignore_prefix']}")
+            f"labels `{c['labels']}`, ignore_prefix {c['ignore_prefix']}")
 
 
 def plot_sweep(results: list[dict], path: str) -> None:

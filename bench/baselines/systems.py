@@ -23,7 +23,6 @@ class Unavailable(Exception):
 class RunConfig:
     model: str          # a key of model.CONFIGS
     batch: int
-    seq: int
     world: int          # SP degree = number of ranks
     rank: int
     seed: int

@@ -8,6 +8,7 @@ change), propagates placements, lowers the graph for this rank and runs it on lo
 from __future__ import annotations
 
 import functools
+import os
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -70,9 +71,10 @@ class Sharded:
 
     def __init__(self, fn: Callable, *, mesh=None, in_specs=None, out_specs=None,
                  axis: str | None = None, parts: int | None = None, seq_dim: int | None = None,
-                 compile: bool = False) -> None:
+                 compile: bool = False, debug: bool | None = None) -> None:
         self.fn, self._mesh, self.in_specs, self.out_specs = fn, mesh, in_specs, out_specs
         self.seq_dim, self.compile = seq_dim, compile
+        self.debug = os.environ.get("SPDSL_DEBUG", "0") == "1" if debug is None else debug
         self.axis = axis or _axis_of(in_specs) or "sp"
         self._parts = parts
         self._cache: dict[Any, _Compiled] = {}
@@ -206,11 +208,7 @@ class Sharded:
             return self._cache[key]
         specs = self._specs_for(args, kwargs, leaves)
         placements = self._leaf_placements(leaves, specs)
-        g_args = tree_unflatten([_global_meta(x) if isinstance(x, DTensor) else x
-                                 for x in leaves], spec)
-        traced = trace(self.fn, *g_args)
-        state_meta = [_global_meta(t) if isinstance(t, DTensor) else t for t in traced.state]
-        del state_meta
+        traced = trace(self.fn, args, kwargs)
         gm = traced.graph
         phs = [n for n in gm.graph.nodes if n.op == "placeholder"]
         n_state = len(traced.state)
@@ -268,6 +266,8 @@ class Sharded:
                 entry.local = torch.compile(entry.local, fullgraph=True)
             entry.rank = rank
         leaves, _ = tree_flatten((args, kwargs))
+        if self.debug:
+            self._check_same_inputs(leaves)
         state = [t.to_local() if isinstance(t, DTensor) else t for t in entry.traced.state]
         local_in = []
         for j, i in enumerate(entry.traced.tensor_leaf_index):
@@ -285,6 +285,25 @@ class Sharded:
             outs, entry.out_placements, _out_nodes(entry.traced))]
         return tree_unflatten(wrapped, entry.traced.out_spec)
 
+    def _check_same_inputs(self, leaves: list) -> None:
+        """Debug mode: every rank of the axis must pass the same global tensors. A mismatch
+        would otherwise give wrong results or a hang inside a collective."""
+        sums = [float(x.double().sum()) if isinstance(x, torch.Tensor) and
+                not isinstance(x, DTensor) else 0.0 for x in leaves]
+        mine = torch.tensor(sums, dtype=torch.float64)
+        pg = self.mesh.get_group(self.axis)
+        every = [torch.zeros_like(mine) for _ in range(dist.get_world_size(pg))]
+        dist.all_gather(every, mine, group=pg)
+        for i, (x, col) in enumerate(zip(leaves, torch.stack(every).T)):
+            if isinstance(x, torch.Tensor) and not torch.equal(col, col[:1].expand_as(col)):
+                raise ShardingError(
+                    rule="same global inputs", where=f"argument {i}",
+                    value=typed_shape(x.shape, x.dtype, REPLICATE, self.axis),
+                    detail=f"ranks of axis {self.axis!r} passed different values (checksums "
+                           f"{[round(float(c), 4) for c in col]})",
+                    fix="pass every rank the same global batch (seed the data loader the same "
+                        "on every rank of the axis), or pass DTensors already split")
+
     def _wrap(self, local, p: Placement, node):
         if isinstance(p, Shard) and isinstance(local, torch.Tensor):
             val = node.meta["val"]
@@ -299,10 +318,6 @@ def _out_nodes(traced: Traced) -> list:
     return list(out_node.args[0])
 
 
-def _global_meta(x: DTensor) -> torch.Tensor:
-    return torch.empty(x.shape, dtype=x.dtype, device="meta")
-
-
 def _axis_of(specs) -> str | None:
     for s in tree_flatten(specs, is_leaf=lambda x: isinstance(x, P))[0] if specs else []:
         if isinstance(s, P):
@@ -312,7 +327,8 @@ def _axis_of(specs) -> str | None:
 
 
 def shard(fn: Callable | None = None, *, mesh, in_specs, out_specs=None,
-          compile: bool = False) -> Sharded | Callable[[Callable], Sharded]:
+          compile: bool = False, debug: bool | None = None
+          ) -> Sharded | Callable[[Callable], Sharded]:
     """Run ``fn`` split over a mesh axis: ``in_specs`` mirror the positional arguments (one
     ``P`` per tensor, or None for replicated), ``out_specs`` the outputs (scalars: ``P()``).
     Every rank passes the same global tensors (or DTensors). Usable as a decorator.
@@ -325,12 +341,13 @@ def shard(fn: Callable | None = None, *, mesh, in_specs, out_specs=None,
         loss = step(input_ids, labels)      # exact global loss on every rank
     """
     def wrap(f: Callable) -> Sharded:
-        return Sharded(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, compile=compile)
+        return Sharded(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, compile=compile,
+                       debug=debug)
     return wrap(fn) if fn is not None else wrap
 
 
 def sp_shard(fn: Callable | None = None, *, seq: int, seq_dim: int = 1, axis: str = "sp",
-             mesh=None, compile: bool = False):
+             mesh=None, compile: bool = False, debug: bool | None = None):
     """Sequence parallelism for a forward: tensor arguments whose dim ``seq_dim`` has the
     sequence length are split over ``seq`` ranks of axis ``axis``; everything else, parameters
     included, is replicated. Scalars come back as the exact global value; sequence-shaped
@@ -343,7 +360,8 @@ def sp_shard(fn: Callable | None = None, *, seq: int, seq_dim: int = 1, axis: st
         loss.backward()                     # p.grad == the single-device gradient
     """
     def wrap(f: Callable) -> Sharded:
-        return Sharded(f, mesh=mesh, axis=axis, parts=seq, seq_dim=seq_dim, compile=compile)
+        return Sharded(f, mesh=mesh, axis=axis, parts=seq, seq_dim=seq_dim, compile=compile,
+                       debug=debug)
     return wrap(fn) if fn is not None else wrap
 
 

@@ -105,7 +105,13 @@ class Lowering:
             elif node.op == "get_attr":
                 self.env[node] = self.graph.get_attr(node.target)
             elif node.op == "call_function":
+                start = len(self.graph.nodes)
                 self.env[node] = self._node(node)
+                for i, new in enumerate(self.graph.nodes):
+                    if i >= start:   # module path and source travel to the local nodes
+                        new.meta.setdefault("spdsl_module", node.meta.get("spdsl_module", ""))
+                        new.meta.setdefault("stack_trace", node.meta.get("stack_trace"))
+                        new.meta.setdefault("spdsl_origin", node.name)
             elif node.op == "output":
                 outs = []
                 for o, want in zip(node.args[0], out_placements):

@@ -174,7 +174,8 @@ def trace(fn: Callable, args: tuple, kwargs: dict) -> Traced:
     h2 = torch.nn.modules.module.register_module_forward_hook(post)
     try:
         gm = make_fx(flat_fn, tracing_mode="fake", record_stack_traces=True,
-                     _allow_non_fake_inputs=True)(*state, *[leaves[i] for i in tensor_leaf_index])
+                     _allow_non_fake_inputs=True)(
+            *[_plain(t) for t in state], *[_plain(leaves[i]) for i in tensor_leaf_index])
     finally:
         _TRACING[0] = False
         h1.remove()
@@ -191,6 +192,16 @@ def _assign_module_paths(gm: torch.fx.GraphModule, events: list[tuple[int, str |
             current = events[e][1]
             e += 1
         node.meta["spdsl_module"] = current or ""
+
+
+def _plain(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor is traced as a plain tensor of its global shape (never materialised)."""
+    from torch.distributed.tensor import DTensor
+    if isinstance(t, DTensor):
+        # storage-less until traced: make_fx turns it into a fake tensor right away
+        return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype,
+                                   device=t.to_local().device)
+    return t
 
 
 def _named_state(module: torch.nn.Module):

@@ -183,21 +183,6 @@ def case_logits_dtensor(world: int) -> dict:
             "placements": repr(out.placements), "local": tuple(out.to_local().shape)}
 
 
-CASES = {name[5:]: fn for name, fn in globals().items() if name.startswith("case_")}
-
-
-def run_all(rank: int, world: int, names: list[str] | None = None) -> dict:
-    out = {}
-    for name, fn in CASES.items():
-        if names is None or name in names:
-            try:
-                out[name] = fn(world)
-            except Exception as e:  # noqa: BLE001 - deterministic errors; reported per case
-                import traceback
-                out[name] = {"error": f"{type(e).__name__}: {e}\n{traceback.format_exc()[-1500:]}"}
-    return out
-
-
 def case_collectives(world: int) -> dict:
     """The collectives against global slicing, forward and backward, odd layouts included."""
     import torch.distributed as dist
@@ -258,3 +243,76 @@ def case_collectives(world: int) -> dict:
     want[:, 1:] = G
     check("window_bwd", tl.grad, want[:, rank * c:(rank + 1) * c])
     return errs
+
+
+def case_dtensor_native(world: int) -> dict:
+    """A DTensor-authored model: eager (spdsl's Ulysses handler inside DTensor) and traced."""
+    from torch.distributed.tensor import Replicate, Shard, distribute_module, distribute_tensor
+
+    from examples.dtensor_native import Block, loss_of
+
+    mesh = spdsl.mesh(sp=world)
+    ref, eager = _pair(Block)
+    traced = copy.deepcopy(ref)
+    ids = _ids(1, 16 * world, vocab=128)
+    labels = torch.roll(ids, -1, dims=1)
+    loss_ref = loss_of(ref(ids), labels)
+    loss_ref.backward()
+    eager = distribute_module(eager, mesh)
+    d_ids = distribute_tensor(ids, mesh, [Shard(1)])
+    d_labels = distribute_tensor(labels, mesh, [Shard(1)])
+    logits = eager(d_ids)
+    loss = loss_of(logits, d_labels).redistribute(mesh, [Replicate()]).to_local()
+    loss.backward()
+    for p in eager.parameters():
+        p.grad = p.grad.full_tensor()
+    out = {"eager": _errs(eager, ref, loss, loss_ref),
+           "placements": repr(logits.placements)}
+    traced = distribute_module(traced, mesh)
+    step = spdsl.shard(lambda i, t: loss_of(traced(i), t), mesh=mesh, in_specs=(None, None),
+                       out_specs=P())
+    loss2 = step(d_ids, d_labels)
+    loss2.backward()
+    for p in traced.parameters():
+        p.grad = p.grad.full_tensor()
+    out["traced"] = _errs(traced, ref, loss2, loss_ref)
+    return out
+
+
+def case_user_errors(world: int) -> dict:
+    """Errors that need a process group: each message, for the test to read."""
+    import torch.distributed as dist
+
+    out = {}
+
+    def catch(key, fn):
+        try:
+            fn()
+            out[key] = "no error"
+        except spdsl.ShardingError as e:
+            out[key] = str(e)
+
+    catch("mesh_size", lambda: spdsl.mesh(sp=world + 1))
+    mesh = spdsl.mesh(sp=world)
+    x = torch.randn(2, 4 * world)
+    catch("unknown_axis", lambda: spdsl.shard(lambda t: t.sum(), mesh=mesh,
+                                             in_specs=(P(None, "tp"),), out_specs=P())(x))
+    model = Llama(LlamaConfig.tiny().replace(n_layers=1))
+    ids = _ids(1, 8 * world, seed=dist.get_rank() if world > 1 else 0)
+    catch("different_inputs", lambda: spdsl.sp_shard(seq=world, debug=True)(model)(ids, ids))
+    return out
+
+
+CASES = {name[5:]: fn for name, fn in globals().items() if name.startswith("case_")}
+
+
+def run_all(rank: int, world: int, names: list[str] | None = None) -> dict:
+    out = {}
+    for name, fn in CASES.items():
+        if names is None or name in names:
+            try:
+                out[name] = fn(world)
+            except Exception as e:  # noqa: BLE001 - deterministic errors; reported per case
+                import traceback
+                out[name] = {"error": f"{type(e).__name__}: {e}\n{traceback.format_exc()[-1500:]}"}
+    return out

@@ -66,5 +66,32 @@ def test_collectives_match_global_slicing(results):
             assert err <= 1e-6, f"sp{world} {check}: {err}"
 
 
+def test_dtensor_native_model_eager_and_traced(results):
+    world, per_rank = _case(results, "dtensor_native")
+    for res in per_rank:
+        out = res["dtensor_native"]
+        assert out["placements"] == "(Shard(dim=1),)"
+        for mode in ("eager", "traced"):
+            assert out[mode]["missing"] == [] and out[mode]["n_grads"] == 8
+            assert out[mode]["loss"] <= LOSS_RTOL, (mode, out[mode])
+            assert out[mode]["grad"] <= GRAD_RTOL, (mode, out[mode])
+
+
+def test_user_errors_with_a_process_group(results):
+    world, per_rank = _case(results, "user_errors")
+    for res in per_rank:
+        out = res["user_errors"]
+        assert "[mesh size]" in out["mesh_size"]
+        assert f"has {world + 1} ranks but the job has {world}" in out["mesh_size"]
+        assert "[unknown mesh axis]" in out["unknown_axis"] and "'tp'" in out["unknown_axis"]
+        assert "('sp',)" in out["unknown_axis"]
+        if world > 1:
+            assert "[same global inputs]" in out["different_inputs"]
+            assert f"i64[1,{8 * world}]" in out["different_inputs"]
+        else:
+            assert out["different_inputs"] == "no error"
+
+
 def test_every_case_is_checked():
-    assert set(TRAINING) | {"sgd_steps", "logits_dtensor", "collectives"} == set(CASES)
+    assert set(TRAINING) | {"sgd_steps", "logits_dtensor", "collectives",
+                            "dtensor_native", "user_errors"} == set(CASES)

@@ -35,15 +35,25 @@ def _flash_bwd_preprocess(O, DO, DLSE, DELTA, soh, sos, sdoh, sdos, S_Q, D,
 
 
 @triton.jit
-def _keep_mask(rows, cols, SEG, seg_off, S_Q, S_K, CAUSAL: tl.constexpr, HAS_SEG: tl.constexpr):
-    """[len(rows), len(cols)] mask of (query, key) pairs that attend."""
-    keep = (rows < S_Q)[:, None] & (cols < S_K)[None, :]
-    if CAUSAL:
-        keep = keep & (cols[None, :] <= rows[:, None])
+def _keep_mask(q_idx, k_idx, SEG, seg_off, S_Q, S_K, CAUSAL: tl.constexpr,
+               HAS_SEG: tl.constexpr, KEYS_FIRST: tl.constexpr):
+    """Mask of (query, key) pairs that attend: [queries, keys], or [keys, queries]."""
     if HAS_SEG:
-        seg_r = tl.load(SEG + seg_off + rows, mask=rows < S_Q, other=-1)
-        seg_c = tl.load(SEG + seg_off + cols, mask=cols < S_K, other=-2)
-        keep = keep & (seg_r[:, None] == seg_c[None, :])
+        seg_q = tl.load(SEG + seg_off + q_idx, mask=q_idx < S_Q, other=-1)
+        seg_k = tl.load(SEG + seg_off + k_idx, mask=k_idx < S_K, other=-2)
+    # Built directly in the orientation wanted: transposing a boolean tile is avoided.
+    if KEYS_FIRST:
+        keep = (k_idx < S_K)[:, None] & (q_idx < S_Q)[None, :]
+        if CAUSAL:
+            keep = keep & (k_idx[:, None] <= q_idx[None, :])
+        if HAS_SEG:
+            keep = keep & (seg_k[:, None] == seg_q[None, :])
+    else:
+        keep = (q_idx < S_Q)[:, None] & (k_idx < S_K)[None, :]
+        if CAUSAL:
+            keep = keep & (k_idx[None, :] <= q_idx[:, None])
+        if HAS_SEG:
+            keep = keep & (seg_q[:, None] == seg_k[None, :])
     return keep
 
 
@@ -87,7 +97,7 @@ def _flash_bwd_dkdv_kernel(
             lse = tl.load(LSE + row_base + rows, mask=rows < S_Q, other=0.0) * 1.4426950408889634
             delta = tl.load(DELTA + row_base + rows, mask=rows < S_Q, other=0.0)
             s_t = tl.dot(k, tl.trans(q)) * qk_scale  # [BLOCK_N, BLOCK_M]: keys x queries
-            keep = tl.trans(_keep_mask(rows, offs_n, SEG, b * s_seg, S_Q, S_K, CAUSAL, HAS_SEG))
+            keep = _keep_mask(rows, offs_n, SEG, b * s_seg, S_Q, S_K, CAUSAL, HAS_SEG, True)
             p_t = tl.where(keep, tl.exp2(s_t - lse[None, :]), 0.0)
             dv += tl.dot(p_t.to(do.dtype), do)
             dp_t = tl.dot(v, tl.trans(do))
@@ -136,7 +146,7 @@ def _flash_bwd_dq_kernel(
         k = tl.load(k_base + cols[:, None] * sks + offs_d[None, :], mask=kv_mask, other=0.0)
         v = tl.load(v_base + cols[:, None] * svs + offs_d[None, :], mask=kv_mask, other=0.0)
         s = tl.dot(q, tl.trans(k)) * qk_scale
-        keep = _keep_mask(rows, cols, SEG, b * s_seg, S_Q, S_K, CAUSAL, HAS_SEG)
+        keep = _keep_mask(rows, cols, SEG, b * s_seg, S_Q, S_K, CAUSAL, HAS_SEG, False)
         p = tl.where(keep, tl.exp2(s - lse[:, None]), 0.0)
         dp = tl.dot(do, tl.trans(v))
         ds = p * (dp - delta[:, None])

@@ -10,10 +10,10 @@ CI smoke (one step, 256 tokens, reference + hand-written Ulysses, exits 1 on a p
     torchrun --standalone --nproc_per_node=2 bench/compare.py --smoke --systems ulysses-eager \
         --check 1e-5
 
-Everything that bench/RESULTS.md reports (SP 2 and SP 4 at 4096 tokens, the SP 4 sweep over
-1K..16K tokens, the plot; about 15 minutes on 2 cores), then rewrites its tables::
+Everything that bench/RESULTS.md reports (SP 2 at 4096 tokens, SP 4 over 1K..16K tokens, two
+label variants at SP 2, the plot), then rewrites its tables (runs and times: bench/README.md)::
 
-    python bench/compare.py --suite
+    python bench/compare.py --suite            # or --suite sp4_sweep; --render: tables only
 
 Needs the ``bench`` extra (matplotlib, deepspeed==0.19.8; deepspeed is optional: its systems
 report "unavailable" without it). Per system it prints: median step time after warm-up, the
@@ -67,9 +67,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--smoke", action="store_true", help="1 step at 256 tokens, for CI")
     p.add_argument("--check", type=float, default=None,
                    help="exit 1 if a system that ran misses the loss (and grad) parity bound")
+    p.add_argument("--top", type=int, default=0, metavar="K",
+                   help="print each system's K most expensive ops (self CPU) in its profiled step")
     p.add_argument("--out", default=None, help="write the results as JSON here (rank 0)")
-    p.add_argument("--suite", action="store_true",
-                   help="launch every configuration of bench/RESULTS.md via torchrun")
+    p.add_argument("--suite", nargs="*", default=None, metavar="RUN",
+                   help="plain python: launch the configurations of bench/RESULTS.md (all, or "
+                        "the named ones) via torchrun, then rewrite its tables")
+    p.add_argument("--render", action="store_true",
+                   help="plain python: rewrite RESULTS.md tables and plot from saved JSON")
     args = p.parse_args(argv)
     defaults = ([256], 1, 0) if args.smoke else ([4096], 5, 2)
     for name, value in zip(("seq", "steps", "warmup"), defaults):
@@ -81,6 +86,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 def run(args: argparse.Namespace) -> list[dict] | None:
     """All systems at every ``--seq`` on this rank; rank 0 returns one result per length."""
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    load_before = os.getloadavg()[0]     # the machine is shared: say how busy it was
     # Long steps at 16K tokens: time out a stuck collective after 15 min, not gloo's 30.
     dist.init_process_group("gloo", timeout=datetime.timedelta(minutes=15))
     cfg = RunConfig(model=args.model, batch=args.batch, world=world, rank=rank, seed=args.seed,
@@ -94,7 +100,7 @@ def run(args: argparse.Namespace) -> list[dict] | None:
     rows, references = [], {}
     for system in select(args.systems):
         torch._dynamo.reset()            # each compiled system starts from a clean Dynamo
-        for row in run_system(system, cfg, workloads, args.warmup, references):
+        for row in run_system(system, cfg, workloads, args.warmup, references, args.top):
             if system.single_process and row["status"] == "ok":
                 references[row["seq"]] = {"losses": row["losses"], "grads": row.pop("_grads")}
             rows.append(row)
@@ -106,7 +112,8 @@ def run(args: argparse.Namespace) -> list[dict] | None:
         return None
     config = {k: getattr(args, k) for k in ("model", "batch", "steps", "warmup", "seed", "lr",
                                             "labels", "ignore_prefix")}
-    config.update(world=world, torch=torch.__version__, threads=torch.get_num_threads())
+    config.update(world=world, torch=torch.__version__, threads=torch.get_num_threads(),
+                  cpus=os.cpu_count(), loadavg_1min=[load_before, os.getloadavg()[0]])
     return [{"config": {**config, "seq": seq},
              "floor": ulysses_floor(CONFIGS[args.model](), args.batch, seq, world),
              "rows": [r for r in rows if r["seq"] == seq]} for seq in args.seq]
@@ -123,15 +130,17 @@ def parity_failures(result: dict, bound: float) -> list[str]:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    if args.suite:
-        from bench.baselines.suite import run_suite
-        return run_suite()
+    if args.suite is not None or args.render:
+        from bench.baselines import suite
+        return suite.run_suite(args.suite) if args.suite is not None else suite.render() or 0
     results = run(args)
     if results is None:
         return 0
     for result in results:
         print(report.header(result))
         print(report.table(result))
+        if args.top:
+            print(report.top_ops(result))
     if args.out:
         with open(args.out, "w") as f:
             json.dump(results, f, indent=1)

@@ -67,6 +67,7 @@ class StepMeasure:
     comm_bytes: dict[str, float] = field(default_factory=dict)   # kind -> bytes sent
     comm_calls: dict[str, int] = field(default_factory=dict)     # kind -> number of calls
     peak_bytes: int = 0   # peak of tensor bytes allocated minus freed since the step began
+    top_ops: list = field(default_factory=list)   # [(op, self CPU ms, calls)], when asked
 
     @property
     def total_comm_bytes(self) -> float:
@@ -160,12 +161,22 @@ def summarize(events, world: int, rank: int) -> StepMeasure:
     return out
 
 
-def profile_step(step: Callable[[], object], world: int, rank: int) -> StepMeasure:
+def top_ops(prof, k: int) -> list[tuple[str, float, int]]:
+    """The ``k`` ops with the most self CPU time: where a step's time goes."""
+    avgs = sorted(prof.key_averages(), key=lambda a: a.self_cpu_time_total, reverse=True)
+    return [(a.key, a.self_cpu_time_total / 1e3, a.count) for a in avgs[:k]]
+
+
+def profile_step(step: Callable[[], object], world: int, rank: int,
+                 top: int = 0) -> StepMeasure:
     """Run ``step()`` once under the profiler and summarize its collectives and memory."""
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True,
                  record_shapes=True) as prof:
         step()
-    return summarize(prof.profiler.kineto_results.events(), world, rank)
+    out = summarize(prof.profiler.kineto_results.events(), world, rank)
+    if top:
+        out.top_ops = top_ops(prof, top)
+    return out
 
 
 def dtype_bytes(dtype: torch.dtype) -> int:

@@ -54,7 +54,42 @@ def header(result: dict) -> str:
     c = result["config"]
     return (f"model `{c['model']}`, {c['world']} gloo ranks (SP {c['world']}), batch {c['batch']}, "
             f"seq {c['seq']}, {c['warmup']} warm-up + {c['steps']} timed steps, "
-            f"labels `{c['labels']}`, ignore_prefix {c['ignore_prefix']}")
+            f"labels `{c['labels']}`, ignore_prefix {c['ignore_prefix']}"
+            + (f"; 1-min load average {c['loadavg_1min'][0]:.1f} at start, "
+               f"{c['loadavg_1min'][1]:.1f} at end on {c['cpus']} CPUs"
+               if "loadavg_1min" in c else ""))
+
+
+def top_ops(result: dict) -> str:
+    """Where each system's profiled step spent its time (rank 0, self CPU ms)."""
+    out = []
+    for r in result["rows"]:
+        if r.get("top_ops"):
+            ops = ", ".join(f"{name} {ms:.0f} ms x{n}" for name, ms, n in r["top_ops"])
+            out.append(f"- {r['system']} {r['mode']}: {ops}")
+    return "\n".join(out)
+
+
+def sweep_table(results: list[dict]) -> str:
+    """Median step time and peak memory of every system at every length of a sweep."""
+    results = sorted(results, key=lambda r: r["config"]["seq"])
+    seqs = [r["config"]["seq"] for r in results]
+    labels = []
+    for res in results:
+        for r in res["rows"]:
+            if (r["system"], r["mode"]) not in labels:
+                labels.append((r["system"], r["mode"]))
+    head = "| system | mode | " + " | ".join(f"{s} tokens: s / MiB" for s in seqs) + " |"
+    out = [head, "|" + "---|" * (2 + len(seqs))]
+    for name, mode in labels:
+        cells = []
+        for res in results:
+            r = next((x for x in res["rows"] if (x["system"], x["mode"]) == (name, mode)), None)
+            ok = r is not None and r["status"] == "ok"
+            cells.append(f"{r['median_step_s']:.2f} / {r['peak_bytes'] / MIB:.1f}" if ok
+                         else (r["status"] if r else "-"))
+        out.append(f"| {name} | {mode} | " + " | ".join(cells) + " |")
+    return "\n".join(out)
 
 
 def plot_sweep(results: list[dict], path: str) -> None:

@@ -65,12 +65,12 @@ def _one_step(trainer: Trainer, batch):
     return step
 
 
-def _measure(trainer: Trainer, work: Workload, solo: bool, world: int, rank: int):
+def _measure(trainer: Trainer, work: Workload, solo: bool, world: int, rank: int, top: int):
     times, losses, grads = _train(trainer, work.batches, barrier=not solo)
     trainer.zero_grad()
     if not solo:
         dist.barrier()
-    measure = profile_step(_one_step(trainer, work.profile_batch), world, rank)
+    measure = profile_step(_one_step(trainer, work.profile_batch), world, rank, top)
     return times, losses, grads, measure
 
 
@@ -113,6 +113,8 @@ def _row(system: System, seq: int, times, losses, grads, measure, warmup: int,
            "first_step_s": times[0], "median_step_s": statistics.median(timed), "step_s": times,
            "losses": losses, "comm_bytes": measure.comm_bytes, "comm_calls": measure.comm_calls,
            "comm_total": measure.total_comm_bytes, "peak_bytes": measure.peak_bytes}
+    if measure.top_ops:
+        row["top_ops"] = measure.top_ops
     if system.single_process:        # the reference: keep what the others compare with
         row["_grads"] = grads
     elif reference is not None:
@@ -122,8 +124,9 @@ def _row(system: System, seq: int, times, losses, grads, measure, warmup: int,
 
 
 def run_system(system: System, cfg: RunConfig, workloads: list[Workload], warmup: int,
-               references: dict[int, dict]) -> list[dict]:
-    """Run one system over every workload on every rank; rank 0 gets one row per workload."""
+               references: dict[int, dict], top: int = 0) -> list[dict]:
+    """Run one system over every workload on every rank; rank 0 gets one row per workload
+    (with the ``top`` ops by self CPU time of rank 0's profiled step when ``top`` > 0)."""
     solo = system.single_process
     if solo and cfg.rank != 0:
         dist.barrier()               # wait while rank 0 runs the reference alone
@@ -138,7 +141,7 @@ def run_system(system: System, cfg: RunConfig, workloads: list[Workload], warmup
         result = None
         if status == "ok":
             try:
-                result = _measure(trainer, work, solo, world, cfg.rank)
+                result = _measure(trainer, work, solo, world, cfg.rank, top)
             except Exception as e:
                 status, reason = _failure(e, cfg.rank)
         if not solo:

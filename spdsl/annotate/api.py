@@ -34,6 +34,7 @@ from spdsl.propagate.placement import (
 )
 from spdsl.propagate.plan import ShardingPlan, build_plan
 from spdsl.propagate.trace import Traced, trace, tracing
+from spdsl.remat import Remat, apply_remat, local_specs
 
 
 def with_sharding_constraint(x: torch.Tensor, spec: P) -> torch.Tensor:
@@ -71,8 +72,9 @@ class Sharded:
 
     def __init__(self, fn: Callable, *, mesh=None, in_specs=None, out_specs=None,
                  axis: str | None = None, parts: int | None = None, seq_dim: int | None = None,
-                 compile: bool = False, debug: bool | None = None) -> None:
+                 compile: bool = False, debug: bool | None = None, remat=None) -> None:
         self.fn, self._mesh, self.in_specs, self.out_specs = fn, mesh, in_specs, out_specs
+        self.remat = Remat.of(remat)     # spdsl.remat: "none" | "full" | "auto" | budget
         self.seq_dim, self.compile = seq_dim, compile
         self.debug = os.environ.get("SPDSL_DEBUG", "0") == "1" if debug is None else debug
         self.axis = axis or _axis_of(in_specs) or "sp"
@@ -262,6 +264,9 @@ class Sharded:
         if entry.local is None:
             group, rank = self._group_and_rank()
             entry.local = lower(entry.prop, rank, group, entry.out_placements)
+            # -- remat stage (spdsl.remat): tiling, per-layer checkpoints, SAC policy --
+            entry.local = apply_remat(entry.local, self.remat,
+                                      *local_specs(entry, args, kwargs, self.parts, rank))
             if self.compile:
                 entry.local = torch.compile(entry.local, fullgraph=True)
             entry.rank = rank
@@ -327,7 +332,7 @@ def _axis_of(specs) -> str | None:
 
 
 def shard(fn: Callable | None = None, *, mesh, in_specs, out_specs=None,
-          compile: bool = False, debug: bool | None = None
+          compile: bool = False, debug: bool | None = None, remat=None
           ) -> Sharded | Callable[[Callable], Sharded]:
     """Run ``fn`` split over a mesh axis: ``in_specs`` mirror the positional arguments (one
     ``P`` per tensor, or None for replicated), ``out_specs`` the outputs (scalars: ``P()``).
@@ -342,12 +347,12 @@ def shard(fn: Callable | None = None, *, mesh, in_specs, out_specs=None,
     """
     def wrap(f: Callable) -> Sharded:
         return Sharded(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, compile=compile,
-                       debug=debug)
+                       debug=debug, remat=remat)
     return wrap(fn) if fn is not None else wrap
 
 
 def sp_shard(fn: Callable | None = None, *, seq: int, seq_dim: int = 1, axis: str = "sp",
-             mesh=None, compile: bool = False, debug: bool | None = None):
+             mesh=None, compile: bool = False, debug: bool | None = None, remat=None):
     """Sequence parallelism for a forward: tensor arguments whose dim ``seq_dim`` has the
     sequence length are split over ``seq`` ranks of axis ``axis``; everything else, parameters
     included, is replicated. Scalars come back as the exact global value; sequence-shaped
@@ -361,7 +366,7 @@ def sp_shard(fn: Callable | None = None, *, seq: int, seq_dim: int = 1, axis: st
     """
     def wrap(f: Callable) -> Sharded:
         return Sharded(f, mesh=mesh, axis=axis, parts=seq, seq_dim=seq_dim, compile=compile,
-                       debug=debug)
+                       debug=debug, remat=remat)
     return wrap(fn) if fn is not None else wrap
 
 

@@ -95,7 +95,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.
 
     Example::
 
-        >>> rms_norm(torch.ones(2, 4), torch.full((4,), 2.0))
+        >>> rms_norm(torch.full((2, 4), 3.0), torch.full((4,), 2.0), eps=0.0)
         tensor([[2., 2., 2., 2.],
                 [2., 2., 2., 2.]])
     """

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 
@@ -31,5 +32,10 @@ def where(node: torch.fx.Node) -> str:
 
 
 def _short(path: str) -> str:
-    cwd = os.getcwd()
+    return _relative(path, os.getcwd())
+
+
+@functools.lru_cache(maxsize=4096)
+def _relative(path: str, cwd: str) -> str:
+    # cached: a 70B plan asks for the same few files 20,000 times
     return os.path.relpath(path, cwd) if path.startswith(cwd) else path

@@ -21,6 +21,8 @@ from torch.nn.utils.stateless import _reparametrize_module
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from spdsl.propagate.replay import LayerReplay
+
 _TRACING = [False]
 
 
@@ -172,10 +174,12 @@ def trace(fn: Callable, args: tuple, kwargs: dict) -> Traced:
     _TRACING[0] = True
     h1 = torch.nn.modules.module.register_module_forward_pre_hook(pre)
     h2 = torch.nn.modules.module.register_module_forward_hook(post)
+    replay = LayerReplay(roots, names, events, graph_len)
     try:
-        gm = make_fx(flat_fn, tracing_mode="fake", record_stack_traces=True,
-                     _allow_non_fake_inputs=True)(
-            *[_plain(t) for t in state], *[_plain(leaves[i]) for i in tensor_leaf_index])
+        with replay.installed():
+            gm = make_fx(flat_fn, tracing_mode="fake", record_stack_traces=True,
+                         _allow_non_fake_inputs=True)(
+                *[_plain(t) for t in state], *[_plain(leaves[i]) for i in tensor_leaf_index])
     finally:
         _TRACING[0] = False
         h1.remove()

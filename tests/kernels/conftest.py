@@ -14,7 +14,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from spdsl.kernels.backend import kernel_backend, triton_available  # noqa: E402
+from spdsl.kernels.backend import kernel_backend, triton_available
 
 
 @pytest.fixture

@@ -48,9 +48,8 @@ def test_bad_mode_names_the_choices(monkeypatch):
     monkeypatch.setenv("SPDSL_KERNELS", "cuda")
     with pytest.raises(ValueError, match="auto, triton, reference"):
         backend_mode()
-    with pytest.raises(ValueError, match="auto, triton, reference"):
-        with kernel_backend("fast"):
-            pass
+    with pytest.raises(ValueError, match="auto, triton, reference"), kernel_backend("fast"):
+        pass
 
 
 def test_forcing_triton_on_cpu_without_the_interpreter_says_how(monkeypatch):
@@ -73,7 +72,7 @@ def test_package_imports_and_runs_without_triton():
     )
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env = {**os.environ, "SPDSL_KERNELS": "auto", "PYTHONPATH": root}
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+    out = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, env=env,
                          cwd=root, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "torch.Size([2, 8]) None"

@@ -14,8 +14,6 @@ from torch._dynamo.backends.common import aot_autograd
 
 import spdsl.kernels as K
 
-pytestmark = pytest.mark.interpret
-
 
 def _op_samples():
     gen = torch.Generator().manual_seed(0)
@@ -39,6 +37,7 @@ def _op_samples():
     ]
 
 
+@pytest.mark.interpret
 @pytest.mark.parametrize("op, args", _op_samples())
 def test_opcheck(op, args, interpret_triton):
     # test_aot_dispatch_dynamic is left out: it retraces with symbolic shapes and costs
@@ -56,8 +55,7 @@ def _step(q, k, v, cos, sin, x, w_norm, w_gate, w_up, w_head, target):
     return loss_sum / count
 
 
-@pytest.mark.compile
-def test_compiled_step_is_one_graph_with_one_node_per_kernel(interpret_triton):
+def _step_inputs(device):
     gen = torch.Generator().manual_seed(0)
     b, h, h_kv, s, d, v = 1, 2, 1, 12, 16, 50
     e = h * d
@@ -68,14 +66,22 @@ def test_compiled_step_is_one_graph_with_one_node_per_kernel(interpret_triton):
     weights = [torch.ones(e), torch.randn(e, 24, generator=gen) * 0.2,
                torch.randn(e, 24, generator=gen) * 0.2, torch.randn(v, 24, generator=gen) * 0.2]
     target = torch.randint(0, v, (b * s,), generator=gen)
-    args = [q, k, vv, ang.cos(), ang.sin(), x, *weights, target]
-    grad_idx = [0, 1, 2, 5, 6, 7, 8, 9]
+    return [t.to(device) for t in (q, k, vv, ang.cos(), ang.sin(), x, *weights, target)]
 
-    def run(fn):
-        inputs = [a.clone().requires_grad_(i in grad_idx) for i, a in enumerate(args)]
-        loss = fn(*inputs)
-        return loss, torch.autograd.grad(loss, [inputs[i] for i in grad_idx])
 
+GRAD_IDX = [0, 1, 2, 5, 6, 7, 8, 9]
+
+
+def _run(fn, args):
+    inputs = [a.clone().requires_grad_(i in GRAD_IDX) for i, a in enumerate(args)]
+    loss = fn(*inputs)
+    return loss, torch.autograd.grad(loss, [inputs[i] for i in GRAD_IDX])
+
+
+@pytest.mark.interpret
+@pytest.mark.compile
+def test_compiled_step_is_one_graph_with_one_node_per_kernel(interpret_triton):
+    args = _step_inputs(interpret_triton)
     graphs: dict[str, list] = {"dynamo": [], "forward": [], "backward": []}
 
     def keep(kind):
@@ -90,8 +96,9 @@ def test_compiled_step_is_one_graph_with_one_node_per_kernel(interpret_triton):
         graphs["dynamo"].append(gm)
         return aot(gm, example_inputs)
 
-    eager_loss, eager_grads = run(_step)
-    compiled_loss, compiled_grads = run(torch.compile(_step, backend=capture, fullgraph=True))
+    eager_loss, eager_grads = _run(_step, args)
+    compiled_loss, compiled_grads = _run(torch.compile(_step, backend=capture, fullgraph=True),
+                                         args)
     assert [len(g) for g in graphs.values()] == [1, 1, 1]
     expected = {
         "forward": {"flash_attn": 1, "rope": 2, "rms_norm": 1, "swiglu": 1,
@@ -106,3 +113,15 @@ def test_compiled_step_is_one_graph_with_one_node_per_kernel(interpret_triton):
     torch.testing.assert_close(compiled_loss, eager_loss, rtol=0, atol=0)
     for got, want in zip(compiled_grads, eager_grads):
         torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.compile
+def test_inductor_compiled_step_matches_eager_gpu(cuda_triton):
+    """Inductor around the custom ops, fullgraph, on CUDA: same loss and gradients as eager."""
+    args = _step_inputs(cuda_triton)
+    eager_loss, eager_grads = _run(_step, args)
+    compiled_loss, compiled_grads = _run(torch.compile(_step, fullgraph=True), args)
+    torch.testing.assert_close(compiled_loss, eager_loss, rtol=1e-4, atol=1e-5)
+    for got, want in zip(compiled_grads, eager_grads):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)

@@ -78,6 +78,20 @@ def test_flash_attn_matches_reference_interpret(case, dtype, interpret_triton):
     _check(case, dtype, interpret_triton)
 
 
+@pytest.mark.interpret
+def test_flash_attn_strided_inputs_interpret(interpret_triton):
+    """q/k/v as transposed views of [B, S, H, D] (what a projection yields) need no copy."""
+    (q, k, v), _, seg = _inputs((2, 4, 2, 21, 21, 16, True, "sorted"), torch.float32,
+                                interpret_triton)
+    q, k, v = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k, v))
+    assert not q.is_contiguous()
+    check_vs_reference(
+        lambda q, k, v: flash_attn_with_lse(q, k, v, causal=True, segment_ids=seg, scale=0.3),
+        lambda q, k, v: reference.flash_attn_with_lse(q, k, v, causal=True, segment_ids=seg,
+                                                      scale=0.3),
+        [q, k, v], [0, 1, 2], rtol=1e-4, atol=1e-5, name="flash_attn strided")
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", GPU_DTYPES, ids=str)
 @pytest.mark.parametrize("case", GPU_CASES)

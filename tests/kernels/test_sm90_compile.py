@@ -24,7 +24,7 @@ def test_kernels_compile_for_sm90():
             "print('\\n'.join(lines))\n")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = ROOT
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+    out = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, env=env,
                          cwd=ROOT, timeout=600)
     assert out.returncode == 0, out.stderr[-4000:]
     lines = out.stdout.strip().splitlines()

@@ -84,7 +84,7 @@ def _flash_bwd_dkdv_kernel(
     lo = 0
     if CAUSAL:
         lo = (pid_n * BLOCK_N // BLOCK_M) * BLOCK_M
-    for g in range(0, GROUPS):
+    for g in range(GROUPS):
         h = hk * GROUPS + g
         q_base = Q + b * sqb + h * sqh
         do_base = DO + b * sdob + h * sdoh
@@ -138,7 +138,8 @@ def _flash_bwd_dq_kernel(
     hi = S_K
     if CAUSAL:
         hi = (pid_m + 1) * BLOCK_M
-        if hi > S_K:
+        # Not min(): under the interpreter it yields a 1-element array that range() rejects.
+        if hi > S_K:  # noqa: PLR1730
             hi = S_K
     for start_n in range(0, hi, BLOCK_N):
         cols = start_n + offs_n
@@ -171,7 +172,9 @@ def flash_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Ten
               segment_ids: torch.Tensor | None, causal: bool, scale: float,
               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Launch the backward; returns contiguous ``(dq, dk, dv)`` in the input dtypes."""
-    q, k, v, out, dout = (last_dim_contiguous(t) for t in (q, k, v, out, dout))
+    q, k, v = (last_dim_contiguous(t) for t in (q, k, v))
+    # The preprocess indexes O and dO by (b*h) with one stride: make them [B*H, S, D]-shaped.
+    out, dout = out.contiguous(), dout.contiguous()
     b, h, s_q, d = q.shape
     h_kv, s_k = k.shape[1], k.shape[2]
     cfg = bwd_config(d)
@@ -179,8 +182,6 @@ def flash_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Ten
     lse = lse.contiguous()
     delta = torch.empty_like(lse)
     dlse_arg = dlse.contiguous() if dlse is not None else lse
-    # The preprocess indexes O and dO by (b*h) with one stride: make them [B*H, S, D]-shaped.
-    out, dout = out.contiguous(), dout.contiguous()
     pre_grid = (triton.cdiv(s_q, cfg["BLOCK_M"]), b * h)
     _flash_bwd_preprocess[pre_grid](out, dout, dlse_arg, delta, out.stride(1), out.stride(2),
                                     dout.stride(1), dout.stride(2), s_q, d,

@@ -38,7 +38,7 @@ def _rms_norm_bwd_kernel(DY, X, W, RSTD, DX, DW_PARTIAL, N, D, sdy, sx, sdx, row
     dw = tl.zeros([BLOCK_D], tl.float32)
     start = pid * rows_per_prog
     end = start + rows_per_prog
-    if end > N:
+    if end > N:  # noqa: PLR1730  (min() breaks range() under the interpreter)
         end = N
     for r0 in range(start, end, BLOCK_R):
         rows = r0 + tl.arange(0, BLOCK_R)

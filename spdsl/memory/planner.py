@@ -1,0 +1,71 @@
+"""``plan_memory``: the predicted per-rank peak of a sharded function's training step.
+
+Trace and propagate at global shapes (as ``spdsl.plan`` does), lower for one rank, apply the
+remat policy, and simulate forward, backward and the optimizer step on fake tensors. Without a
+running process group a fake one stands in (collectives only need its size to shape outputs),
+so this works on meta-device models of any size.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch.distributed as dist
+
+from spdsl.lower.graph import lower
+from spdsl.memory.report import MemoryPlan
+from spdsl.memory.simulate import planning_group, simulate
+from spdsl.remat import Remat, apply_remat, local_specs
+
+
+def plan_memory(fn, *args, remat=None, rank: int = 0, optimizer: str = "adamw",
+                **kwargs) -> MemoryPlan:
+    """Predicted peak memory of one training step of ``fn(*args, **kwargs)`` on ``rank``.
+
+    ``fn`` is an ``sp_shard``/``shard``-wrapped function or module; ``remat`` overrides its
+    own ``remat=``. Arguments may live on the meta device.
+
+    Example::
+
+        with torch.device("meta"):
+            model = Llama(LlamaConfig.llama3_8b()).bfloat16()
+        ids = torch.empty(1, 131072, dtype=torch.long, device="meta")
+        plan = plan_memory(spdsl.sp_shard(seq=8)(model), ids, ids, remat="full")
+        print(plan)     # peak and breakdown per rank
+    """
+    from spdsl.annotate.api import Sharded
+
+    if not isinstance(fn, Sharded):
+        raise TypeError("plan_memory needs a function wrapped by spdsl.sp_shard or spdsl.shard")
+    r = Remat.of(remat) if remat is not None else fn.remat
+    entry = fn.build(args, kwargs)
+    state, ins = local_specs(entry, args, kwargs, fn.parts, rank)
+    tokens = _local_tokens(entry, ins)
+    with _group(fn) as group:
+        local = lower(entry.prop, rank, group, entry.out_placements)
+        local = apply_remat(local, r, state, ins)
+        return simulate(local, state, ins, optimizer=optimizer, tokens=tokens,
+                        label=f"{r.describe()}, rank {rank} of {fn.parts}")
+
+
+def _group(fn):
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        return contextlib.nullcontext(fn._group_and_rank()[0])
+    if dist.is_initialized():
+        return contextlib.nullcontext(dist.group.WORLD.group_name) if fn.parts == 1 else \
+            planning_group(fn.parts)
+    return planning_group(fn.parts)
+
+
+def _local_tokens(entry, ins) -> int | None:
+    """Tokens this rank holds: the largest ``B * S_local`` among sequence-split inputs."""
+    from spdsl.propagate.placement import Shard
+
+    best = None
+    for spec, p in zip(ins, entry.in_placements):
+        if isinstance(p, Shard) and len(spec.shape) >= 2:
+            n = 1
+            for s in spec.shape[: p.dim + 1]:
+                n *= s
+            best = max(best or 0, n)
+    return best

@@ -1,0 +1,84 @@
+"""``MemoryPlan``: a predicted per-rank peak and what it is made of."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+
+from spdsl.memory.tracker import CATEGORIES
+
+
+def fmt_bytes(b: float) -> str:
+    """``1536`` -> ``'1.50 KiB'``.
+
+    Example::
+
+        >>> fmt_bytes(80 * 2 ** 30)
+        '80.00 GiB'
+    """
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(b) < 1024 or unit == "TiB":
+            return f"{b:.0f} B" if unit == "B" else f"{b:.2f} {unit}"
+        b /= 1024
+    return str(b)
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """Per-rank memory of one training step, at its peak.
+
+    ``peak == parameters + gradients + optimizer + inputs + activations + transient``: the
+    bytes of each kind live at the peak instant. ``activations`` were allocated in forward and
+    are still held (saved for backward); ``transient`` were allocated in backward or the
+    optimizer step (recomputed layers, gradients of activations, temporaries).
+    ``saved_activations`` is everything forward left for backward (at the end of forward).
+
+    Example::
+
+        plan = spdsl.memory.plan_memory(spdsl.sp_shard(seq=8, remat="full")(model), ids, ids)
+        plan.peak, plan.activations, plan.peak_phase
+        print(plan)
+    """
+
+    peak: int
+    parameters: int
+    gradients: int
+    optimizer: int
+    inputs: int
+    activations: int
+    transient: int
+    saved_activations: int
+    peak_phase: str
+    tokens: int | None = None
+    label: str = ""
+
+    @staticmethod
+    def from_tracker(tracker, *, saved: int, tokens: int | None, label: str) -> MemoryPlan:
+        at = {c: tracker.at_peak.get(c, 0) for c in CATEGORIES}
+        return MemoryPlan(tracker.peak, at["parameter"], at["gradient"], at["optimizer"],
+                          at["input"], at["activation"], at["transient"], saved,
+                          tracker.peak_phase, tokens, label)
+
+    @property
+    def saved_per_token(self) -> float | None:
+        """Bytes forward leaves for backward, per token this rank holds."""
+        return self.saved_activations / self.tokens if self.tokens else None
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict())
+
+    def __str__(self) -> str:
+        head = f"MemoryPlan{f'({self.label})' if self.label else ''}: peak " \
+               f"{fmt_bytes(self.peak)} per rank, during {self.peak_phase}"
+        rows = [("parameters", self.parameters), ("gradients", self.gradients),
+                ("optimizer state", self.optimizer), ("inputs", self.inputs),
+                ("saved activations", self.activations), ("transient", self.transient)]
+        lines = [head] + [f"  {k:18} {fmt_bytes(v):>12}  {100 * v / max(1, self.peak):5.1f}%"
+                          for k, v in rows]
+        extra = f"  forward leaves {fmt_bytes(self.saved_activations)} for backward"
+        if self.tokens:
+            extra += f" ({self.saved_activations / self.tokens:.0f} B per local token)"
+        return "\n".join(lines + [extra])

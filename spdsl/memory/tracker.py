@@ -1,0 +1,119 @@
+"""Live tensor bytes, tracked at the dispatcher: one number for real and fake runs alike.
+
+Every op output's storage is counted once (views share it) and uncounted when its storage dies
+(a weak reference on the storage object). The same mode measures a real step and simulates a
+fake one, so what the planner predicts and what it checks against are the same quantity: bytes
+of live tensor storages, not process RSS. Kernel-internal scratch (allocated below the Python
+dispatcher) is invisible to it, as it is to ``torch.distributed._tools.mem_tracker.MemTracker``.
+
+Categories, decided when a storage is first seen: ``parameter``, ``optimizer`` and ``input``
+(registered by the caller), ``gradient`` (re-tagged when autograd accumulates it into a
+parameter), ``activation`` (allocated during forward), ``transient`` (allocated later).
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections import defaultdict
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+CATEGORIES = ("parameter", "gradient", "optimizer", "input", "activation", "transient")
+
+
+def storage_key(t: torch.Tensor) -> int:
+    return t.untyped_storage()._cdata
+
+
+class LiveBytes(TorchDispatchMode):
+    """Track live storage bytes by category; ``peak`` and ``at_peak`` after the run.
+
+    Example::
+
+        tracker = LiveBytes()
+        tracker.register(model.parameters(), "parameter")
+        with tracker:
+            loss = model(x).sum()
+            tracker.phase = "backward"
+            loss.backward()
+        tracker.peak, tracker.at_peak["activation"]
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.live: dict[int, list] = {}          # key -> [bytes, category]
+        self._refs: dict[int, weakref.ref] = {}
+        self.sums: dict[str, int] = defaultdict(int)
+        self.current = 0
+        self.peak = 0
+        self.at_peak: dict[str, int] = {}
+        self.peak_phase = ""
+        self.phase = "forward"
+        self.marks: dict[str, dict[str, int]] = {}
+
+    # -- bookkeeping ----------------------------------------------------------------------
+    def _add(self, t: torch.Tensor, category: str) -> None:
+        st = t.untyped_storage()
+        key = st._cdata
+        if key in self.live:
+            return
+        n = st.nbytes()
+        self.live[key] = [n, category]
+        self.sums[category] += n
+        self.current += n
+        self._refs[key] = weakref.ref(st, lambda _r, k=key: self._free(k))
+        if self.current > self.peak:
+            self.peak = self.current
+            self.at_peak = dict(self.sums)
+            self.peak_phase = self.phase
+
+    def _free(self, key: int) -> None:
+        entry = self.live.pop(key, None)
+        self._refs.pop(key, None)
+        if entry is not None:
+            self.sums[entry[1]] -= entry[0]
+            self.current -= entry[0]
+
+    def register(self, tensors, category: str) -> None:
+        """Count tensors that exist before tracking starts (parameters, inputs, states)."""
+        for t in tensors:
+            if isinstance(t, torch.Tensor):
+                self._add(t, category)
+
+    def retag(self, t: torch.Tensor, category: str) -> None:
+        """Move a live tensor's bytes to another category (a fresh gradient, say)."""
+        entry = self.live.get(storage_key(t))
+        if entry is None:
+            self._add(t, category)
+        elif entry[1] != category:
+            self.sums[entry[1]] -= entry[0]
+            self.sums[category] += entry[0]
+            entry[1] = category
+
+    def watch_gradients(self, params) -> list:
+        """Re-tag each parameter's gradient once autograd has accumulated it."""
+        hooks = []
+        for p in params:
+            if isinstance(p, torch.Tensor) and p.requires_grad:
+                hooks.append(p.register_post_accumulate_grad_hook(
+                    lambda q: self.retag(q.grad, "gradient")))
+        return hooks
+
+    def mark(self, name: str) -> None:
+        """Remember the per-category bytes at this point (e.g. ``"forward_end"``)."""
+        self.marks[name] = dict(self.sums)
+
+    def reset_peak(self) -> None:
+        self.peak, self.at_peak, self.peak_phase = self.current, dict(self.sums), self.phase
+
+    # -- dispatch -------------------------------------------------------------------------
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        category = "activation" if self.phase == "forward" else "transient"
+        for t in tree_flatten(out)[0]:
+            # fake tensors report their fake device (cpu/cuda); real meta ones hold nothing
+            if isinstance(t, torch.Tensor) and t.device.type != "meta":
+                self._add(t, category)
+        return out

@@ -1,0 +1,151 @@
+"""``apply_remat``: the remat stage of the pipeline (lower -> **remat** -> compile -> run).
+
+Order of the rewrites on one rank's local graph:
+
+1. tiling (loss, then MLP) where asked or where it pays off: a ``[tokens, vocab]`` logits or
+   ``[tokens, ffn]`` intermediate of at least ``Remat.tile_bytes``;
+2. per-layer checkpoint regions with a SAC policy: ``"full"`` saves only collectives,
+   ``"auto"`` saves the op signatures worth their bytes; with a budget, as many of those as
+   the memory planner says fit (fewest-FLOPs-per-byte dropped first), tiling the MLP first
+   when even the leanest policy does not fit.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import warnings
+from dataclasses import dataclass, field
+
+import torch
+from torch.utils._pytree import tree_flatten
+
+from spdsl.propagate.placement import Shard, chunk_bounds
+from spdsl.remat.config import Remat
+from spdsl.remat.loss import find_loss, tile_loss
+from spdsl.remat.policy import OpClass, SavePolicy, candidates
+from spdsl.remat.segments import checkpoint_layers
+from spdsl.remat.shapes import TensorSpec, annotate
+from spdsl.remat.tiling import mlp_regions, tile_region
+
+
+@dataclass
+class RematReport:
+    """What the remat stage did to one local graph (kept on the result as ``spdsl_remat``)."""
+
+    remat: Remat
+    tiled_loss: bool = False
+    tiled_mlp: int = 0
+    mlp_chunks: int = 0
+    saved: list[str] = field(default_factory=list)      # op signatures saved under SAC
+    predicted_peak: int | None = None
+
+
+def local_specs(entry, args: tuple, kwargs: dict, parts: int, rank: int
+                ) -> tuple[list[TensorSpec], list[TensorSpec]]:
+    """Specs of the local graph's inputs on ``rank``: state, then the rank's input pieces."""
+    leaves = tree_flatten((args, kwargs))[0]
+    state = [TensorSpec.of(t) for t in entry.traced.state]
+    ins = []
+    for j, i in enumerate(entry.traced.tensor_leaf_index):
+        x, p = leaves[i], entry.in_placements[j]
+        shape = list(x.shape)
+        if isinstance(p, Shard) and not hasattr(x, "to_local"):
+            lo, hi = chunk_bounds(p.size, parts, rank)
+            shape[p.dim] = hi - lo
+        ins.append(TensorSpec.of(x, shape if not hasattr(x, "to_local") else None))
+    return state, ins
+
+
+def apply_remat(gm: torch.fx.GraphModule, remat, state: list[TensorSpec],
+                inputs: list[TensorSpec]) -> torch.fx.GraphModule:
+    """The local graph ``gm`` rewritten for ``remat`` (see :class:`Remat`).
+
+    Example::
+
+        state, ins = local_specs(entry, args, kwargs, parts, rank)
+        local = apply_remat(local, "auto", state, ins)
+        local.spdsl_remat        # RematReport: what was tiled and saved
+    """
+    r = Remat.of(remat)
+    report = RematReport(r)
+    if r.mode == "none" and not r.tile_mlp and not r.tile_loss:
+        gm.spdsl_remat = report
+        return gm
+    gm = copy.deepcopy(gm)
+    specs = state + inputs
+    annotate(gm, specs)
+    _tile(gm, r, report, len(state), loss_only=r.budget is not None and r.tile_mlp is None)
+    classes = annotate(gm, specs)
+    if r.mode == "none":
+        gm.spdsl_remat = report
+        return gm
+    if r.mode == "full":
+        out = checkpoint_layers(gm, SavePolicy())
+    elif r.budget is None:
+        keep = candidates(classes)
+        report.saved = [c.name for c in keep]
+        out = checkpoint_layers(gm, SavePolicy(frozenset(c.key for c in keep)))
+    else:
+        out = _fit_budget(gm, r, report, classes, state, inputs)
+    out.spdsl_remat = report
+    return out
+
+
+def _tile(gm, r: Remat, report: RematReport, n_state: int, loss_only: bool) -> None:
+    want_loss = r.tile_loss if r.tile_loss is not None else r.mode != "none"
+    found = find_loss(gm) if want_loss is not False else None
+    if found is not None:
+        logits = found["mm"].meta["val"]
+        size = logits.shape[0] * logits.shape[-1] * 4      # the fp32 logits it would build
+        if r.tile_loss or size >= r.tile_bytes:
+            tile_loss(gm, found)
+            report.tiled_loss = True
+    if r.tile_mlp is False or (r.tile_mlp is None and (r.mode == "none" or loss_only)):
+        gm.recompile()
+        return
+    for i, reg in enumerate(mlp_regions(gm, n_state)):
+        if r.tile_mlp or reg["ffn_bytes"] >= r.tile_bytes:
+            hidden = reg["x"].meta["val"].shape[-1]
+            # ALST's rule: chunks of about `hidden` tokens keep each [chunk, ffn] near square
+            chunks = r.mlp_chunks or max(2, math.ceil(reg["seq"] / max(1, hidden)))
+            tile_region(gm, reg, chunks, f"spdsl_tiled_mlp_{i}")
+            report.tiled_mlp += 1
+            report.mlp_chunks = min(chunks, reg["seq"])
+    gm.graph.lint()
+    gm.recompile()
+
+
+def _fit_budget(gm, r: Remat, report: RematReport, classes: list[OpClass],
+                state: list[TensorSpec], inputs: list[TensorSpec]) -> torch.fx.GraphModule:
+    """Largest prefix of the ranked candidates whose predicted peak fits ``r.budget``."""
+    from spdsl.memory.simulate import simulate   # memory planning sits on top of remat
+
+    cands = candidates(classes)
+
+    def build(k: int):
+        return checkpoint_layers(gm, SavePolicy(frozenset(c.key for c in cands[:k])))
+
+    def peak(k: int) -> int:
+        return simulate(build(k), state, inputs, optimizer=r.optimizer).peak
+
+    lo, hi = 0, len(cands)
+    if peak(hi) <= r.budget:
+        lo = hi
+    elif peak(0) > r.budget:
+        if not report.tiled_mlp and r.tile_mlp is None:
+            annotate(gm, state + inputs)
+            _tile(gm, r.with_(tile_mlp=True, tile_loss=False), report, len(state), False)
+            if report.tiled_mlp:
+                classes = annotate(gm, state + inputs)
+                return _fit_budget(gm, r.with_(tile_mlp=False), report, classes, state,
+                                   inputs)
+        warnings.warn(f"remat: even the leanest policy needs {peak(0)} bytes per rank, over "
+                      f"the budget of {r.budget}", stacklevel=3)
+    else:
+        while hi - lo > 1:       # peak(lo) fits, peak(hi) does not
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if peak(mid) <= r.budget else (lo, mid)
+    report.saved = [c.name for c in cands[:lo]]
+    report.predicted_peak = peak(lo)
+    return build(lo)

@@ -12,8 +12,8 @@ import copy
 
 import torch
 import torch.distributed as dist
-import torch.nn as nn
 import torch.nn.functional as F
+from torch import nn
 from torch.distributed.tensor import Replicate, Shard, distribute_module, distribute_tensor
 
 import spdsl

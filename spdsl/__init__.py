@@ -19,8 +19,8 @@ from spdsl.propagate.rules import RuleCtx, Strategy, register_rule
 _dtensor_ops.register()
 
 __all__ = [
-    "P",
     "Collective",
+    "P",
     "RuleCtx",
     "Sharded",
     "ShardingError",

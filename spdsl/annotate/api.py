@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import functools
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -18,16 +19,15 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor import Shard as DShard
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from spdsl.annotate.mesh import axis_size, mesh as make_mesh
+from spdsl.annotate.mesh import axis_size
+from spdsl.annotate.mesh import mesh as make_mesh
 from spdsl.annotate.spec import P
 from spdsl.errors import ShardingError
 from spdsl.lower.graph import lower
 from spdsl.propagate.engine import Propagator
 from spdsl.propagate.placement import (
     REPLICATE,
-    Partial,
     Placement,
-    Replicate,
     Shard,
     chunk_bounds,
     typed_shape,
@@ -387,5 +387,3 @@ def plan(fn: Callable, *args, **kwargs) -> ShardingPlan:
         fn = Sharded(fn, parts=world, seq_dim=1)
     return fn.build(args, kwargs).plan
 
-
-_ = (Partial, Replicate)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Iterator
+from collections.abc import Iterator
 
 
 class P(tuple):
@@ -18,7 +18,7 @@ class P(tuple):
         'sp'
     """
 
-    def __new__(cls, *entries: str | None) -> "P":
+    def __new__(cls, *entries: str | None) -> P:  # noqa: PYI034
         for e in entries:
             if e is not None and not isinstance(e, str):
                 raise TypeError(f"P entries are mesh axis names or None, got {e!r}")

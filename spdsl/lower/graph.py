@@ -18,7 +18,14 @@ from torch.utils._pytree import tree_map
 from spdsl import collectives as C
 from spdsl.lower import ops
 from spdsl.propagate.engine import Propagator, tensor_inputs
-from spdsl.propagate.placement import Partial, Placement, Replicate, Shard, chunk_bounds, local_shape
+from spdsl.propagate.placement import (
+    Partial,
+    Placement,
+    Replicate,
+    Shard,
+    chunk_bounds,
+    local_shape,
+)
 
 aten = torch.ops.aten
 

@@ -18,9 +18,7 @@ import torch
 from spdsl.errors import ShardingError
 from spdsl.propagate import rules as _rules
 from spdsl.propagate.placement import (
-    PARTIAL,
     REPLICATE,
-    Partial,
     Placement,
     Replicate,
     Shard,
@@ -233,5 +231,3 @@ class Propagator:
             p = p[0]
         return typed_shape(tuple(val.shape), val.dtype, p, self.axis)
 
-
-_ = (PARTIAL, Partial)

@@ -11,8 +11,9 @@ tensor keeps every ``outer`` row, with its chunk of the factor inside.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence, Union
+from typing import Union
 
 import torch
 from torch.distributed.tensor import Partial as DPartial
@@ -45,7 +46,7 @@ class Shard:
         return shape[self.dim] // (self.outer * self.size)
 
 
-Placement = Union[Replicate, Partial, Shard]
+Placement = Union[Replicate, Partial, Shard]  # noqa: UP007 (a runtime alias)
 REPLICATE = Replicate()
 PARTIAL = Partial()
 

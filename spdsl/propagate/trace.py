@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import inspect
 import types
+from collections.abc import Callable
 from contextlib import ExitStack
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F

@@ -11,7 +11,8 @@ of the factor is a contiguous chunk of its outermost part when that part divides
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from collections.abc import Sequence
+from itertools import pairwise
 
 from spdsl.propagate.placement import Shard
 
@@ -65,13 +66,13 @@ def atoms_through_view(in_shape: Sequence[int], in_atoms: Sequence[tuple[int, ..
         bounds.add(sfx_out[d])
         bounds.add(sfx_out[d] * int(n))
     chain = sorted(bounds)
-    if any(b % a for a, b in zip(chain, chain[1:])):
+    if any(b % a for a, b in pairwise(chain)):
         return [(int(n),) for n in out_shape]
     out = []
     for d, n in enumerate(out_shape):
         lo, hi = sfx_out[d], sfx_out[d] * int(n)
         inside = [b for b in chain if lo <= b <= hi]
-        atoms = tuple(b // a for a, b in zip(inside, inside[1:]))[::-1]
+        atoms = tuple(b // a for a, b in pairwise(inside))[::-1]
         out.append(atoms if atoms and math.prod(atoms) == n else (int(n),))
     return out
 

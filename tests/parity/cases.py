@@ -8,8 +8,8 @@ import copy
 import math
 
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
+from torch import nn
 
 import spdsl
 from models.llama import Llama, LlamaConfig

@@ -43,7 +43,7 @@ def test_loss_and_every_gradient(results, name):
 
 
 def test_sgd_steps_stay_in_parity(results):
-    world, per_rank = _case(results, "sgd_steps")
+    _, per_rank = _case(results, "sgd_steps")
     for res in per_rank:
         out = res["sgd_steps"]
         assert out["loss"] <= LOSS_RTOL
@@ -67,7 +67,7 @@ def test_collectives_match_global_slicing(results):
 
 
 def test_dtensor_native_model_eager_and_traced(results):
-    world, per_rank = _case(results, "dtensor_native")
+    _, per_rank = _case(results, "dtensor_native")
     for res in per_rank:
         out = res["dtensor_native"]
         assert out["placements"] == "(Shard(dim=1),)"

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn as nn
+from torch import nn
 
 import spdsl
 from models.llama import Llama, LlamaConfig

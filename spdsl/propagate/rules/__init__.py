@@ -8,8 +8,9 @@ redistributions move and keeps the cheapest.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any, Callable
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -87,7 +88,7 @@ def lookup(op: Any) -> Rule | None:
     return None
 
 
-from spdsl.propagate.rules import (  # noqa: E402,F401  (registration side effects)
+from spdsl.propagate.rules import (  # noqa: F401  (registration side effects)
     attention,
     factory,
     loss,

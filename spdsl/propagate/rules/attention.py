@@ -7,12 +7,11 @@ from __future__ import annotations
 
 import torch
 
+import spdsl.propagate.trace  # noqa: F401  (defines torch.ops.spdsl.*)
 from spdsl.errors import ShardingError
 from spdsl.propagate.placement import REPLICATE, Replicate, Shard, typed_shape
 from spdsl.propagate.rules import RuleCtx, Strategy, rule
 from spdsl.propagate.source import where
-
-import spdsl.propagate.trace  # noqa: F401  (defines torch.ops.spdsl.*)
 
 
 def check_heads(ctx: RuleCtx, where: str = "") -> None:

@@ -8,7 +8,6 @@ from __future__ import annotations
 import torch
 
 import spdsl.propagate.trace  # noqa: F401  (defines torch.ops.spdsl.*)
-
 from spdsl.propagate.placement import PARTIAL, REPLICATE, Shard
 from spdsl.propagate.rules import RuleCtx, Strategy, aten, rule
 

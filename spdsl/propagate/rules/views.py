@@ -5,13 +5,9 @@ owner contributes, the others add zeros)."""
 
 from __future__ import annotations
 
-from spdsl.propagate.placement import PARTIAL, REPLICATE, Partial, Replicate, Shard
+from spdsl.propagate.placement import PARTIAL, REPLICATE, Partial, Shard
 from spdsl.propagate.rules import RuleCtx, Strategy, aten, rule
 from spdsl.propagate.viewmap import map_shard
-
-
-def _keep_rest(ctx: RuleCtx, first, out) -> tuple:
-    return (first,) + tuple(REPLICATE for _ in ctx.inputs[1:])
 
 
 def _replicated(ctx: RuleCtx, name: str, out=None) -> Strategy:
@@ -209,5 +205,3 @@ def index_select(ctx: RuleCtx) -> list[Strategy]:
         return [Strategy((REPLICATE, q), Shard(dim, 1, ctx.out.shape[dim]), None, "index_select")]
     return [Strategy((REPLICATE, REPLICATE), REPLICATE, None, "index_select")]
 
-
-_ = (Replicate, _keep_rest)

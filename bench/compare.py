@@ -43,7 +43,7 @@ from bench.baselines import report  # noqa: E402
 from bench.baselines.analytic import ulysses_floor  # noqa: E402
 from bench.baselines.data import make_batches  # noqa: E402
 from bench.baselines.model import CONFIGS  # noqa: E402
-from bench.baselines.runner import Workload, run_system  # noqa: E402
+from bench.baselines.runner import Workload, run_all  # noqa: E402
 from bench.baselines.systems import RunConfig, select  # noqa: E402
 
 
@@ -97,15 +97,8 @@ def run(args: argparse.Namespace) -> list[dict] | None:
         batches = make_batches(args.warmup + args.steps + 1, args.batch, seq, vocab,
                                args.seed + 1 + i, args.ignore_prefix, args.labels == "window")
         workloads.append(Workload(seq, batches[:-1], batches[-1]))
-    rows, references = [], {}
-    for system in select(args.systems):
-        torch._dynamo.reset()            # each compiled system starts from a clean Dynamo
-        for row in run_system(system, cfg, workloads, args.warmup, references, args.top):
-            if system.single_process and row["status"] == "ok":
-                references[row["seq"]] = {"losses": row["losses"], "grads": row.pop("_grads")}
-            rows.append(row)
-            print(f"[compare] {system.label} seq {row['seq']}: {row['status']} {row['reason']}",
-                  flush=True)
+    rows = run_all(select(args.systems), cfg, workloads, args.warmup, args.top,
+                   log=lambda line: print(line, flush=True))
     dist.barrier()
     dist.destroy_process_group()
     if rank != 0:

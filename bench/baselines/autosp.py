@@ -22,9 +22,11 @@ columns report (``loss_of_rank``: the value rank 0 returns).
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import torch
+import torch._functorch.partitioners as partitioners
 import torch.distributed as dist
 
 from .model import PositionalLoss, build_llama, kv_repeat, repeated_kv, sdpa
@@ -54,7 +56,23 @@ class AutoSPTrainer:
         opt = torch.optim.AdamW(self.llama.parameters(), lr=cfg.lr)
         self.engine, _, _, _ = deepspeed.initialize(model=module, optimizer=opt,
                                                     config=ds_config(cfg))
+        # engine.compile() replaces torch's min-cut partitioner process-wide (AutoSP's
+        # "long-context checkpointing" execs a patched solve_min_cut into the module). Keep
+        # that patch to AutoSP's own steps so the other compiled systems in this process
+        # partition with stock PyTorch.
+        stock = partitioners.solve_min_cut
         self.engine.compile()
+        self._min_cut = partitioners.solve_min_cut
+        partitioners.solve_min_cut = stock
+
+    @contextlib.contextmanager
+    def _own_partitioner(self):
+        saved = partitioners.solve_min_cut
+        partitioners.solve_min_cut = self._min_cut
+        try:
+            yield
+        finally:
+            partitioners.solve_min_cut = saved
 
     def zero_grad(self) -> None:
         self.engine.zero_grad()
@@ -67,8 +85,9 @@ class AutoSPTrainer:
         ids, lab = input_ids.clone(), labels.clone()
         pos = torch.arange(ids.shape[1]).expand(ids.shape[0], -1).clone()
         ids, lab, pos, _ = prepare_autosp_inputs(ids, lab, pos, seq_dim=1)
-        loss = self.engine(ids, lab, pos)
-        self.engine.backward(loss)
+        with self._own_partitioner():
+            loss = self.engine(ids, lab, pos)
+            self.engine.backward(loss)
         # Each rank holds the mean over its own shard; report their mean (what a mean-of-means
         # trainer optimizes). Parity against the global mean shows where that differs.
         mean = loss.detach().clone()

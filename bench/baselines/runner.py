@@ -1,13 +1,18 @@
-"""The per-rank loop that every system goes through in the same way.
+"""The per-rank loop that every system goes through in the same way, interleaved.
 
-For each system: build it once, then for each sequence length in turn run ``warmup + steps``
-training steps on the shared batches (a barrier before each so ranks start together; a step's
-time is the slowest rank's), keep the first step's gradients for parity, and run one extra
-*profiled* step (not timed) for collective bytes and peak memory. Every system sees the same
-batches in the same order, so loss trajectories stay comparable step by step. Lengths after the
-first make compiled systems recompile (Dynamo's automatic dynamic shapes), which shows in their
-first-step times. The reference runs on rank 0 alone while the other ranks wait, so it is timed
-as the single process it is.
+All systems are built first (AutoSP last: ``deepspeed.initialize`` patches global state). Then,
+for each sequence length in turn:
+
+1. warm-up, system by system: the first ``warmup`` steps (compilation happens here);
+2. timed steps, round-robin: step ``j`` of every system before step ``j+1`` of any, so a burst
+   of load from other processes on this shared machine hits every system alike instead of
+   whichever happened to be running (a step's time is the slowest rank's, from a barrier);
+3. one extra *profiled* step per system (not timed): collective bytes and peak memory.
+
+Every system sees the same batches in the same order, so loss trajectories stay comparable step
+by step; the first step's gradients at each length are kept for parity. Lengths after the first
+make compiled systems recompile, which shows in their first-step times. The reference runs on
+rank 0 alone while the other ranks wait, so it is timed as the single process it is.
 """
 
 from __future__ import annotations
@@ -15,20 +20,39 @@ from __future__ import annotations
 import statistics
 import time
 import traceback
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 import torch.distributed as dist
 
-from .measure import profile_step
+from .measure import StepMeasure, profile_step
 from .systems import RunConfig, System, Trainer, Unavailable
 
 
 @dataclass
 class Workload:
     seq: int
-    batches: list          # [(input_ids, labels)] timed (after warm-up) and parity-checked
+    batches: list          # [(input_ids, labels)]: warm-up then timed steps, parity-checked
     profile_batch: tuple   # one more batch for the profiled step
+
+
+@dataclass
+class Slot:
+    """One system's state in this launch, and what it measured at the current length."""
+
+    system: System
+    trainer: Trainer | None = None
+    status: str = "ok"
+    reason: str = ""
+    times: list = field(default_factory=list)
+    losses: list = field(default_factory=list)
+    grads: torch.Tensor | None = None
+    measure: StepMeasure | None = None
+
+    @property
+    def solo(self) -> bool:
+        return self.system.single_process
 
 
 def _flat_grads(trainer: Trainer) -> torch.Tensor:
@@ -41,39 +65,6 @@ def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 
-def _train(trainer: Trainer, batches, barrier: bool):
-    times, losses, grads = [], [], None
-    for i, (ids, labels) in enumerate(batches):
-        trainer.zero_grad()
-        if barrier:
-            dist.barrier()
-        t0 = time.perf_counter()
-        losses.append(trainer.forward_backward(ids, labels))
-        t1 = time.perf_counter()
-        if i == 0:
-            grads = _flat_grads(trainer)     # untimed: the copy kept for parity
-        t2 = time.perf_counter()
-        trainer.optimizer_step()
-        times.append((t1 - t0) + (time.perf_counter() - t2))
-    return times, losses, grads
-
-
-def _one_step(trainer: Trainer, batch):
-    def step():
-        trainer.forward_backward(*batch)
-        trainer.optimizer_step()
-    return step
-
-
-def _measure(trainer: Trainer, work: Workload, solo: bool, world: int, rank: int, top: int):
-    times, losses, grads = _train(trainer, work.batches, barrier=not solo)
-    trainer.zero_grad()
-    if not solo:
-        dist.barrier()
-    measure = profile_step(_one_step(trainer, work.profile_batch), world, rank, top)
-    return times, losses, grads, measure
-
-
 def _failure(e: Exception, rank: int) -> tuple[str, str]:
     if isinstance(e, Unavailable):
         return "unavailable", str(e)
@@ -82,83 +73,116 @@ def _failure(e: Exception, rank: int) -> tuple[str, str]:
     return "failed", f"{type(e).__name__}: {e}".strip().splitlines()[0][:400]
 
 
-def _agree(status: str, reason: str) -> tuple[str, str]:
-    """All ranks must agree on failure before the next collectives start."""
-    flag = torch.tensor([0 if status == "ok" else 1])
+def _guarded(slot: Slot, rank: int, fn: Callable[[], None]) -> None:
+    """Run ``fn`` for ``slot`` on the ranks it runs on; failures are reported, not raised,
+    and the ranks agree on them before anyone starts the next collective."""
+    if (not slot.solo or rank == 0) and slot.status == "ok":
+        try:
+            fn()
+        except Exception as e:
+            slot.status, slot.reason = _failure(e, rank)
+    if slot.solo:
+        dist.barrier()               # the other ranks wait while rank 0 runs the reference
+        return
+    flag = torch.tensor([0 if slot.status == "ok" else 1])
     dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-    if flag.item() and status == "ok":
-        return "failed", "another rank failed"
-    return status, reason
+    if flag.item() and slot.status == "ok":
+        slot.status, slot.reason = "failed", "another rank failed"
 
 
-def _reduce_over_ranks(times, measure, grads) -> tuple[list, float]:
-    """Slowest rank's step times, largest rank's peak memory, and how far the ranks' gradients
-    are from rank 0's (every rank must hold the same full gradient)."""
-    t = torch.tensor(times, dtype=torch.float64)
+def _step(slot: Slot, batch: tuple, keep_grads: bool) -> None:
+    trainer = slot.trainer
+    trainer.zero_grad()
+    if not slot.solo:
+        dist.barrier()
+    t0 = time.perf_counter()
+    slot.losses.append(trainer.forward_backward(*batch))
+    t1 = time.perf_counter()
+    if keep_grads:
+        slot.grads = _flat_grads(trainer)      # untimed: the copy kept for parity
+    t2 = time.perf_counter()
+    trainer.optimizer_step()
+    slot.times.append((t1 - t0) + (time.perf_counter() - t2))
+
+
+def _profile(slot: Slot, batch: tuple, world: int, rank: int, top: int) -> None:
+    trainer = slot.trainer
+    trainer.zero_grad()
+    if not slot.solo:
+        dist.barrier()
+
+    def step():
+        trainer.forward_backward(*batch)
+        trainer.optimizer_step()
+    slot.measure = profile_step(step, 1 if slot.solo else world, rank, top)
+
+
+def _reduce_over_ranks(slot: Slot) -> float:
+    """Slowest rank's step times, largest rank's peak memory; returns how far the ranks'
+    gradients are from rank 0's (every rank must hold the same full gradient)."""
+    t = torch.tensor(slot.times, dtype=torch.float64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    peak = torch.tensor([measure.peak_bytes], dtype=torch.float64)
+    slot.times = t.tolist()
+    peak = torch.tensor([slot.measure.peak_bytes], dtype=torch.float64)
     dist.all_reduce(peak, op=dist.ReduceOp.MAX)
-    measure.peak_bytes = int(peak.item())
-    g0 = grads.clone()
+    slot.measure.peak_bytes = int(peak.item())
+    g0 = slot.grads.clone()
     dist.broadcast(g0, 0)
-    spread = torch.tensor([_rel_err(grads, g0)], dtype=torch.float64)
+    spread = torch.tensor([_rel_err(slot.grads, g0)], dtype=torch.float64)
     dist.all_reduce(spread, op=dist.ReduceOp.MAX)
-    return t.tolist(), spread.item()
+    return spread.item()
 
 
-def _row(system: System, seq: int, times, losses, grads, measure, warmup: int,
-         reference: dict | None) -> dict:
-    timed = times[warmup:] or times[-1:]
-    row = {"system": system.name, "mode": system.mode, "seq": seq, "status": "ok", "reason": "",
-           "first_step_s": times[0], "median_step_s": statistics.median(timed), "step_s": times,
-           "losses": losses, "comm_bytes": measure.comm_bytes, "comm_calls": measure.comm_calls,
-           "comm_total": measure.total_comm_bytes, "peak_bytes": measure.peak_bytes}
-    if measure.top_ops:
-        row["top_ops"] = measure.top_ops
-    if system.single_process:        # the reference: keep what the others compare with
-        row["_grads"] = grads
-    elif reference is not None:
-        row["loss_rel_err"] = max(abs(a - b) / abs(b) for a, b in zip(losses, reference["losses"]))
-        row["grad_rel_err"] = _rel_err(grads, reference["grads"])
+def _row(slot: Slot, seq: int, warmup: int, reference: Slot | None) -> dict:
+    s = slot.system
+    row = {"system": s.name, "mode": s.mode, "seq": seq, "status": slot.status,
+           "reason": slot.reason}
+    if slot.status != "ok":
+        return row
+    m, timed = slot.measure, slot.times[warmup:] or slot.times[-1:]
+    row.update(first_step_s=slot.times[0], median_step_s=statistics.median(timed),
+               min_step_s=min(timed), step_s=slot.times, losses=slot.losses,
+               comm_bytes=m.comm_bytes, comm_calls=m.comm_calls, comm_total=m.total_comm_bytes,
+               peak_bytes=m.peak_bytes)
+    if m.top_ops:
+        row["top_ops"] = m.top_ops
+    if reference is not None and reference is not slot and reference.status == "ok":
+        row["loss_rel_err"] = max(abs(a - b) / abs(b)
+                                  for a, b in zip(slot.losses, reference.losses))
+        row["grad_rel_err"] = _rel_err(slot.grads, reference.grads)
     return row
 
 
-def run_system(system: System, cfg: RunConfig, workloads: list[Workload], warmup: int,
-               references: dict[int, dict], top: int = 0) -> list[dict]:
-    """Run one system over every workload on every rank; rank 0 gets one row per workload
-    (with the ``top`` ops by self CPU time of rank 0's profiled step when ``top`` > 0)."""
-    solo = system.single_process
-    if solo and cfg.rank != 0:
-        dist.barrier()               # wait while rank 0 runs the reference alone
-        return []
-    world = 1 if solo else cfg.world
-    rows, trainer, status, reason = [], None, "ok", ""
-    try:
-        trainer = system.build(cfg)
-    except Exception as e:
-        status, reason = _failure(e, cfg.rank)
+def run_all(systems: list[System], cfg: RunConfig, workloads: list[Workload], warmup: int,
+            top: int = 0, log: Callable[[str], None] = print) -> list[dict]:
+    """Every system at every workload; rank 0 gets one row per (system, workload)."""
+    slots = [Slot(s) for s in systems]
+    for slot in slots:
+        _guarded(slot, cfg.rank, lambda slot=slot: setattr(slot, "trainer",
+                                                          slot.system.build(cfg)))
+    reference = next((s for s in slots if s.solo), None)
+    rows = []
     for work in workloads:
-        result = None
-        if status == "ok":
-            try:
-                result = _measure(trainer, work, solo, world, cfg.rank, top)
-            except Exception as e:
-                status, reason = _failure(e, cfg.rank)
-        if not solo:
-            status, reason = _agree(status, reason)
-        if status != "ok":
-            rows.append({"system": system.name, "mode": system.mode, "seq": work.seq,
-                         "status": status, "reason": reason})
-            continue
-        times, losses, grads, measure = result
-        spread = None
-        if not solo:
-            times, spread = _reduce_over_ranks(times, measure, grads)
-        row = _row(system, work.seq, times, losses, grads, measure, warmup,
-                   references.get(work.seq))
-        if spread is not None:
-            row["grad_rank_spread"] = spread
-        rows.append(row)
-    if solo:
-        dist.barrier()
-    return rows if cfg.rank == 0 else []
+        n = len(work.batches)
+        for slot in slots:
+            slot.times, slot.losses, slot.grads, slot.measure = [], [], None, None
+            for j in range(min(warmup, n)):
+                _guarded(slot, cfg.rank, lambda: _step(slot, work.batches[j], j == 0))
+        for j in range(warmup, n):
+            for slot in slots:
+                _guarded(slot, cfg.rank, lambda: _step(slot, work.batches[j], j == 0))
+        for slot in slots:
+            _guarded(slot, cfg.rank,
+                     lambda: _profile(slot, work.profile_batch, cfg.world, cfg.rank, top))
+        for slot in slots:
+            spread = None
+            if not slot.solo and slot.status == "ok":
+                spread = _reduce_over_ranks(slot)
+            if cfg.rank == 0:
+                row = _row(slot, work.seq, warmup, reference)
+                if spread is not None:
+                    row["grad_rank_spread"] = spread
+                rows.append(row)
+                log(f"[compare] {slot.system.label} seq {work.seq}: {row['status']} "
+                    f"{row['reason']}")
+    return rows

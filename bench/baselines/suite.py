@@ -26,11 +26,12 @@ BEGIN, END = "<!-- tables:begin (bench/compare.py --suite) -->", "<!-- tables:en
 # 2 cores, cold compiles included: spdsl compiled compiles once per length, so the SP 4 sweep is
 # split in two launches.
 RUNS = {
-    "sp2": (2, ["--seq", "4096", "--warmup", "1", "--steps", "3"],
+    "sp2": (2, ["--seq", "4096", "--warmup", "1", "--steps", "3", "--top", "6"],
             "SP 2, 4096 tokens, all systems"),
     # 4096 first: its compiled graphs are static, as in the SP 2 run; the next lengths make the
     # compiled baselines recompile once with a dynamic sequence dim (Dynamo automatic dynamic).
-    "sp4_short": (4, ["--seq", "4096", "1024", "2048", "--warmup", "1", "--steps", "3"],
+    "sp4_short": (4, ["--seq", "4096", "1024", "2048", "--warmup", "1", "--steps", "3",
+                      "--top", "6"],
                   "SP 4, all systems, 4096 then 1024 and 2048 tokens"),
     "sp4_long": (4, ["--seq", "8192", "16384", "--warmup", "1", "--steps", "3"],
                  "SP 4, all systems, 8192 then 16384 tokens"),
@@ -85,8 +86,11 @@ def render() -> None:
             continue
         cmd = f"torchrun --standalone --nproc_per_node={ranks} bench/compare.py {' '.join(args)}"
         parts.append(f"### {title}\n\n`{cmd}`\n")
-        for result in results:
+        for i, result in enumerate(results):
             parts.append(report.header(result) + "\n\n" + report.table(result) + "\n")
+            if i == 0 and report.top_ops(result):   # where the time goes, first length only
+                parts.append("Most expensive ops of each system's profiled step (rank 0, "
+                             "self CPU time):\n\n" + report.top_ops(result) + "\n")
     with open(RESULTS_MD) as f:
         text = f.read()
     if BEGIN not in text or END not in text:

@@ -23,7 +23,9 @@ from spdsl.annotate.mesh import axis_size
 from spdsl.annotate.mesh import mesh as make_mesh
 from spdsl.annotate.spec import P
 from spdsl.errors import ShardingError
+from spdsl.lower.compile import compile_local
 from spdsl.lower.graph import lower
+from spdsl.lower.kernels import KernelChoice, swap_kernels
 from spdsl.propagate.engine import Propagator
 from spdsl.propagate.placement import (
     REPLICATE,
@@ -72,9 +74,11 @@ class Sharded:
 
     def __init__(self, fn: Callable, *, mesh=None, in_specs=None, out_specs=None,
                  axis: str | None = None, parts: int | None = None, seq_dim: int | None = None,
-                 compile: bool = False, debug: bool | None = None, remat=None) -> None:
+                 compile: bool = False, debug: bool | None = None, remat=None,
+                 kernels="auto") -> None:
         self.fn, self._mesh, self.in_specs, self.out_specs = fn, mesh, in_specs, out_specs
         self.remat = Remat.of(remat)     # spdsl.remat: "none" | "full" | "auto" | budget
+        self.kernels = KernelChoice.of(kernels)   # spdsl.lower.kernels: "auto"|"on"|"off"|names
         self.seq_dim, self.compile = seq_dim, compile
         self.debug = os.environ.get("SPDSL_DEBUG", "0") == "1" if debug is None else debug
         self.axis = axis or _axis_of(in_specs) or "sp"
@@ -264,11 +268,14 @@ class Sharded:
         if entry.local is None:
             group, rank = self._group_and_rank()
             entry.local = lower(entry.prop, rank, group, entry.out_placements)
+            # -- kernel swaps (spdsl.lower.kernels), on the flat graph before remat splits it --
+            entry.local = swap_kernels(entry.local, self.kernels,
+                                       *local_specs(entry, args, kwargs, self.parts, rank))
             # -- remat stage (spdsl.remat): tiling, per-layer checkpoints, SAC policy --
             entry.local = apply_remat(entry.local, self.remat,
                                       *local_specs(entry, args, kwargs, self.parts, rank))
             if self.compile:
-                entry.local = torch.compile(entry.local, fullgraph=True)
+                entry.local = compile_local(entry.local)   # fullgraph; breaks -> ShardingError
             entry.rank = rank
         leaves, _ = tree_flatten((args, kwargs))
         if self.debug:
@@ -332,7 +339,7 @@ def _axis_of(specs) -> str | None:
 
 
 def shard(fn: Callable | None = None, *, mesh, in_specs, out_specs=None,
-          compile: bool = False, debug: bool | None = None, remat=None
+          compile: bool = False, debug: bool | None = None, remat=None, kernels="auto"
           ) -> Sharded | Callable[[Callable], Sharded]:
     """Run ``fn`` split over a mesh axis: ``in_specs`` mirror the positional arguments (one
     ``P`` per tensor, or None for replicated), ``out_specs`` the outputs (scalars: ``P()``).
@@ -347,12 +354,13 @@ def shard(fn: Callable | None = None, *, mesh, in_specs, out_specs=None,
     """
     def wrap(f: Callable) -> Sharded:
         return Sharded(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, compile=compile,
-                       debug=debug, remat=remat)
+                       debug=debug, remat=remat, kernels=kernels)
     return wrap(fn) if fn is not None else wrap
 
 
 def sp_shard(fn: Callable | None = None, *, seq: int, seq_dim: int = 1, axis: str = "sp",
-             mesh=None, compile: bool = False, debug: bool | None = None, remat=None):
+             mesh=None, compile: bool = False, debug: bool | None = None, remat=None,
+             kernels="auto"):
     """Sequence parallelism for a forward: tensor arguments whose dim ``seq_dim`` has the
     sequence length are split over ``seq`` ranks of axis ``axis``; everything else, parameters
     included, is replicated. Scalars come back as the exact global value; sequence-shaped
@@ -366,7 +374,7 @@ def sp_shard(fn: Callable | None = None, *, seq: int, seq_dim: int = 1, axis: st
     """
     def wrap(f: Callable) -> Sharded:
         return Sharded(f, mesh=mesh, axis=axis, parts=seq, seq_dim=seq_dim, compile=compile,
-                       debug=debug, remat=remat)
+                       debug=debug, remat=remat, kernels=kernels)
     return wrap(fn) if fn is not None else wrap
 
 

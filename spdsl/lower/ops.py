@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from spdsl.collectives import all_reduce, all_to_all, all_to_all_many
+from spdsl.kernels import flash_attn
 
 aten = torch.ops.aten
 
@@ -13,11 +14,13 @@ aten = torch.ops.aten
 def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                       mask: torch.Tensor | None, dropout_p: float, is_causal: bool,
                       scale: float | None, enable_gqa: bool, parts: int, rank: int,
-                      group: str) -> torch.Tensor:
+                      group: str, kernel: bool = False) -> torch.Tensor:
     """Local ``[B, H, S/P, D]`` q, k, v -> attention over the whole sequence for ``H/P`` heads
-    -> local ``[B, H, S/P, D]`` output. One all-to-all in (q, k, v fused), one out."""
+    -> local ``[B, H, S/P, D]`` output. One all-to-all in (q, k, v fused), one out.
+    ``kernel``: spdsl's flash attention instead of SDPA (set by ``spdsl.lower.kernels``)."""
     if parts == 1:
-        return local_attention(q, k, v, mask, dropout_p, is_causal, scale, enable_gqa)
+        return local_attention(q, k, v, mask, dropout_p, is_causal, scale, enable_gqa,
+                               kernel=kernel)
     hq, hk = q.shape[1], k.shape[1]
     if hk < parts:
         # fewer kv heads than ranks: each rank needs the kv head of its query heads, so repeat
@@ -30,13 +33,14 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         n = hq // parts
         mask = mask.narrow(-3, rank * n, n)
     gqa = qh.shape[1] != kh.shape[1]
-    o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, dropout_p=dropout_p,
-                                       is_causal=is_causal, scale=scale, enable_gqa=gqa)
+    o = local_attention(qh, kh, vh, mask, dropout_p, is_causal, scale, gqa, kernel=kernel)
     return all_to_all(o, heads, seq, parts, group)
 
 
 def local_attention(q, k, v, mask=None, dropout_p=0.0, is_causal=False, scale=None,
-                    enable_gqa=False) -> torch.Tensor:
+                    enable_gqa=False, kernel: bool = False) -> torch.Tensor:
+    if kernel:      # the kernel pass only sets this where there is no mask and no dropout
+        return flash_attn(q, k, v, causal=is_causal, scale=scale)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p,
                                           is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
 
@@ -64,8 +68,11 @@ def mean_partial(x: torch.Tensor, dims, keepdim: bool, count: int, dtype=None) -
 
 def loss_mean(op, args: tuple, count: int) -> torch.Tensor:
     """``op(..., reduction=mean)`` over split values as a partial sum."""
+    from spdsl.propagate.rules.loss import reduction_index
+    i = reduction_index(op)
     args = list(args)
-    args[2] = 2
+    args += [None] * (i + 1 - len(args))     # defaults before reduction are all None
+    args[i] = 2
     return op(*args) / count
 
 

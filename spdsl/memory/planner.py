@@ -42,10 +42,22 @@ def plan_memory(fn, *args, remat=None, rank: int = 0, optimizer: str = "adamw",
     state, ins = local_specs(entry, args, kwargs, fn.parts, rank)
     tokens = _local_tokens(entry, ins)
     with _group(fn) as group:
-        local = lower(entry.prop, rank, group, entry.out_placements)
+        local = _off_meta(lower(entry.prop, rank, group, entry.out_placements))
         local = apply_remat(local, r, state, ins)
         return simulate(local, state, ins, optimizer=optimizer, tokens=tokens,
                         label=f"{r.describe()}, rank {rank} of {fn.parts}")
+
+
+def _off_meta(gm):
+    """Factory calls traced from a meta-device model (``arange(..., device="meta")``) run on
+    fake CPU tensors instead: on meta, attention would pick its quadratic-memory math path."""
+    import torch
+
+    for n in gm.graph.nodes:
+        if isinstance(n.kwargs.get("device"), torch.device) and n.kwargs["device"].type == "meta":
+            n.kwargs = {**n.kwargs, "device": torch.device("cpu")}
+    gm.recompile()
+    return gm
 
 
 def _group(fn):

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 from spdsl.memory.tracker import CATEGORIES
 
@@ -51,13 +51,36 @@ class MemoryPlan:
     peak_phase: str
     tokens: int | None = None
     label: str = ""
+    # per phase (forward/backward/optimizer): bytes per category at that phase's own peak
+    phases: dict = field(default_factory=dict, compare=False)
 
     @staticmethod
     def from_tracker(tracker, *, saved: int, tokens: int | None, label: str) -> MemoryPlan:
         at = {c: tracker.at_peak.get(c, 0) for c in CATEGORIES}
+        phases = {k: {c: v.get(c, 0) for c in CATEGORIES} for k, v in tracker.phase_peaks.items()}
         return MemoryPlan(tracker.peak, at["parameter"], at["gradient"], at["optimizer"],
                           at["input"], at["activation"], at["transient"], saved,
-                          tracker.peak_phase, tokens, label)
+                          tracker.peak_phase, tokens, label, phases)
+
+    def with_state_shards(self, n: int) -> MemoryPlan:
+        """The same step with parameters, gradients and optimizer state split ``n`` ways
+        (ZeRO-3/FSDP-like; the gathered layer weights FSDP adds transiently are not counted).
+        The optimizer's per-parameter temporaries shrink with them."""
+        if n <= 1:
+            return self
+        phases = {}
+        for phase, at in self.phases.items():
+            at = dict(at)
+            for c in ("parameter", "gradient", "optimizer"):
+                at[c] = at[c] // n
+            if phase == "optimizer":
+                at["transient"] //= n
+            phases[phase] = at
+        top = max(phases, key=lambda k: sum(phases[k].values()))
+        b = phases[top]
+        return MemoryPlan(sum(b.values()), b["parameter"], b["gradient"], b["optimizer"],
+                          b["input"], b["activation"], b["transient"], self.saved_activations,
+                          top, self.tokens, f"{self.label}, state / {n}", phases)
 
     @property
     def saved_per_token(self) -> float | None:

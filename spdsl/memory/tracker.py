@@ -20,6 +20,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+_WAIT = torch.ops._c10d_functional.wait_tensor.default
 CATEGORIES = ("parameter", "gradient", "optimizer", "input", "activation", "transient")
 
 
@@ -52,6 +53,7 @@ class LiveBytes(TorchDispatchMode):
         self.peak_phase = ""
         self.phase = "forward"
         self.marks: dict[str, dict[str, int]] = {}
+        self.phase_peaks: dict[str, dict[str, int]] = {}   # phase -> categories at its peak
 
     # -- bookkeeping ----------------------------------------------------------------------
     def _add(self, t: torch.Tensor, category: str) -> None:
@@ -68,6 +70,8 @@ class LiveBytes(TorchDispatchMode):
             self.peak = self.current
             self.at_peak = dict(self.sums)
             self.peak_phase = self.phase
+        if self.current > sum(self.phase_peaks.get(self.phase, {}).values()):
+            self.phase_peaks[self.phase] = dict(self.sums)
 
     def _free(self, key: int) -> None:
         entry = self.live.pop(key, None)
@@ -110,6 +114,10 @@ class LiveBytes(TorchDispatchMode):
 
     # -- dispatch -------------------------------------------------------------------------
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is _WAIT and _faking(args[0]):
+            # eager wait_tensor returns its input; its fake kernel a fresh tensor (same fix
+            # as MemTracker's), which would count every collective output twice
+            return args[0]
         out = func(*args, **(kwargs or {}))
         category = "activation" if self.phase == "forward" else "transient"
         for t in tree_flatten(out)[0]:
@@ -117,3 +125,8 @@ class LiveBytes(TorchDispatchMode):
             if isinstance(t, torch.Tensor) and t.device.type != "meta":
                 self._add(t, category)
         return out
+
+
+def _faking(t) -> bool:
+    from torch._subclasses.fake_tensor import FakeTensor
+    return isinstance(t, FakeTensor)

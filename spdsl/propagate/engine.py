@@ -45,6 +45,8 @@ class Decision:
     redistribute: dict[int, tuple[Placement, Placement]] = field(default_factory=dict)
     grad_reduce: list[int] = field(default_factory=list)   # inputs whose grads are partial
     origin: str = ""
+    alternatives: int = 0                   # strategies the rule offered (plans explain them)
+    cost: float = 0.0                       # bytes the chosen one's redistributions move
 
 
 def tensor_inputs(node: torch.fx.Node) -> list[torch.fx.Node]:
@@ -134,6 +136,12 @@ class Propagator:
         if node.target is torch.ops.spdsl.constraint.default:
             self._constraint(node, ins[0])
         rule = _rules.lookup(node.target)
+        if rule is None and not all(isinstance(p, Replicate) for p in cur):
+            from spdsl.dtensor_ops import strategy_from_dtensor
+            s = strategy_from_dtensor(node, ins, cur, self.parts)
+            if s is not None:
+                def rule(_ctx, _s=s):
+                    return [_s]
         if rule is None:
             if all(isinstance(p, Replicate) for p in cur):
                 out = REPLICATE if isinstance(val, torch.Tensor) else tuple(
@@ -145,7 +153,8 @@ class Propagator:
             self._unknown(node, ins, cur)
         ctx = RuleCtx(node, ins, cur, self.parts)
         best, best_cost = None, INF
-        for s in rule(ctx):
+        candidates = list(rule(ctx))
+        for s in candidates:
             cost = s.extra_cost + sum(
                 redistribute_cost(c, r, a.meta["val"], self.parts)
                 for c, r, a in zip(cur, s.inputs, ins))
@@ -157,7 +166,7 @@ class Propagator:
                 value=", ".join(self.typed(a) for a in ins), where=where(node),
                 detail="every way of running this op needs an unsupported redistribution",
                 fix="add spdsl.with_sharding_constraint(x, P(...)) on its inputs to choose one")
-        d = Decision(best.output, best)
+        d = Decision(best.output, best, alternatives=len(candidates), cost=best_cost)
         for i, (c, r) in enumerate(zip(cur, best.inputs)):
             if c != r:
                 d.redistribute[i] = (c, r)

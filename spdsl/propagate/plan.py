@@ -1,22 +1,27 @@
 """The propagated plan: every value's placement and every collective, with where it came from.
 
 Built from the propagation decisions alone (fake tensors, no process group), so a model too
-large for this machine can be planned here.
+large for this machine can be planned here. Reading it (tables, JSON, HTML, ``explain``) lives
+in ``spdsl.inspect``; this module only collects the facts.
 """
 
 from __future__ import annotations
 
-import json
-import re
-from collections import OrderedDict
-from dataclasses import asdict, dataclass, field
+import operator
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from spdsl.collectives import window_plan
-from spdsl.propagate.engine import Propagator, nbytes, tensor_inputs
-from spdsl.propagate.placement import Partial, Replicate, Shard, chunk_bounds, typed_shape
+from spdsl.propagate.engine import Decision, Propagator, nbytes, tensor_inputs
+from spdsl.propagate.placement import Partial, Replicate, Shard, typed_shape
 from spdsl.propagate.source import module_of, source_of
+
+if TYPE_CHECKING:
+    from spdsl.inspect.explain import Explanation
+    from spdsl.inspect.layers import Block, Totals
 
 
 @dataclass(frozen=True)
@@ -37,6 +42,11 @@ class Collective:
 
 @dataclass(frozen=True)
 class Value:
+    """One value of the traced program: ``typed`` is its typed shape (``f32[2,64@sp,64]``),
+    ``origin`` why it has its placement (an input spec, ``parameter x``, a rule name), ``via``
+    the input whose placement it follows ("" where the chain starts), ``moves`` the
+    redistributions of its inputs as ``(input, from, to)``."""
+
     name: str
     op: str
     typed: str
@@ -44,6 +54,23 @@ class Value:
     source: str
     module: str
     origin: str
+    inputs: tuple[str, ...] = ()
+    via: str = ""
+    moves: tuple[tuple[str, str, str], ...] = ()
+    alternatives: int = 0
+
+
+@dataclass(frozen=True)
+class Attention:
+    """An attention site and its analytic Ulysses floor: the forward bytes per rank that
+    moving q, k, v and the output between sequence and heads must cost (kv heads fewer than
+    the axis counted as repeated up to it)."""
+
+    name: str
+    kind: str            # sdpa | eager (q @ k^T; v and the output assumed shaped like k and q)
+    module: str
+    source: str
+    floor: int
 
 
 @dataclass
@@ -53,14 +80,19 @@ class ShardingPlan:
     Example::
 
         plan = spdsl.plan(spdsl.sp_shard(seq=4)(model), ids, labels)
-        print(plan)                       # per-module table
+        print(plan)                       # per-layer table, identical layers folded
         [c.kind for c in plan.collectives]
+        print(plan.explain("attention"))  # the rules behind one value's placement
+        plan.to_html("plan.html")
     """
 
     axis: str
     parts: int
     values: list[Value] = field(default_factory=list)
     collectives: list[Collective] = field(default_factory=list)
+    outputs: list[tuple[str, str]] = field(default_factory=list)   # (value, final placement)
+    attention: list[Attention] = field(default_factory=list)
+    title: str = ""
 
     @property
     def bytes_fwd(self) -> int:
@@ -70,13 +102,59 @@ class ShardingPlan:
     def bytes_bwd(self) -> int:
         return sum(c.bytes_bwd for c in self.collectives)
 
-    def to_json(self) -> str:
-        return json.dumps({"axis": self.axis, "parts": self.parts,
-                           "values": [asdict(v) for v in self.values],
-                           "collectives": [asdict(c) for c in self.collectives]}, indent=1)
+    @cached_property
+    def by_name(self) -> dict[str, Value]:
+        return {v.name: v for v in self.values}
+
+    def value(self, name: str) -> Value:
+        """The value named ``name`` (an FX node name, as printed by ``explain``)."""
+        try:
+            return self.by_name[name]
+        except KeyError:
+            raise KeyError(f"no value {name!r} in this plan") from None
+
+    @cached_property
+    def layers(self) -> list[Block]:
+        """Blocks of the program in order, runs of identical layers folded into one."""
+        from spdsl.inspect.layers import blocks
+        return blocks(self)
+
+    @cached_property
+    def totals(self) -> Totals:
+        """Bytes per rank per step beside the analytic Ulysses floor."""
+        from spdsl.inspect.layers import totals
+        return totals(self)
+
+    def explain(self, value: Any) -> Explanation:
+        """The chain of rules that gave ``value`` (a name, a ``Value`` or an fx node) its
+        placement, from the input spec (or constraint) that started it."""
+        from spdsl.inspect.explain import explain
+        return explain(self, value)
+
+    def to_json(self, indent: int | None = 1) -> str:
+        """The plan as JSON (schema ``spdsl.plan``, see docs/plan.md)."""
+        from spdsl.inspect.schema import to_json
+        return to_json(self, indent)
+
+    @classmethod
+    def from_json(cls, text: str) -> ShardingPlan:
+        """Read back what ``to_json`` wrote."""
+        from spdsl.inspect.schema import from_json
+        return from_json(text)
+
+    def to_html(self, path: str | None = None) -> str:
+        """A self-contained HTML page of the plan; written to ``path`` when given."""
+        from spdsl.inspect.html import to_html
+        return to_html(self, path)
 
     def __str__(self) -> str:
+        from spdsl.inspect.text import render
         return render(self)
+
+
+def render(plan: ShardingPlan) -> str:
+    """The compact text table ``print(plan)`` shows."""
+    return str(plan)
 
 
 def _needs_grad(prop: Propagator, requires: dict[torch.fx.Node, bool]) -> dict:
@@ -91,8 +169,78 @@ def _needs_grad(prop: Propagator, requires: dict[torch.fx.Node, bool]) -> dict:
     return out
 
 
+def _op_name(node: torch.fx.Node) -> str:
+    if node.op == "placeholder":
+        return "input"
+    return getattr(node.target, "__name__", "") if not isinstance(
+        node.target, torch._ops.OpOverload) else str(node.target)
+
+
+def _via(node: torch.fx.Node, d: Decision, ins: list[torch.fx.Node]) -> str:
+    """The input whose placement this node's rule carried over: the first one it needs
+    split or partial, preferring one that arrives as needed."""
+    if not ins:
+        src = node.args[0] if node.args and isinstance(node.args[0], torch.fx.Node) else None
+        return src.name if src is not None and node.op == "call_function" else ""
+    moved = ""
+    for i, a in enumerate(ins):
+        req = d.strategy.inputs[i] if i < len(d.strategy.inputs) else Replicate()
+        if isinstance(req, Replicate):
+            continue
+        if i not in d.redistribute:
+            return a.name
+        moved = moved or a.name
+    return moved
+
+
+def _typed(prop: Propagator, node: torch.fx.Node, d: Decision) -> tuple[str, str]:
+    val = node.meta["val"]
+    if isinstance(val, torch.Tensor):
+        return prop.typed(node), repr(d.output)
+    outs = d.output if isinstance(d.output, tuple) else (d.output,) * len(val)
+    typed = [typed_shape(tuple(x.shape), x.dtype, p, prop.axis) if isinstance(x, torch.Tensor)
+             else type(x).__name__ for x, p in zip(val, outs)]
+    return f"({', '.join(typed)})", f"({', '.join(map(repr, outs))})"
+
+
+def _value(prop: Propagator, node: torch.fx.Node, d: Decision) -> Value:
+    ins = tensor_inputs(node) if node.op == "call_function" else []
+    moves = tuple((ins[i].name, repr(s), repr(t)) for i, (s, t) in sorted(d.redistribute.items()))
+    via = _via(node, d, ins)
+    origin = d.origin
+    if node.target is operator.getitem and node.args[0] in prop.decisions:
+        origin = prop.decisions[node.args[0]].origin     # an element gets its op's rule
+    typed, placement = _typed(prop, node, d)
+    return Value(node.name, _op_name(node), typed, placement, source_of(node), module_of(node),
+                 origin, tuple(a.name for a in ins) or ((via,) if via else ()), via, moves,
+                 d.alternatives)
+
+
+def _attention(node: torch.fx.Node, prop: Propagator, ins: list) -> Attention | None:
+    P = prop.parts
+    if P == 1:
+        return None
+    if node.target is torch.ops.spdsl.attention.default and len(ins) >= 3:
+        q, k, v = (ins[j].meta["val"] for j in range(3))
+        if q.dim() != 4:
+            return None
+        rep = max(k.shape[1], P) / k.shape[1]        # kv heads repeated up to the degree
+        floor = (nbytes(q) + (nbytes(k) + nbytes(v)) * rep + nbytes(node.meta["val"])) / P
+        return Attention(node.name, "sdpa", module_of(node), source_of(node), int(floor))
+    if node.target is torch.ops.aten.bmm.default and len(ins) == 2:
+        a, b = (prop.placement(x) if not isinstance(prop.decisions[x].output, tuple)
+                else None for x in ins)
+        if isinstance(a, Shard) and a.dim == 1 and isinstance(b, Shard) and b.dim == 2:
+            q, k = ins[0].meta["val"], ins[1].meta["val"]
+            return Attention(node.name, "eager", module_of(node), source_of(node),
+                             int(2 * (nbytes(q) + nbytes(k)) / P))
+    return None
+
+
 def build_plan(prop: Propagator, requires: dict[torch.fx.Node, bool],
                out_placements: list) -> ShardingPlan:
+    """Collect values, collectives (bytes per rank, forward and backward) and attention
+    floors from propagation decisions."""
     P, axis = prop.parts, prop.axis
     grad = _needs_grad(prop, requires)
     plan = ShardingPlan(axis, P)
@@ -112,13 +260,15 @@ def build_plan(prop: Propagator, requires: dict[torch.fx.Node, bool],
         if d is None:
             continue
         val = node.meta.get("val")
-        if isinstance(val, torch.Tensor):
-            plan.values.append(Value(node.name, str(node.target) if node.op != "placeholder"
-                                     else "input", prop.typed(node), repr(d.output),
-                                     source_of(node), module_of(node), d.origin))
+        if isinstance(val, torch.Tensor) or isinstance(val, (tuple, list)) and any(
+                isinstance(x, torch.Tensor) for x in val):
+            plan.values.append(_value(prop, node, d))
         if node.op == "placeholder":
             continue
         ins = tensor_inputs(node)
+        site = _attention(node, prop, ins)
+        if site is not None:
+            plan.attention.append(site)
         fused = [(i, ins[i]) for i, (src, dst) in d.redistribute.items()
                  if isinstance(src, Shard) and isinstance(dst, Shard) and src != dst]
         if len(fused) > 1:
@@ -149,89 +299,49 @@ def build_plan(prop: Propagator, requires: dict[torch.fx.Node, bool],
             if key not in marked and grad.get(a, False):
                 marked.add(key)
                 add("all_reduce", 0, nbytes(a.meta["val"]), "gradient", node, [prop.typed(a)])
-        low = d.strategy.lowering
-        if low == "ulysses":
-            q, k, v = (ins[j].meta["val"] for j in range(3))
-            rep = max(1, P // k.shape[1])
-            kv = (nbytes(k) + nbytes(v)) * rep
-            g = grad.get(node, False)
-            qkv = (nbytes(q) + kv) // P
-            add("all_to_all", qkv, qkv if g else 0, "ulysses", node,
-                [prop.typed(ins[j]) for j in range(3)])
-            o = nbytes(val) // P
-            add("all_to_all", o, o if g else 0, "ulysses", node, [prop.typed(node)])
-        elif low == "nll_mean":
-            add("all_reduce", 2 * ins[0].meta["val"].element_size(), 0, "loss", node,
-                [typed_shape((2,), ins[0].meta["val"].dtype, Partial(), axis)])
-        elif low == "slice_window":
-            a = ins[0].meta["val"]
-            dim = node.args[1] % a.dim()
-            start = node.args[2] or 0
-            wp = window_plan(a.shape[dim], start, val.shape[dim], P)
-            if wp is not None:
-                row = nbytes(a) // a.shape[dim]
-                own, sends = wp
-                sent = max(sum(max(0, b - lo) for q, (lo, b) in enumerate(sends[r]) if q != r)
-                           for r in range(P))
-                add("halo_exchange", sent * row, sent * row if grad.get(node) else 0, "halo",
-                    node, [prop.typed(ins[0])])
+        _lowering_collectives(prop, node, d, ins, val, grad, add)
+    _output_collectives(prop, plan, out_placements, add)
+    return plan
+
+
+def _lowering_collectives(prop, node, d, ins, val, grad, add) -> None:
+    P, low = prop.parts, d.strategy.lowering
+    if low == "ulysses":
+        q, k, v = (ins[j].meta["val"] for j in range(3))
+        rep = max(1, P // k.shape[1])
+        kv = (nbytes(k) + nbytes(v)) * rep
+        g = grad.get(node, False)
+        qkv = (nbytes(q) + kv) // P
+        add("all_to_all", qkv, qkv if g else 0, "ulysses", node,
+            [prop.typed(ins[j]) for j in range(3)])
+        o = nbytes(val) // P
+        add("all_to_all", o, o if g else 0, "ulysses", node, [prop.typed(node)])
+    elif low == "nll_mean":
+        add("all_reduce", 2 * ins[0].meta["val"].element_size(), 0, "loss", node,
+            [typed_shape((2,), ins[0].meta["val"].dtype, Partial(), prop.axis)])
+    elif low == "slice_window":
+        a = ins[0].meta["val"]
+        dim = node.args[1] % a.dim()
+        start = node.args[2] or 0
+        wp = window_plan(a.shape[dim], start, val.shape[dim], P)
+        if wp is not None:
+            row = nbytes(a) // a.shape[dim]
+            _own, sends = wp
+            sent = max(sum(max(0, b - lo) for q, (lo, b) in enumerate(sends[r]) if q != r)
+                       for r in range(P))
+            add("halo_exchange", sent * row, sent * row if grad.get(node) else 0, "halo",
+                node, [prop.typed(ins[0])])
+
+
+def _output_collectives(prop: Propagator, plan: ShardingPlan, out_placements: list, add) -> None:
     out_node = next(n for n in prop.gm.graph.nodes if n.op == "output")
     for o, want in zip(out_node.args[0], out_placements):
         if isinstance(o, torch.fx.Node) and isinstance(o.meta.get("val"), torch.Tensor):
             have = prop.placement(o)
+            plan.outputs.append((o.name, repr(want)))
             if isinstance(have, Partial):
                 add("all_reduce", nbytes(o.meta["val"]), 0, "loss" if o.meta["val"].dim() == 0
                     else "output", o, [prop.typed(o)])
             elif have != want and isinstance(have, Shard):
-                add("all_gather", nbytes(o.meta["val"]) // P, 0, "output", o, [prop.typed(o)])
-    return plan
-
-
-_LAYER = re.compile(r"^(.*?\.)(\d+)(\..*|)$")
-
-
-def render(plan: ShardingPlan) -> str:
-    """A compact table: one block per module, identical numbered layers folded."""
-    groups: OrderedDict[str, list[Collective]] = OrderedDict()
-    for c in plan.collectives:
-        groups.setdefault(c.module or "<top>", []).append(c)
-    folded: OrderedDict[str, tuple[list[Collective], list[str]]] = OrderedDict()
-    for mod, cs in groups.items():
-        m = _LAYER.match(mod)
-        key = (m.group(1) + "{}" + m.group(3)) if m else mod
-        sig = tuple((c.kind, c.bytes, c.bytes_bwd, c.purpose) for c in cs)
-        fk = f"{key}|{sig}"
-        if fk in folded:
-            folded[fk][1].append(m.group(2) if m else "")
-        else:
-            folded[fk] = (cs, [m.group(2)] if m else [""])
-    lines = [f"ShardingPlan(axis={plan.axis!r}, size={plan.parts}): "
-             f"{len(plan.values)} values, {len(plan.collectives)} collectives, "
-             f"{_fmt(plan.bytes_fwd)} fwd + {_fmt(plan.bytes_bwd)} bwd per rank per step"]
-    lines.append(f"  {'module':34} {'kind':14} {'purpose':9} {'fwd':>10} {'bwd':>10}  values")
-    for fk, (cs, idx) in folded.items():
-        key = fk.split("|")[0]
-        name = key.format(_span(idx)) if "{}" in key else key
-        if len(idx) > 1:
-            name += f" (x{len(idx)})"
-        for c in cs:
-            lines.append(f"  {name[:34]:34} {c.kind:14} {c.purpose:9} {_fmt(c.bytes):>10} "
-                         f"{_fmt(c.bytes_bwd):>10}  {', '.join(c.values)[:70]}")
-            name = ""
-    return "\n".join(lines)
-
-
-def _span(idx: list[str]) -> str:
-    nums = sorted(int(i) for i in idx)
-    return f"{nums[0]}-{nums[-1]}" if len(nums) > 1 else str(nums[0])
-
-
-def _fmt(b: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if b < 1024 or unit == "TiB":
-            return f"{b:.0f} {unit}" if unit == "B" else f"{b:.1f} {unit}"
-        b /= 1024
-    return str(b)
-
-
-_ = chunk_bounds
+                add("all_gather", nbytes(o.meta["val"]) // prop.parts, 0, "output", o,
+                    [prop.typed(o)])

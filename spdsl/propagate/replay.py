@@ -181,8 +181,11 @@ class LayerReplay:
             target = n.target
             hint = graph._target_to_str(target.overloadpacket.__name__) \
                 if isinstance(target, torch._ops.OpOverload) else None
-            new = graph.create_node(n.op, target, torch.fx.map_arg(n.args, env.__getitem__),
-                                    torch.fx.map_arg(n.kwargs, env.__getitem__), hint, n.type)
+            # args set after creation: create_node's own scan of them costs as much again
+            new = graph.create_node(n.op, target, None, None, hint, n.type)
+            new.args = torch.fx.map_arg(n.args, env.__getitem__)
+            if n.kwargs:
+                new.kwargs = torch.fx.map_arg(n.kwargs, env.__getitem__)
             new.meta = copy.copy(n.meta)
             env[n] = new
         for off, mname in rec.events:

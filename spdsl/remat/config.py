@@ -53,7 +53,8 @@ class Remat:
     - ``mode``: ``"none"`` saves everything; ``"full"`` keeps only each layer's input (and the
       outputs of collectives, which are never recomputed); ``"auto"`` saves per op by recompute
       FLOPs per saved byte (attention and matmuls saved, norms/pointwise/RoPE/casts recomputed).
-    - ``budget``: per-rank bytes for ``"auto"`` (None: no budget, save every op worth saving).
+    - ``budget``: per-rank bytes for ``"auto"`` (None: no budget, save every op worth saving;
+      0: the leanest auto policy — attention saved, all else recomputed, MLP and loss tiled).
     - ``tile_mlp`` / ``tile_loss``: True/False force, None decides by size (``tile_bytes``).
     - ``mlp_chunks``: sequence chunks of a tiled MLP (None: from ``tile_bytes``).
     - ``optimizer``: what the budget must leave room for (``"adamw"``: two fp32 states).

@@ -41,7 +41,8 @@ class _TiledRowsFn(torch.autograd.Function):
         ctx.save_for_backward(x, *ws)
         _policy._IN_TILE[0] += 1
         try:
-            return torch.cat([region(xc, *ws) for xc in x.chunk(chunks, dim)], dim)
+            # .forward: module hooks (ModTracker, MemTracker) must not see per-chunk calls
+            return torch.cat([region.forward(xc, *ws) for xc in x.chunk(chunks, dim)], dim)
         finally:
             _policy._IN_TILE[0] -= 1
 
@@ -56,7 +57,7 @@ class _TiledRowsFn(torch.autograd.Function):
         for xc, gc in zip(x.chunk(ctx.chunks, dim), grad.chunk(ctx.chunks, dim)):
             xc = xc.detach().requires_grad_(dx is not None)
             with torch.enable_grad():
-                yc = ctx.region(xc, *wd)
+                yc = ctx.region.forward(xc, *wd)
             wants = ([xc] if dx is not None else []) + [w for w in wd if w.requires_grad]
             got = list(torch.autograd.grad(yc, wants, gc))
             if dx is not None:

@@ -122,6 +122,10 @@ def _fit_budget(gm, r: Remat, report: RematReport, classes: list[OpClass],
     from spdsl.memory.simulate import simulate   # memory planning sits on top of remat
 
     cands = candidates(classes)
+    # attention is never dropped: at long context it is the costliest op to recompute
+    floor = sum(c.kind == "attention" for c in cands)
+    cands = [c for c in cands if c.kind == "attention"] + \
+        [c for c in cands if c.kind != "attention"]
 
     def build(k: int):
         return checkpoint_layers(gm, SavePolicy(frozenset(c.key for c in cands[:k])))
@@ -129,10 +133,16 @@ def _fit_budget(gm, r: Remat, report: RematReport, classes: list[OpClass],
     def peak(k: int) -> int:
         return simulate(build(k), state, inputs, optimizer=r.optimizer).peak
 
-    lo, hi = 0, len(cands)
+    lo, hi = floor, len(cands)
+    if r.budget <= 0:                       # budget 0: the leanest auto policy, no search
+        if not report.tiled_mlp and r.tile_mlp is None:
+            annotate(gm, state + inputs)
+            _tile(gm, r.with_(tile_mlp=True, tile_loss=False), report, len(state), False)
+        report.saved = [c.name for c in cands[:lo]]
+        return build(lo)
     if peak(hi) <= r.budget:
         lo = hi
-    elif peak(0) > r.budget:
+    elif peak(lo) > r.budget:
         if not report.tiled_mlp and r.tile_mlp is None:
             annotate(gm, state + inputs)
             _tile(gm, r.with_(tile_mlp=True, tile_loss=False), report, len(state), False)
@@ -140,8 +150,8 @@ def _fit_budget(gm, r: Remat, report: RematReport, classes: list[OpClass],
                 classes = annotate(gm, state + inputs)
                 return _fit_budget(gm, r.with_(tile_mlp=False), report, classes, state,
                                    inputs)
-        warnings.warn(f"remat: even the leanest policy needs {peak(0)} bytes per rank, over "
-                      f"the budget of {r.budget}", stacklevel=3)
+        warnings.warn(f"remat: even the leanest policy needs {peak(lo)} bytes per rank, "
+                      f"over the budget of {r.budget}", stacklevel=3)
     else:
         while hi - lo > 1:       # peak(lo) fits, peak(hi) does not
             mid = (lo + hi) // 2

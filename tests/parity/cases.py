@@ -88,6 +88,27 @@ class EinsumNet(nn.Module):
         return ce + 1e-3 * x.pow(2).mean()
 
 
+class OddOps(nn.Module):
+    """Ops spdsl has no rule of its own for (DTensor's strategies apply): flip, pad, roll
+    along the sequence, cumsum, plus an MSE loss over every element."""
+
+    def __init__(self, dim: int = 8) -> None:
+        super().__init__()
+        self.lin = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        h = torch.flip(self.lin(x), dims=[2])
+        h = F.pad(h, (0, 2))
+        h = torch.roll(h, 1, dims=1) + h.cumsum(-1)
+        return F.mse_loss(h[..., :-2], y)
+
+
+def case_dtensor_rule_ops(world: int) -> dict:
+    g = torch.Generator().manual_seed(3)
+    x, y = torch.randn(2, 4 * world, 8, generator=g), torch.randn(2, 4 * world, 8, generator=g)
+    return _run(OddOps, (x, y), world)
+
+
 def case_llama(world: int) -> dict:
     ids = _ids(2, 64)
     return _run(lambda: Llama(LlamaConfig.tiny()), (ids, _uneven_labels(ids)), world)

@@ -45,40 +45,61 @@ def test_kv_heads_neither_split_nor_repeated():
     assert "f32[1,3,64@sp,16]" in str(e.value)
 
 
+@torch.library.custom_op("spdsl_test::mirror", mutates_args=())
+def mirror(x: torch.Tensor) -> torch.Tensor:
+    return x.flip(1)
+
+
+@mirror.register_fake
+def _(x):
+    return torch.empty_like(x)
+
+
+class _Mirror(nn.Module):
+    def forward(self, x):
+        return mirror(x).sum()
+
+
 class _Flip(nn.Module):
     def forward(self, x):
-        return torch.flip(x, dims=[1]).sum()
+        return torch.flip(x, dims=[2]).sum()
 
 
 def test_unknown_op_on_a_split_value_says_how_to_teach_it():
     x = torch.randn(2, 8, 4)
     with pytest.raises(ShardingError) as e:
-        _plan(_Flip(), 2, x)
+        _plan(_Mirror(), 2, x)
     msg = str(e.value)
-    assert "[unknown op]" in msg and "aten.flip" in msg
+    assert "[unknown op]" in msg and "spdsl_test.mirror" in msg
     assert "f32[2,8@sp,4]" in msg
     assert "spdsl.register_rule" in msg
     assert "test_errors.py:" in msg
+
+
+def test_ops_without_an_spdsl_rule_use_dtensor_strategies():
+    plan = _plan(_Flip(), 2, torch.randn(2, 8, 4))
+    flips = [v for v in plan.values if v.op == "aten.flip.default"]
+    assert flips[0].typed == "f32[2,8@sp,4]" and flips[0].origin == "dtensor:flip"
 
 
 def test_register_rule_teaches_an_op():
     from spdsl.propagate.placement import REPLICATE, Shard
     from spdsl.propagate.rules import RULES
 
-    def flip_rule(ctx):
-        p, dims = ctx.placements[0], ctx.node.args[1]
-        if isinstance(p, Shard) and p.dim in dims:
-            return [spdsl.Strategy((REPLICATE,), REPLICATE, None, "flip")]
-        return [spdsl.Strategy((p,), p, None, "flip")]
+    def mirror_rule(ctx):
+        p = ctx.placements[0]
+        if isinstance(p, Shard) and p.dim == 1:      # reverses dim 1: needs it whole
+            return [spdsl.Strategy((REPLICATE,), REPLICATE, None, "mirror")]
+        return [spdsl.Strategy((p,), p, None, "mirror")]
 
-    spdsl.register_rule(torch.ops.aten.flip, flip_rule)
+    spdsl.register_rule(torch.ops.spdsl_test.mirror, mirror_rule)
     try:
-        plan = _plan(_Flip(), 2, torch.randn(2, 8, 4))
-        flips = [v for v in plan.values if v.op == "aten.flip.default"]
-        assert flips[0].placement == "Replicate()" and flips[0].origin == "flip"
+        plan = _plan(_Mirror(), 2, torch.randn(2, 8, 4))
+        vals = [v for v in plan.values if v.op == "spdsl_test.mirror.default"]
+        assert vals[0].placement == "Replicate()" and vals[0].origin == "mirror"
         assert [c.kind for c in plan.collectives if c.bytes] == ["all_gather"]
     finally:
-        RULES.pop(torch.ops.aten.flip, None)
+        RULES.pop(torch.ops.spdsl_test.mirror, None)
 
 
 class _TwoConstraints(nn.Module):

@@ -44,12 +44,22 @@ def nll(ctx: RuleCtx) -> list[Strategy]:
     return [Strategy(tuple(reqs), out, low, "loss.nll.global_mean" if low else "loss.nll")]
 
 
+def reduction_index(op) -> int:
+    return [a.name for a in op._schema.arguments].index("reduction")
+
+
+def reduction_of(node: torch.fx.Node) -> int:
+    i = reduction_index(node.target)
+    if len(node.args) > i:
+        return node.args[i]
+    return node.kwargs.get("reduction", _MEAN)
+
+
 @rule(aten.mse_loss, aten.l1_loss, aten.smooth_l1_loss, aten.huber_loss,
       aten.binary_cross_entropy, name="loss.elementwise")
 def elementwise_loss(ctx: RuleCtx) -> list[Strategy]:
     p = next((q for q in ctx.placements if isinstance(q, Shard)), None)
-    reduction = ctx.node.args[2] if len(ctx.node.args) > 2 else ctx.node.kwargs.get(
-        "reduction", _MEAN)
+    reduction = reduction_of(ctx.node)
     if p is None:
         return [Strategy(tuple(REPLICATE for _ in ctx.inputs), REPLICATE, None, "loss")]
     reqs = tuple(p if ctx.meta(i).shape == ctx.meta(0).shape else REPLICATE

@@ -1,0 +1,87 @@
+"""``compile=True``: the rank's local program through ``torch.compile`` as one graph.
+
+The local graph is compiled with ``fullgraph=True``: collectives, kernels and all, no graph
+breaks, so Inductor sees (and can overlap) every collective with the compute around it. A
+graph break can still come from user code that traced fine but that Dynamo cannot capture
+(a data-dependent output shape, an opaque Python call); Dynamo's own message then points into
+generated code (``<eval_with_key>.3, line 41``). :class:`CompiledLocal` turns it into a
+:class:`~spdsl.ShardingError` naming the local node, its module and the user's source line.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from spdsl.errors import ShardingError
+from spdsl.propagate.source import module_of, source_of
+
+
+class CompiledLocal:
+    """``torch.compile(local, fullgraph=True)`` that reports graph breaks as ShardingErrors.
+
+    Attribute access falls through to the uncompiled local graph (``spdsl_remat``, ``graph``).
+
+    Example::
+
+        local = CompiledLocal(local_gm)
+        outs = local(*state, *local_inputs)    # first call compiles; a break raises
+    """
+
+    def __init__(self, gm: torch.nn.Module, **options: Any) -> None:
+        self.gm = gm
+        self.compiled = torch.compile(gm, fullgraph=True, **options)
+
+    def __call__(self, *args: Any) -> Any:
+        try:
+            return self.compiled(*args)
+        except torch._dynamo.exc.Unsupported as e:
+            raise graph_break_error(self.gm, e) from e
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.__dict__["gm"], name)
+
+
+def compile_local(gm: torch.nn.Module, **options: Any) -> CompiledLocal:
+    """Compile one rank's local program as a single graph (see :class:`CompiledLocal`)."""
+    return CompiledLocal(gm, **options)
+
+
+def offending_node(gm: torch.nn.Module, err: BaseException) -> torch.fx.Node | None:
+    """The node of ``gm`` (or of a submodule remat made) whose line Dynamo stopped at."""
+    by_file = {}
+    for mod in gm.modules():
+        code = getattr(getattr(mod, "forward", None), "__code__", None)
+        if isinstance(mod, torch.fx.GraphModule) and code is not None:
+            by_file[code.co_filename] = (mod, code.co_firstlineno)
+    for frame in reversed(list(getattr(err, "real_stack", None) or [])):
+        hit = by_file.get(frame.filename)
+        if hit is None or frame.lineno is None:
+            continue
+        mod, first = hit
+        # the lookup Dynamo itself uses to keep node metadata (output_graph.py)
+        idx = (getattr(mod, "_lineno_map", None) or {}).get(frame.lineno - first)
+        if idx is not None:
+            return list(mod.graph.nodes)[idx]
+    return None
+
+
+def graph_break_error(gm: torch.nn.Module, err: BaseException) -> ShardingError:
+    """A ShardingError for Dynamo's graph-break error ``err`` while compiling ``gm``."""
+    reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    node = offending_node(gm, err)
+    if node is None:
+        where, what = "", "the local program"
+    else:
+        where = source_of(node) or "(no source line recorded)"
+        mod = module_of(node)
+        where += f" ({mod})" if mod else ""
+        target = getattr(node.target, "__name__", str(node.target))
+        what = f"local node {node.name} = {target}(...)"
+    return ShardingError(
+        rule="no graph breaks",
+        detail=f"torch.compile(fullgraph=True) cannot capture {what}: {reason}",
+        where=where,
+        fix="rewrite that line without the construct Dynamo names (data-dependent shapes, "
+            ".item(), opaque Python calls), or pass compile=False to run it eagerly")

@@ -85,7 +85,7 @@ def _fold(steps: tuple[Value, ...], keep: int = 1) -> list[Any]:
 
     def flush() -> None:
         if len(run) > 3:
-            counts = Counter(v.origin for v in run)
+            counts = Counter(v.origin for v in run[keep:])
             summary = ", ".join(f"{r} x{n}" for r, n in counts.most_common())
             out.extend(run[:keep])
             out.append(f"... {len(run) - keep} more steps keep {run[0].placement} "

@@ -53,6 +53,9 @@ th{font-weight:600;color:#475569;font-size:12px;background:#f1f5f9}
 .bar{height:14px;background:#a78bfa;border-radius:3px;position:relative}
 .floor{position:absolute;top:-3px;bottom:-3px;border-left:2px dashed #0f172a}
 details{padding:6px 14px 10px} summary{cursor:pointer;color:#334155;font-size:13px}
+.two{display:grid;grid-template-columns:1fr 1fr;gap:24px}
+.mods{table-layout:fixed} .mods col.m{width:19%} .mods col.v{width:21%}
+.mods col.r{width:13%} .mods col.s{width:13%}
 """
 
 
@@ -83,8 +86,8 @@ def _badge(c: Collective) -> str:
 def _colls(cs: tuple[Collective, ...]) -> str:
     act = [c for c in cs if c.purpose != "gradient"]
     grads = [c for c in cs if c.purpose == "gradient"]
-    out = "".join(_badge(c) + f' <span class="mono">{html.escape(", ".join(c.values))}</span>'
-                  "<br>" for c in act)
+    out = "".join(_badge(c) + " " + " ".join(typed_html(v) for v in c.values) + "<br>"
+                  for c in act)
     if grads:
         out += (f'<span class="badge gradient">grad all_reduce ×{len(grads)} · '
                 f'{fmt_bytes(sum(c.bytes_bwd for c in grads))} bwd</span>')
@@ -128,7 +131,8 @@ def _card(b: Block) -> str:
             f"{fmt_bytes(b.grad_bwd)}{' per layer' if b.count > 1 else ''}</span>{floor}</div>")
     top = (f"<tr><td><b>{name}</b></td>{_value_cells(b.output)}<td>{_colls(b.own)}</td></tr>")
     rows = "".join(_row(r) for r in b.rows)
-    table = ("<table><tr><th>module</th><th>output value</th><th>rule</th><th>source</th>"
+    table = ("<table class='mods'><col class='m'><col class='v'><col class='r'><col class='s'>"
+             "<col><tr><th>module</th><th>output value</th><th>rule</th><th>source</th>"
              f"<th>collectives (fwd / bwd per rank)</th></tr>{top}{rows}</table>")
     which = f" of {html.escape(b.members[0])}" if b.count > 1 else ""
     det = (f"<details><summary>all {len(b.values)} values{which}</summary>"
@@ -161,9 +165,9 @@ def _bars(plan: ShardingPlan) -> str:
            "</span>" if b.floor else "") +
         f"</div></td><td class='mono'>{fmt_bytes(b.bytes_fwd)}"
         f"{' per layer' if b.count > 1 else ''}</td></tr>" for b in blocks)
-    return ("<h2>Forward bytes per rank, per block</h2><p class='sub'>bar: what the plan "
-            "moves; dashed line: the analytic Ulysses floor</p>"
-            f"<table class='bars'>{rows}</table>")
+    return ("<div><h2>Forward bytes per rank, per block</h2><p class='sub'>bar: what the "
+            "plan moves; dashed line: the analytic Ulysses floor</p>"
+            f"<table class='bars'>{rows}</table></div>")
 
 
 def _io(plan: ShardingPlan) -> str:
@@ -181,8 +185,8 @@ def _io(plan: ShardingPlan) -> str:
     kinds = ", ".join(sorted({v.placement for v in params}))
     body += (f"<tr><td>input</td><td>{len(params)} parameters and buffers</td><td>"
              f"<span class='chip R'>{html.escape(kinds)}</span></td><td></td><td></td></tr>")
-    return ("<h2>Inputs and outputs</h2><table><tr><th></th><th>value</th><th>typed shape</th>"
-            f"<th>why</th><th>source</th></tr>{body}</table>")
+    return ("<div><h2>Inputs and outputs</h2><table><tr><th></th><th>value</th>"
+            f"<th>typed shape</th><th>why</th><th>source</th></tr>{body}</table></div>")
 
 
 def _legend() -> str:
@@ -211,7 +215,8 @@ def to_html(plan: ShardingPlan, path: str | None = None) -> str:
         f"<style>{_CSS}</style></head><body><main>"
         f"<h1>spdsl sharding plan · {title}</h1><div class='sub'>axis <code>{plan.axis}</code> "
         f"over {plan.parts} ranks · bytes are per rank per step (forward / backward)</div>"
-        f"{_tiles(plan)}{_legend()}{_io(plan)}{_bars(plan)}<h2>Blocks</h2>"
+        f"{_tiles(plan)}{_legend()}<div class='two'>{_io(plan)}{_bars(plan)}</div>"
+        "<h2>Blocks</h2>"
         + "".join(_card(b) for b in plan.layers) +
         f"<h2>Gradient all-reduces</h2><details><summary>{len(grads)} all-reduces of "
         f"replicated parameters' partial gradients, {fmt_bytes(sum(c.bytes_bwd for c in grads))}"

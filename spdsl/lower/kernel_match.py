@@ -59,8 +59,13 @@ def _only_user(n: Node) -> Node | None:
 
 
 def _cast_to(n: Node, dtype: torch.dtype) -> bool:
-    return _is(n, aten._to_copy.default) and n.kwargs.get("dtype") == dtype and \
-        set(n.kwargs) <= {"dtype"}
+    """``n`` only changes the dtype of its input to ``dtype`` (``.float()``, ``.type_as``)."""
+    if not _is(n, aten._to_copy.default) or n.kwargs.get("dtype") != dtype:
+        return False
+    src = _val(n.args[0])
+    return src is not None and set(n.kwargs) <= {"dtype", "layout", "device"} and \
+        n.kwargs.get("layout", torch.strided) == torch.strided and \
+        torch.device(n.kwargs.get("device", src.device)) == src.device
 
 
 def _replace(g: torch.fx.Graph, old: Node, fn, args: tuple, kernel: str,
@@ -165,7 +170,7 @@ def match_rope(g: torch.fx.Graph, add: Node) -> Match | None:
         if not (_is(m1, aten.mul.Tensor) and _is(m2, aten.mul.Tensor)):
             continue
         for x, cos in (m1.args, m1.args[::-1]):
-            p = _pair(m2, lambda rot, sin: _rotated(rot) is x)
+            p = _pair(m2, lambda rot, sin, x=x: _rotated(rot) is x)
             if p is not None and isinstance(x, Node) and isinstance(cos, Node):
                 return _rope(g, add, m1, m2, x, cos, p)
     return None
@@ -213,10 +218,10 @@ def _halves(n) -> tuple[Node, int] | None:
         return sp.args[0], n.args[1]
     if _is(n, aten.slice.Tensor):
         vx = _val(n.args[0])
-        if vx is None or vx.shape[-1] % 2 or n.args[1] % vx.dim() != vx.dim() - 1:
+        _, dim, lo, hi, step = (list(n.args) + [0, None, None, 1][len(n.args) - 1:])[:5]
+        if vx is None or vx.shape[-1] % 2 or dim % vx.dim() != vx.dim() - 1 or step != 1:
             return None
         h = vx.shape[-1] // 2
-        lo, hi = (list(n.args[2:4]) + [None, None])[:2]
         if (lo or 0) == 0 and hi == h:
             return n.args[0], 0
         if lo == h and (hi is None or hi >= vx.shape[-1]):

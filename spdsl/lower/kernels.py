@@ -35,6 +35,7 @@ import torch
 from spdsl import kernels as K
 from spdsl.lower import kernel_match as M
 from spdsl.propagate.source import module_of, source_of
+from spdsl.remat.shapes import annotate
 
 ALL = ("flash_attn", "rms_norm", "rope", "fused_linear_cross_entropy", "swiglu")
 DEFAULT = ("flash_attn", "rms_norm", "rope", "fused_linear_cross_entropy")
@@ -102,9 +103,7 @@ def swap_kernels(gm: torch.fx.GraphModule, kernels: str | Iterable[str] | Kernel
     gm.spdsl_kernels = []
     if not names:
         return gm
-    from spdsl.remat.shapes import annotate   # the one fake forward that fills meta["val"]
-
-    annotate(gm, specs)
+    annotate(gm, specs)      # one fake forward: local shapes and devices in meta["val"]
     found: list[M.Match] = []
     if "fused_linear_cross_entropy" in names:
         found += M.swap_losses(gm)

@@ -147,6 +147,18 @@ def case_einsum_user_model(world: int) -> dict:
     return _run(lambda: EinsumNet(), (ids, _uneven_labels(ids)), world)
 
 
+def case_forward_replaced(world: int) -> dict:
+    """``model.forward = sp_shard(...)(model.forward)``; the module is then called as usual."""
+    ref, model = _pair(lambda: Llama(LlamaConfig.tiny().replace(n_layers=1)))
+    model.forward = spdsl.sp_shard(seq=world)(model.forward)
+    ids = _ids(2, 16)
+    loss_ref = ref(ids, _uneven_labels(ids))
+    loss_ref.backward()
+    loss = model(ids, _uneven_labels(ids))
+    loss.backward()
+    return _errs(model, ref, loss, loss_ref)
+
+
 def case_sgd_steps(world: int) -> dict:
     ref, model = _pair(lambda: Llama(LlamaConfig.tiny()))
     step = spdsl.sp_shard(seq=world)(model)

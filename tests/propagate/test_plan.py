@@ -60,7 +60,7 @@ def test_llama_placements_read_in_dsl_notation():
     losses = [v for v in plan.values if v.typed == "f32[]"]
     assert losses and all(v.placement == "Replicate()" for v in losses)
     text = str(plan)
-    assert "layers.0-1.attention (x2)" in text and "all_to_all" in text
+    assert "layers.0-1 (x2)" in text and "all_to_all ulysses" in text
 
 
 def test_plan_of_an_8b_model_on_meta_is_fast_and_analytic():

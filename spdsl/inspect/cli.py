@@ -1,0 +1,138 @@
+"""``python -m spdsl plan MODEL --seq S --sp P``: plan a model without running it.
+
+``MODEL`` is ``MODULE:EXPR``; ``EXPR`` is evaluated in the module's namespace and may be
+
+- a model instance or an expression building one: ``models.llama:Llama(LlamaConfig.tiny())``;
+- an ``nn.Module`` class: built with ``cls(cls.Config())`` when it has a ``Config`` class,
+  else ``cls()``: ``models.toys:GPT2Like``;
+- a config, or a preset returning one: ``models.llama:LlamaConfig.llama3_8b``; the model is
+  the module's ``nn.Module`` class named like the config without ``Config`` (``Llama``), or
+  else the only one whose ``__init__`` takes that config.
+
+The model is built on the meta device (no memory) and called as ``model(ids, ids)`` (input
+ids and labels, ``[batch, seq]`` int64 on meta), or ``model(ids)`` with ``--no-labels``.
+
+Example::
+
+    python -m spdsl plan models.llama:LlamaConfig.llama3_8b --seq 131072 --sp 8
+    python -m spdsl plan models.llama:LlamaConfig.llama3_70b --seq 1048576 --sp 32 --dtype bf16 \\
+        --html plan70b.html --json plan70b.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import inspect
+import sys
+import time
+from typing import Any, Sequence
+
+import torch
+from torch import nn
+
+_DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}
+
+
+def _model_class_for(config: Any, namespace: dict) -> type[nn.Module]:
+    cfg_name = type(config).__name__
+    classes = [c for c in namespace.values()
+               if isinstance(c, type) and issubclass(c, nn.Module)]
+    named = [c for c in classes if c.__name__ == cfg_name.removesuffix("Config")
+             or getattr(c, "Config", None) is type(config)]
+    if named:
+        return named[0]
+    takes = []
+    for c in classes:
+        params = list(inspect.signature(c.__init__).parameters.values())[1:2]
+        ann = params[0].annotation if params else None
+        if ann is type(config) or ann == cfg_name:
+            takes.append(c)
+    if len(takes) == 1:
+        return takes[0]
+    raise SystemExit(f"spdsl plan: cannot tell which model {cfg_name} builds (candidates: "
+                     f"{[c.__name__ for c in takes]}); write MODULE:Model({cfg_name}...) instead")
+
+
+def build_model(spec: str, device: str = "meta") -> nn.Module:
+    """The model a ``MODULE:EXPR`` spec names, built on ``device``.
+
+    Example::
+
+        model = build_model("models.llama:LlamaConfig.llama3_8b")    # Llama on meta
+    """
+    mod_name, sep, expr = spec.partition(":")
+    if not sep or not expr:
+        raise SystemExit(f"spdsl plan: model spec {spec!r} must look like MODULE:EXPR, e.g. "
+                         "models.llama:LlamaConfig.llama3_8b")
+    module = importlib.import_module(mod_name)
+    namespace = vars(module)
+    with torch.device(device):
+        obj = eval(expr, dict(namespace))     # noqa: S307 - the user's own code, by design
+        if isinstance(obj, type) and issubclass(obj, nn.Module):
+            cfg = getattr(obj, "Config", None)
+            obj = obj(cfg()) if cfg is not None else obj()
+        elif callable(obj) and not isinstance(obj, nn.Module):
+            obj = obj()
+        if not isinstance(obj, nn.Module):
+            obj = _model_class_for(obj, namespace)(obj)
+    return obj
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m spdsl", description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="command", required=True)
+    q = sub.add_parser("plan", help="plan a model's sequence parallelism without running it")
+    q.add_argument("model", help="MODULE:EXPR, e.g. models.llama:LlamaConfig.llama3_8b")
+    q.add_argument("--seq", type=int, required=True, help="global sequence length")
+    q.add_argument("--sp", type=int, required=True, help="sequence-parallel degree")
+    q.add_argument("--batch", type=int, default=1)
+    q.add_argument("--axis", default="sp", help="mesh axis name (default sp)")
+    q.add_argument("--dtype", choices=sorted(_DTYPES), help="cast the model's weights first")
+    q.add_argument("--no-labels", action="store_true", help="call model(ids), not model(ids, ids)")
+    q.add_argument("--json", nargs="?", const="-", metavar="PATH",
+                   help="write the JSON plan to PATH (or stdout) instead of the table")
+    q.add_argument("--html", metavar="PATH", help="write the HTML page to PATH")
+    q.add_argument("--explain", action="append", default=[], metavar="VALUE",
+                   help="print why VALUE (a value name or module path) is placed as it is")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``python -m spdsl``; returns the exit status.
+
+    Example::
+
+        main(["plan", "models.llama:LlamaConfig.tiny", "--seq", "64", "--sp", "4"])
+    """
+    import spdsl
+
+    args = _parser().parse_args(argv)
+    t0 = time.perf_counter()
+    model = build_model(args.model)
+    if args.dtype:
+        model = model.to(_DTYPES[args.dtype])
+    ids = torch.empty(args.batch, args.seq, dtype=torch.long, device="meta")
+    inputs = (ids,) if args.no_labels else (ids, ids)
+    t1 = time.perf_counter()
+    try:
+        plan = spdsl.plan(spdsl.sp_shard(seq=args.sp, axis=args.axis)(model), *inputs)
+    except spdsl.ShardingError as e:
+        print(f"spdsl plan: {e}", file=sys.stderr)
+        return 2
+    t2 = time.perf_counter()
+    plan.title = f"{args.model} seq={args.seq} {args.axis}={args.sp}"
+    if args.json == "-":
+        print(plan.to_json())
+    else:
+        if args.json:
+            with open(args.json, "w", encoding="utf-8") as f:
+                f.write(plan.to_json())
+        print(plan)
+    if args.html:
+        plan.to_html(args.html)
+    for name in args.explain:
+        print()
+        print(plan.explain(name))
+    print(f"built the model in {t1 - t0:.1f} s, planned in {t2 - t1:.1f} s", file=sys.stderr)
+    return 0

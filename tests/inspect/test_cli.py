@@ -1,0 +1,66 @@
+"""``python -m spdsl plan MODULE:EXPR --seq S --sp P``."""
+
+from __future__ import annotations
+
+import json
+import runpy
+import sys
+from pathlib import Path
+
+import pytest
+
+from models.llama import Llama
+from models.toys import GPT2Like
+from spdsl.inspect.cli import build_model, main
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.parametrize("spec,cls", [
+    ("models.llama:LlamaConfig.tiny", Llama),                      # a config preset
+    ("models.llama:LlamaConfig.tiny()", Llama),                    # a config
+    ("models.llama:Llama(LlamaConfig.tiny().replace(n_layers=1))", Llama),
+    ("models.toys:GPT2Like", GPT2Like),                            # a class with .Config
+])
+def test_model_specs(spec, cls):
+    model = build_model(spec)
+    assert type(model) is cls
+    assert all(p.is_meta for p in model.parameters())
+
+
+def test_bad_spec_says_what_it_wants():
+    with pytest.raises(SystemExit, match="MODULE:EXPR"):
+        build_model("models.llama")
+
+
+def test_table_json_html_and_explain(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(ROOT)
+    out_json, out_html = tmp_path / "p.json", tmp_path / "p.html"
+    rc = main(["plan", "models.llama:LlamaConfig.tiny", "--seq", "64", "--sp", "4",
+               "--dtype", "bf16", "--json", str(out_json), "--html", str(out_html),
+               "--explain", "layers.1.attention"])
+    assert rc == 0
+    out, err = capsys.readouterr()
+    assert "layers.0-1 (x2)" in out and "bf16[1,64@sp,64]" in out
+    assert "because: " in out and "planned in" in err
+    d = json.loads(out_json.read_text())
+    assert d["title"] == "models.llama:LlamaConfig.tiny seq=64 sp=4"
+    assert d["totals"]["floor_fwd"] == 2 * 4 * 64 * 64 * 2 // 4
+    assert "layers.0-1" in out_html.read_text()
+
+
+def test_sharding_errors_exit_with_status_2(capsys):
+    rc = main(["plan", "models.llama:LlamaConfig.tiny", "--seq", "64", "--sp", "8"])
+    assert rc == 2
+    assert "[divisible heads]" in capsys.readouterr().err
+
+
+def test_module_entry_point_prints_json(capsys, monkeypatch):
+    monkeypatch.setattr(sys, "argv", ["spdsl", "plan", "models.toys:GPT2Like", "--seq", "32",
+                                      "--sp", "2", "--json"])
+    with pytest.raises(SystemExit) as e:
+        runpy.run_module("spdsl", run_name="__main__")
+    assert e.value.code == 0
+    d = json.loads(capsys.readouterr().out)
+    assert d["schema"] == "spdsl.plan" and d["parts"] == 2
+    assert any(c["purpose"] == "halo" for c in d["collectives"])   # label shift in the model

@@ -1,0 +1,48 @@
+"""``print(plan)``: compact, identical layers folded, totals beside the Ulysses floor."""
+
+from __future__ import annotations
+
+from spdsl.inspect.layers import block_of
+from spdsl.inspect.text import fmt_bytes
+
+
+def test_identical_layers_fold_into_one_block(deep_plan):
+    names = [b.name for b in deep_plan.layers]
+    assert names == ["rope", "tok_embeddings", "layers.0-5", "norm", "lm_head", ""]
+    layers = deep_plan.layers[2]
+    assert layers.count == 6 and layers.members[-1] == "layers.5"
+    # one layer of the tiny Llama at bf16, 256 tokens over 4 ranks: q+k+v+o = 4 x 8 KiB
+    assert layers.bytes_fwd == layers.floor == 4 * 256 * 64 * 2 // 4
+    assert layers.ratio == 1.0
+    text = str(deep_plan)
+    assert "layers.0-5 (x6)" in text and "floor 32.0 KiB (1.00x)" in text
+    assert len(text.splitlines()) < 40
+
+
+def test_rows_show_module_outputs_and_collectives(tiny_plan):
+    text = str(tiny_plan)
+    assert "layers.0-1 (x2)" in text
+    row = next(line for line in text.splitlines() if line.strip().startswith("wq "))
+    assert "f32[2,64@sp,64]" in row and "16.0 KiB" in row          # its gradient all-reduce
+    assert "> all_to_all ulysses  24.0 KiB fwd / 24.0 KiB bwd  f32[2,4,64@sp,16]" in text
+    assert "> halo_exchange halo  16 B fwd" in text and "> all_reduce loss  8 B fwd" in text
+    assert "input   i64[2,64@sp]" in text and "in_specs[0]" in text
+    assert "output  f32[]" in text and "loss.nll.global_mean" in text
+
+
+def test_totals_beside_the_floor(tiny_plan):
+    t = tiny_plan.totals
+    assert t.floor_fwd == 2 * 32 * 1024 and t.floor_bwd == t.floor_fwd
+    assert t.bytes_fwd == t.floor_fwd + 24            # + labels' halo and the loss' sum/count
+    assert t.grad_bwd == sum(c.bytes_bwd for c in tiny_plan.collectives
+                             if c.purpose == "gradient")
+    last = str(tiny_plan).splitlines()[-1]
+    assert "Ulysses floor" in last and "1.00x forward, 1.00x backward" in last
+
+
+def test_block_of_and_bytes():
+    assert block_of("layers.3.attention.wq") == "layers.3"
+    assert block_of("blocks.0.mlp.2") == "blocks.0"
+    assert block_of("0.attn") == "0"
+    assert block_of("tok_embeddings") == "tok_embeddings" and block_of("") == ""
+    assert fmt_bytes(20 * 1024) == "20.0 KiB" and fmt_bytes(8) == "8 B"

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass
+from itertools import pairwise
 from typing import Any
 
 from spdsl.propagate.plan import Collective, ShardingPlan, Value
@@ -94,7 +95,7 @@ def _fold(steps: tuple[Value, ...], keep: int = 1) -> list[Any]:
             out.extend(run)
         run.clear()
 
-    for prev, v in zip(steps, steps[1:-1]):
+    for prev, v in pairwise(steps[:-1]):
         if _plain(prev, v):
             run.append(v)
         else:

@@ -82,8 +82,8 @@ def _block(b: Block) -> list[str]:
 
 def _header(plan: ShardingPlan) -> list[str]:
     title = f" {plan.title}" if plan.title else ""
-    out = [f"ShardingPlan{title}: axis {plan.axis!r} over {plan.parts} ranks, "
-           f"{len(plan.values)} values, {len(plan.collectives)} collectives"]
+    out = [(f"ShardingPlan{title}: axis {plan.axis!r} over {plan.parts} ranks, "
+            f"{len(plan.values)} values, {len(plan.collectives)} collectives")]
     inputs = [v for v in plan.values if v.op == "input"]
     params = [v for v in inputs if v.origin.startswith("parameter")]
     for v in inputs:
@@ -114,8 +114,8 @@ def render(plan: ShardingPlan) -> str:
     for b in plan.layers:
         lines += _block(b)
     t = plan.totals
-    lines += ["", f"  per step, per rank: forward {fmt_bytes(t.bytes_fwd)}, backward "
-                  f"{fmt_bytes(t.bytes_bwd)}, gradient all-reduce {fmt_bytes(t.grad_bwd)}"]
+    lines += ["", (f"  per step, per rank: forward {fmt_bytes(t.bytes_fwd)}, backward "
+                   f"{fmt_bytes(t.bytes_bwd)}, gradient all-reduce {fmt_bytes(t.grad_bwd)}")]
     if t.floor_fwd:
         lines.append(f"  Ulysses floor:      forward {fmt_bytes(t.floor_fwd)}, backward "
                      f"{fmt_bytes(t.floor_bwd)}  ->  {fmt_ratio(t.ratio_fwd)} forward, "

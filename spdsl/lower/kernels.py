@@ -1,19 +1,19 @@
 """Kernel swaps: spdsl's kernels put into one rank's local graph where its ops match.
 
 The pass runs on the local graph right after lowering (before remat splits it into
-checkpointed layers) and rewrites, in place:
+checkpointed layers) and rewrites, in place (fp32 difference from the ops it replaces, CPU):
 
-=========================================  ===================================  =============
-pattern in the local graph                 becomes                              fp32 on CPU
-=========================================  ===================================  =============
-``ulysses_attention`` / ``local_attention``  the same call with ``kernel=True``:  ~1e-7 (other
-(SDPA, no mask, no dropout)                ``spdsl.kernels.flash_attn`` inside  sum order)
-``x * rsqrt(mean(x^2, -1) + eps) * w``     ``spdsl.kernels.rms_norm``           bitwise
-``x * cos + cat(-x2, x1) * sin``           ``spdsl.kernels.rope``               bitwise
-``mm(h, W^T)`` .. ``log_softmax`` .. NLL   fused linear + cross-entropy,        ~1e-7 (chunk
-(``nll_mean`` when split)                  sum and count all-reduced            sums)
-``silu(a) * b`` (opt-in only)              ``spdsl.kernels.swiglu``             bitwise
-=========================================  ===================================  =============
+- SDPA inside ``ulysses_attention``/``local_attention`` (no mask, no dropout): the same call with
+  ``kernel=True``, which runs ``spdsl.kernels.flash_attn`` (~1e-7: another summation order);
+- ``x * rsqrt(mean(x^2, -1) + eps) [type_as] * w``: ``spdsl.kernels.rms_norm`` (bitwise);
+- ``x * cos + cat(-x2, x1) * sin [type_as]``: ``spdsl.kernels.rope`` (bitwise);
+- ``mm(h, W^T)`` -> row selections -> ``log_softmax`` -> NLL (``nll_mean`` when split): the
+  fused linear + cross-entropy, its (sum, count) all-reduced then divided, so the split mean
+  stays exact (~1e-7: chunked sums). The rewrite is remat's loss tiling
+  (``spdsl.remat.loss``), reused so that there is one implementation of it;
+- ``silu(a) * b``, opt-in only: ``spdsl.kernels.swiglu`` (bitwise).
+
+In bf16 the norm and RoPE kernels round once where the model code rounds twice.
 
 ``kernels=`` (on ``sp_shard``/``shard``) chooses: ``"auto"`` swaps where the kernel backend
 would run Triton (CUDA tensors, see :func:`spdsl.kernels.use_triton`) — on CPU the references

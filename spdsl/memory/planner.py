@@ -43,6 +43,9 @@ def plan_memory(fn, *args, remat=None, rank: int = 0, optimizer: str = "adamw",
     tokens = _local_tokens(entry, ins)
     with _group(fn) as group:
         local = _off_meta(lower(entry.prop, rank, group, entry.out_placements))
+        if hasattr(fn, "kernels"):      # the same kernel swaps as the real run (api.__call__)
+            from spdsl.lower.kernels import swap_kernels
+            local = swap_kernels(local, fn.kernels, state, ins)
         local = apply_remat(local, r, state, ins)
         return simulate(local, state, ins, optimizer=optimizer, tokens=tokens,
                         label=f"{r.describe()}, rank {rank} of {fn.parts}")

@@ -57,8 +57,8 @@ class Estimator:
     state_shards: int = 1
 
     def phases(self, seq: int) -> dict[str, int]:
-        kw = dict(dtype=self.dtype, batch=self.batch, optimizer=self.optimizer,
-                  state_shards=self.state_shards)
+        kw = {"dtype": self.dtype, "batch": self.batch, "optimizer": self.optimizer,
+              "state_shards": self.state_shards}
         one = _phase_totals(llama_plan(self.cfg.replace(n_layers=1), seq, self.sp,
                                        self.remat, **kw))
         two = _phase_totals(llama_plan(self.cfg.replace(n_layers=2), seq, self.sp,

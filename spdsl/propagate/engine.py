@@ -9,6 +9,7 @@ partial sum over the shards and is all-reduced in backward.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -91,6 +92,12 @@ def redistribute_cost(src: Placement, dst: Placement, meta: torch.Tensor, parts:
             return b * frac                                      # all-gather
         return 2 * b * frac                                      # all-reduce
     return INF                                                   # nothing becomes partial
+
+
+@functools.lru_cache(maxsize=4096)
+def _view_atoms(in_shape: tuple, atoms: tuple, out_shape: tuple) -> tuple:
+    # cached: every copy of a repeated layer has the same views (1 ms each at 70B sizes)
+    return tuple(atoms_through_view(in_shape, atoms, out_shape))
 
 
 class Propagator:
@@ -189,7 +196,7 @@ class Propagator:
             in_shape = ins[0].meta["val"].shape
             if src is not None:
                 if node.target in _VIEWS:
-                    atoms = tuple(atoms_through_view(in_shape, src, val.shape))
+                    atoms = _view_atoms(tuple(in_shape), src, tuple(val.shape))
                 elif node.target in _SAME_SHAPE_ATOMS and tuple(in_shape) == tuple(val.shape):
                     atoms = src
                 elif node.target is aten.transpose.int:

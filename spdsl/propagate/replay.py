@@ -19,8 +19,9 @@ from __future__ import annotations
 import contextlib
 import copy
 import os
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import torch
 from torch import nn
@@ -129,7 +130,7 @@ class LayerReplay:
             arg_nodes = [_node(x, tracer) for x in leaves if isinstance(x, torch.Tensor)]
             if any(n is None for n in arg_nodes):
                 return orig(*args, **kwargs)
-            sig = (spec, tuple(_leaf_sig(x) for x in leaves), _alias(arg_nodes))
+            sig = (spec, tuple(_leaf_sig(x) for x in leaves), _alias(arg_nodes), _modes())
             rec = self.records.get(group)
             if rec is not None and rec.sig == sig:
                 out = self._replay(rec, mod, leaves, arg_nodes, tracer)
@@ -141,28 +142,22 @@ class LayerReplay:
         return forward
 
     def _record(self, group, mod, orig, args, kwargs, arg_nodes, sig, tracer) -> Any:
-        graph = tracer.graph
-        last = next(iter(reversed(graph.nodes)), None)
         e0, n0 = len(self.events), self.graph_len()
         out = orig(*args, **kwargs)
-        nodes = []
-        n = last.next if last is not None else next(iter(graph.nodes))
-        while n.op != "root":
-            nodes.append(n)
-            n = n.next
+        nodes = list(tracer.graph.nodes)[n0:]
         params = {k: _node(t, tracer) for k, t in _state(mod)}
-        inside = set(nodes)
-        known = set(arg_nodes) | set(params.values())
         out_leaves, out_spec = tree_flatten(out)
         outs = [_node(x, tracer) if isinstance(x, torch.Tensor) else x for x in out_leaves]
-        ok = None not in params.values() and all(
-            a in inside or a in known for n in nodes for a in n.all_input_nodes) and all(
-            o is not None and (o in inside or o in known) for o, x in zip(outs, out_leaves)
-            if isinstance(x, torch.Tensor))
+        tensor_outs = [o for o, x in zip(outs, out_leaves) if isinstance(x, torch.Tensor)]
+        reads = set(arg_nodes) | set(params.values()) | set(nodes)
+        closed = None not in params.values() and None not in tensor_outs and all(
+            a in reads for n in nodes for a in n.all_input_nodes) and all(
+            o in reads for o in tensor_outs)
+        # a block reading any other graph value (a tensor captured from outside) is never copied
         self.records[group] = _Record(
             sig, params, list(arg_nodes), nodes, out_spec, outs, out_leaves,
             [(g - n0, name) for g, name in self.events[e0:]], self.names.get(id(mod), "")
-        ) if ok else None
+        ) if closed else None
         return out
 
     def _replay(self, rec: _Record, mod, leaves, arg_nodes, tracer) -> Any:
@@ -239,6 +234,12 @@ def _leaf_sig(x: Any) -> Any:
     if isinstance(x, torch.Tensor):
         return ("t", tuple(x.shape), x.stride(), x.dtype, x.requires_grad, x.device.type)
     return ("c", _attr_key(x))
+
+
+def _modes() -> tuple[bool, ...]:
+    # grad mode and autocast change which aten ops a forward records
+    return (torch.is_grad_enabled(), torch.is_autocast_enabled("cpu"),
+            torch.is_autocast_enabled("cuda"))
 
 
 def _alias(nodes: list[torch.fx.Node]) -> tuple[int, ...]:

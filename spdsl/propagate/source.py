@@ -15,10 +15,16 @@ _SKIP = (os.sep + "torch" + os.sep, os.sep + "spdsl" + os.sep, os.sep + "einops"
 
 def source_of(node: torch.fx.Node) -> str:
     """The innermost frame of the user's own code that produced ``node``."""
+    return _source(node.meta.get("stack_trace") or "", os.getcwd())
+
+
+@functools.lru_cache(maxsize=8192)
+def _source(stack: str, cwd: str) -> str:
+    # cached: the copies of a repeated layer share their stack traces (see replay.py)
     best = ""
-    for path, line, _fn in _FRAME.findall(node.meta.get("stack_trace") or ""):
+    for path, line, _fn in _FRAME.findall(stack):
         if not any(s in path for s in _SKIP):
-            best = f"{_short(path)}:{line}"
+            best = f"{_relative(path, cwd)}:{line}"
     return best
 
 
@@ -31,11 +37,6 @@ def where(node: torch.fx.Node) -> str:
     return f"{src} ({mod})" if mod and src else src or mod
 
 
-def _short(path: str) -> str:
-    return _relative(path, os.getcwd())
-
-
 @functools.lru_cache(maxsize=4096)
 def _relative(path: str, cwd: str) -> str:
-    # cached: a 70B plan asks for the same few files 20,000 times
     return os.path.relpath(path, cwd) if path.startswith(cwd) else path

@@ -16,8 +16,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 import torch._functorch.config as _functorch_config
+import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx._lazy_graph_module import _use_lazy_graph_module
 from torch.fx.experimental.proxy_tensor import get_proxy_mode, make_fx
@@ -224,13 +224,13 @@ def _fake_meta(ts: list[torch.Tensor]) -> list[torch.Tensor]:
         mode = FakeTensorMode(allow_fallback_kernels=True, allow_non_fake_inputs=True,
                               shape_env=ShapeEnv(), static_shapes=True)
     out = []
-    for t in ts:
-        if t.is_meta and type(t) in (torch.Tensor, torch.nn.Parameter):
-            with mode:
+    with mode:
+        for t in ts:
+            if t.is_meta and type(t) in (torch.Tensor, torch.nn.Parameter):
                 f = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
-            out.append(f.requires_grad_(t.requires_grad))
-        else:
-            out.append(t)
+                out.append(f.requires_grad_(t.requires_grad))
+            else:
+                out.append(t)
     return out
 
 

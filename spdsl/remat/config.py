@@ -19,7 +19,7 @@ _UNITS = {"": 1, "b": 1, "kb": 10 ** 3, "mb": 10 ** 6, "gb": 10 ** 9, "tb": 10 *
           "kib": 2 ** 10, "mib": 2 ** 20, "gib": 2 ** 30, "tib": 2 ** 40}
 
 
-def parse_bytes(text: str | int | float) -> int:
+def parse_bytes(text: str | float) -> int:
     """``"80GiB"`` -> 85899345920; plain numbers are bytes.
 
     Example::
@@ -78,7 +78,7 @@ class Remat:
                              "(int or '40GiB') or a fraction of device memory (0.8)")
 
     @staticmethod
-    def of(value: str | int | float | Remat | None) -> Remat:
+    def of(value: str | float | Remat | None) -> Remat:
         """Read any accepted ``remat=`` value (None: ``"auto"``)."""
         if value is None:
             return Remat()
@@ -93,7 +93,7 @@ class Remat:
                                  "unknown here: give bytes instead (remat='40GiB')")
             return Remat("auto", budget=int(total * value))
         if isinstance(value, bool):
-            raise ValueError("remat=True/False is ambiguous: use 'full' or 'none'")
+            raise TypeError("remat=True/False is ambiguous: use 'full' or 'none'")
         return Remat("auto", budget=parse_bytes(value))
 
     def with_(self, **changes) -> Remat:

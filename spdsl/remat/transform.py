@@ -119,7 +119,7 @@ def _tile(gm, r: Remat, report: RematReport, n_state: int, loss_only: bool) -> N
 def _fit_budget(gm, r: Remat, report: RematReport, classes: list[OpClass],
                 state: list[TensorSpec], inputs: list[TensorSpec]) -> torch.fx.GraphModule:
     """Largest prefix of the ranked candidates whose predicted peak fits ``r.budget``."""
-    from spdsl.memory.simulate import simulate   # memory planning sits on top of remat
+    from spdsl.memory.simulate import simulate  # memory planning sits on top of remat
 
     cands = candidates(classes)
     # attention is never dropped: at long context it is the costliest op to recompute

@@ -124,7 +124,7 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def launch(world: int) -> list[dict]:
     """Every rank's results for ``world`` ranks, launched once per test session."""
     from tests.dist import spawn

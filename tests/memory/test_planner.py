@@ -18,15 +18,21 @@ from spdsl.remat import Remat
 pytestmark = pytest.mark.slow
 
 
-def _plan(remat, sp=4, seq=1024, cfg=None, **kw):
+@pytest.fixture(scope="module")
+def sp4():
+    """One tiny Llama traced once at SP 4; each remat mode planned from the same trace."""
     torch.manual_seed(0)
-    model = Llama(cfg or LlamaConfig.tiny())
-    ids = torch.zeros(1, seq, dtype=torch.long)
-    return model, plan_memory(spdsl.sp_shard(seq=sp)(model), ids, ids, remat=remat, **kw)
+    model = Llama(LlamaConfig.tiny())
+    ids = torch.zeros(1, 1024, dtype=torch.long)
+    f = spdsl.sp_shard(seq=4)(model)
+    modes = {"none": "none", "auto": "auto", "full": "full",
+             "tiled": Remat("auto", tile_mlp=True, tile_loss=True)}
+    return model, {k: plan_memory(f, ids, ids, remat=r) for k, r in modes.items()}
 
 
-def test_breakdown_sums_to_peak_and_static_parts_are_exact():
-    model, plan = _plan("full")
+def test_breakdown_sums_to_peak_and_static_parts_are_exact(sp4):
+    model, plans = sp4
+    plan = plans["full"]
     assert plan.peak == plan.parameters + plan.gradients + plan.optimizer + plan.inputs + \
         plan.activations + plan.transient
     n = sum(p.numel() for p in model.parameters())
@@ -34,13 +40,12 @@ def test_breakdown_sums_to_peak_and_static_parts_are_exact():
     assert plan.optimizer == 8 * n + 4 * len(list(model.parameters()))
 
 
-@pytest.mark.parametrize("sp", [2, 4])
-def test_modes_order_and_tiling_helps(sp):
-    peaks = {m: _plan(m, sp=sp)[1] for m in ("none", "auto", "full")}
-    assert peaks["full"].saved_activations < peaks["auto"].saved_activations < \
-        peaks["none"].saved_activations
-    tiled = _plan(Remat("auto", tile_mlp=True, tile_loss=True), sp=sp)[1]
-    assert tiled.saved_activations < peaks["auto"].saved_activations
+def test_modes_order_and_tiling_helps(sp4):
+    _, p = sp4
+    assert p["full"].saved_activations < p["auto"].saved_activations < \
+        p["none"].saved_activations
+    assert p["tiled"].saved_activations < p["auto"].saved_activations
+    assert p["full"].peak < p["none"].peak
 
 
 def test_full_keeps_layer_input_and_collective_outputs_per_layer():
@@ -52,8 +57,8 @@ def test_full_keeps_layer_input_and_collective_outputs_per_layer():
     assert per == 4 * (h + (h + 2 * kv) + h)
 
 
-def test_state_shards():
-    _, plan = _plan("full")
+def test_state_shards(sp4):
+    plan = sp4[1]["full"]
     split = plan.with_state_shards(4)
     assert split.peak < plan.peak
     assert math.isclose(split.phases["optimizer"]["optimizer"], plan.optimizer // 4)

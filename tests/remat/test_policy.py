@@ -30,7 +30,7 @@ def test_remat_of():
     assert 0 < Remat.of(0.5).budget
     with pytest.raises(ValueError, match="one of"):
         Remat("sometimes")
-    with pytest.raises(ValueError, match="ambiguous"):
+    with pytest.raises(TypeError, match="ambiguous"):
         Remat.of(True)
 
 

@@ -123,15 +123,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     t2 = time.perf_counter()
     plan.title = f"{args.model} seq={args.seq} {args.axis}={args.sp}"
-    if args.json == "-":
-        print(plan.to_json())
-    else:
-        if args.json:
-            with open(args.json, "w", encoding="utf-8") as f:
-                f.write(plan.to_json())
-        print(plan)
+    # files first: a reader closing stdout early (``| head``) must not lose them
     if args.html:
         plan.to_html(args.html)
+    if args.json and args.json != "-":
+        with open(args.json, "w", encoding="utf-8") as f:
+            f.write(plan.to_json())
+    print(plan.to_json() if args.json == "-" else plan)
     for name in args.explain:
         print()
         print(plan.explain(name))

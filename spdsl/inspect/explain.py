@@ -30,7 +30,7 @@ class Explanation:
 
     target: Value
     steps: tuple[Value, ...]                 # root first, target last
-    collectives: tuple[Collective, ...]      # issued at the target
+    collectives: tuple[Collective, ...]      # issued by the ops of the steps
 
     @property
     def rules(self) -> list[str]:
@@ -45,13 +45,16 @@ class Explanation:
         where = ", ".join(x for x in (t.module, t.source) if x)
         lines = [f"{t.name}: {t.typed}  {t.placement}" + (f"  ({where})" if where else "")]
         lines.append(f"  because: {_why_root(self.root)}")
+        issued: dict[str, list[Collective]] = {}
+        for c in self.collectives:
+            issued.setdefault(c.node, []).append(c)
         for item in _fold(self.steps):
             if isinstance(item, str):
                 lines.append(f"    {item}")
-            else:
-                lines.append("    " + _step(item))
-        for c in self.collectives:
-            lines.append(f"  issues: {c.kind} ({c.purpose}) of {', '.join(c.values)}")
+                continue
+            lines.append("    " + _step(item))
+            for c in issued.get(item.name, ()):
+                lines.append(f"      issues {c.kind} ({c.purpose}) of {', '.join(c.values)}")
         return "\n".join(lines)
 
 
@@ -138,5 +141,5 @@ def explain(plan: ShardingPlan, value: Any) -> Explanation:
         seen.add(v.name)
         chain.append(v)
     target = chain[0]
-    colls = tuple(c for c in plan.collectives if c.node == target.name)
+    colls = tuple(c for c in plan.collectives if c.node in seen and c.purpose != "gradient")
     return Explanation(target, tuple(reversed(chain)), colls)

@@ -153,6 +153,12 @@ def _rows(key: str, values: list[Value], colls: list[Collective],
                  for m in order)
 
 
+def _siblings(a: str, b: str) -> bool:
+    """Two layers of one container (``layers.3``, ``layers.4``)."""
+    ma, mb = _LAYER.match(a), _LAYER.match(b)
+    return bool(ma and mb and ma.group(1) == mb.group(1))
+
+
 def _fold_name(key: str, members: list[str]) -> str:
     if len(members) == 1:
         return key
@@ -187,9 +193,7 @@ def blocks(plan: ShardingPlan) -> list[Block]:
     for i, (key, vs) in enumerate(segs):
         sig = _signature(key, vs, colls[i], floors[i])
         prev = out[-1] if out else None
-        if prev is not None and _LAYER.match(key) and _LAYER.match(prev.members[0]) and \
-                _LAYER.match(key).group(1) == _LAYER.match(prev.members[0]).group(1) and \
-                sigs[-1] == sig:
+        if prev is not None and _siblings(prev.members[0], key) and sigs[-1] == sig:
             members = prev.members + (key,)
             out[-1] = Block(_fold_name(key, list(members)), members, prev.values,
                             prev.collectives, prev.rows, prev.own, prev.floor, prev.output)

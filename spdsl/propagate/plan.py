@@ -176,21 +176,27 @@ def _op_name(node: torch.fx.Node) -> str:
         node.target, torch._ops.OpOverload) else str(node.target)
 
 
-def _via(node: torch.fx.Node, d: Decision, ins: list[torch.fx.Node]) -> str:
-    """The input whose placement this node's rule carried over: the first one it needs
-    split or partial, preferring one that arrives as needed."""
+def _via(prop: Propagator, node: torch.fx.Node, d: Decision, ins: list[torch.fx.Node]) -> str:
+    """The input whose placement decided this node's: the first one its rule needs split or
+    partial (preferring one that arrives so); else, for a replicated result, an input that had
+    to be gathered or reduced, else the first computed (not parameter) input."""
     if not ins:
         src = node.args[0] if node.args and isinstance(node.args[0], torch.fx.Node) else None
         return src.name if src is not None and node.op == "call_function" else ""
-    moved = ""
+    split_moved = ""
     for i, a in enumerate(ins):
         req = d.strategy.inputs[i] if i < len(d.strategy.inputs) else Replicate()
         if isinstance(req, Replicate):
             continue
         if i not in d.redistribute:
             return a.name
-        moved = moved or a.name
-    return moved
+        split_moved = split_moved or a.name
+    if split_moved:
+        return split_moved
+    if d.redistribute:
+        return ins[min(d.redistribute)].name
+    computed = [a for a in ins if a.op == "call_function"]
+    return computed[0].name if computed else ""
 
 
 def _typed(prop: Propagator, node: torch.fx.Node, d: Decision) -> tuple[str, str]:
@@ -206,13 +212,16 @@ def _typed(prop: Propagator, node: torch.fx.Node, d: Decision) -> tuple[str, str
 def _value(prop: Propagator, node: torch.fx.Node, d: Decision) -> Value:
     ins = tensor_inputs(node) if node.op == "call_function" else []
     moves = tuple((ins[i].name, repr(s), repr(t)) for i, (s, t) in sorted(d.redistribute.items()))
-    via = _via(node, d, ins)
+    via = _via(prop, node, d, ins)
     origin = d.origin
     if node.target is operator.getitem and node.args[0] in prop.decisions:
         origin = prop.decisions[node.args[0]].origin     # an element gets its op's rule
+    module = module_of(node)
+    if node.op == "placeholder" and origin.startswith("parameter "):
+        module = origin.removeprefix("parameter ").rpartition(".")[0]   # its owner
     typed, placement = _typed(prop, node, d)
-    return Value(node.name, _op_name(node), typed, placement, source_of(node), module_of(node),
-                 origin, tuple(a.name for a in ins) or ((via,) if via else ()), via, moves,
+    return Value(node.name, _op_name(node), typed, placement, source_of(node), module, origin,
+                 tuple(a.name for a in ins) or ((via,) if via else ()), via, moves,
                  d.alternatives)
 
 
@@ -312,8 +321,9 @@ def _lowering_collectives(prop, node, d, ins, val, grad, add) -> None:
         kv = (nbytes(k) + nbytes(v)) * rep
         g = grad.get(node, False)
         qkv = (nbytes(q) + kv) // P
+        kv_note = f" repeated x{rep}" if rep > 1 else ""     # kv heads fewer than P
         add("all_to_all", qkv, qkv if g else 0, "ulysses", node,
-            [prop.typed(ins[j]) for j in range(3)])
+            [prop.typed(ins[0])] + [prop.typed(ins[j]) + kv_note for j in (1, 2)])
         o = nbytes(val) // P
         add("all_to_all", o, o if g else 0, "ulysses", node, [prop.typed(node)])
     elif low == "nll_mean":

@@ -11,7 +11,8 @@ The copy is the graph a full trace would give, provided a block's forward is a f
 parameters, buffers and arguments alone. Blocks are only treated as identical when their
 class, parameter shapes, plain attributes and hooks agree, and a block whose nodes read any
 other graph value (a tensor captured from outside) is always traced. ``SPDSL_TRACE_REPLAY=0``
-turns the shortcut off.
+turns the shortcut off. Copies keep the first block's other FX metadata (``nn_module_stack``,
+``stack_trace``); spdsl reads only the module path, which is rewritten for each copy.
 """
 
 from __future__ import annotations

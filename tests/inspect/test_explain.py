@@ -22,7 +22,8 @@ def test_attention_placement_starts_at_the_input_spec(tiny_plan):
     text = str(e)
     assert text.startswith(f"{att.name}: f32[2,4,64@sp,16]  Shard(2)  (layers.1.attention")
     assert "because: " in text and "by in_specs[" in text
-    assert "issues: all_to_all (ulysses)" in text
+    assert text.endswith("issues all_to_all (ulysses) of f32[2,4,64@sp,16]")
+    assert [c.purpose for c in e.collectives] == ["ulysses", "ulysses"]
 
 
 def test_long_chains_fold(deep_plan):

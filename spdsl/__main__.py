@@ -1,15 +1,24 @@
-"""``python -m spdsl plan MODULE:EXPR --seq S --sp P [--json [PATH]] [--html PATH]``.
+"""``python -m spdsl plan ...`` and ``python -m spdsl memory ...``.
 
 Example::
 
     python -m spdsl plan models.llama:LlamaConfig.llama3_8b --seq 131072 --sp 8
+    python -m spdsl memory --model llama3_8b --sp 8 --device-memory 80GiB --max-seq
 """
 
 from __future__ import annotations
 
 import sys
 
-from spdsl.inspect.cli import main
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["memory"]:
+        from spdsl.memory.cli import main as memory
+        return memory(argv[1:])
+    from spdsl.inspect.cli import main as plan
+    return plan(argv)
+
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -156,7 +156,12 @@ class Sharded:
             if ax != self.axis:
                 names = tuple(self._mesh.mesh_dim_names or ()) if self._mesh is not None else ()
                 if self._mesh is not None and ax not in names:
-                    axis_size(self._mesh, ax)
+                    try:
+                        axis_size(self._mesh, ax)
+                    except ShardingError as e:
+                        raise ShardingError(
+                            rule=e.rule, detail=e.detail, fix=e.fix, where=f"argument {i}",
+                            value=typed_shape(x.shape, x.dtype, REPLICATE, ax)) from None
                 raise ShardingError(
                     rule="one split axis", where=f"argument {i}",
                     value=typed_shape(x.shape, x.dtype, REPLICATE, ax),
@@ -168,6 +173,7 @@ class Sharded:
             return REPLICATE
         if len(split) > 1:
             raise ShardingError(rule="one split dim", where=f"argument {i}",
+                                value=typed_shape(x.shape, x.dtype, REPLICATE, self.axis),
                                 detail=f"spec {spec!r} splits two dims over one axis",
                                 fix="split one dim per axis")
         d = split[0][0]
@@ -237,6 +243,7 @@ class Sharded:
         prop.run(inputs)
         outs = self._out_placements(traced, prop)
         plan = build_plan(prop, requires, outs)
+        plan._memory = functools.cache(functools.partial(_plan_memory, self, args, kwargs))
         entry = _Compiled(traced, prop, [p for p, _ in placements], outs, plan)
         self._cache[key] = entry
         return entry
@@ -323,6 +330,11 @@ class Sharded:
             return DTensor.from_local(local, sub, [DShard(p.dim)], run_check=False,
                                       shape=val.shape, stride=val.stride())
         return local
+
+
+def _plan_memory(fn: Sharded, args: tuple, kwargs: dict):
+    from spdsl.memory import plan_memory
+    return plan_memory(fn, *args, **kwargs)
 
 
 def _out_nodes(traced: Traced) -> list:

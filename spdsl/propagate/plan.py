@@ -102,6 +102,15 @@ class ShardingPlan:
     def bytes_bwd(self) -> int:
         return sum(c.bytes_bwd for c in self.collectives)
 
+    @property
+    def memory(self):
+        """Predicted per-rank peak memory of one training step under the function's remat
+        policy (``spdsl.memory.MemoryPlan``), simulated on fake tensors when first asked."""
+        if getattr(self, "_memory", None) is None:
+            raise AttributeError("this plan has no function to simulate (build it with "
+                                 "spdsl.plan on an sp_shard/shard-ed function)")
+        return self._memory()
+
     @cached_property
     def by_name(self) -> dict[str, Value]:
         return {v.name: v for v in self.values}

@@ -69,3 +69,17 @@ def test_cli_plans_one_length(capsys):
                  "--remat", "full"]) == 0
     out = capsys.readouterr().out
     assert "remat=full" in out and "peak" in out and "optimizer state" in out
+
+
+def test_plan_memory_is_reachable_from_the_sharding_plan():
+    import spdsl
+    from models.llama import Llama, LlamaConfig
+
+    model = Llama(LlamaConfig.tiny())
+    ids = torch.randint(0, 256, (1, 64))
+    mem = spdsl.plan(spdsl.sp_shard(seq=2, remat="none")(model), ids, ids).memory
+    state = [*model.parameters(), *model.buffers()]      # buffers (RoPE inv_freq) count too
+    n_bytes = sum(t.numel() * t.element_size() for t in state)
+    assert mem.parameters == n_bytes
+    assert mem.peak == (mem.parameters + mem.gradients + mem.optimizer + mem.inputs
+                        + mem.activations + mem.transient)

@@ -112,8 +112,10 @@ def plot_sweep(results: list[dict], path: str) -> None:
         ax_t.plot(s["seq"], s["t"], marker="o", label=label)
         ax_m.plot(s["seq"], s["m"], marker="o", label=label)
     world = results[0]["config"]["world"] if results else "?"
+    seqs = sorted({res["config"]["seq"] for res in results})
     for ax, title, unit in ((ax_t, "median step time", "s"), (ax_m, "peak tensor memory", "MiB")):
         ax.set_xscale("log", base=2)
+        ax.set_xticks(seqs, [str(s) for s in seqs])
         ax.set_yscale("log")
         ax.set_xlabel("sequence length (tokens)")
         ax.set_ylabel(unit)

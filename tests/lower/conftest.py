@@ -17,9 +17,10 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def one_rank():
-    """The default process group as one gloo rank (created once, if nobody made one)."""
+    """The default process group as one gloo rank, for one test module (left in place it would
+    make later tests, which plan without a group, see a running job of one rank)."""
     made = False
     if not dist.is_initialized():
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)

@@ -355,7 +355,8 @@ def shard(fn: Callable | None = None, *, mesh, in_specs, out_specs=None,
           ) -> Sharded | Callable[[Callable], Sharded]:
     """Run ``fn`` split over a mesh axis: ``in_specs`` mirror the positional arguments (one
     ``P`` per tensor, or None for replicated), ``out_specs`` the outputs (scalars: ``P()``).
-    Every rank passes the same global tensors (or DTensors). Usable as a decorator.
+    Every rank passes the same global tensors (or DTensors). Usable as a decorator. Takes the
+    same ``compile``/``remat``/``kernels``/``debug`` options as ``sp_shard``.
 
     Example::
 
@@ -377,6 +378,12 @@ def sp_shard(fn: Callable | None = None, *, seq: int, seq_dim: int = 1, axis: st
     sequence length are split over ``seq`` ranks of axis ``axis``; everything else, parameters
     included, is replicated. Scalars come back as the exact global value; sequence-shaped
     outputs as DTensors split on the sequence.
+
+    Options: ``compile=True`` runs the rank's program through ``torch.compile`` as one graph;
+    ``remat`` is ``"none"``, ``"full"``, ``"auto"`` (default, sequence-aware selective
+    checkpointing) or a byte budget; ``kernels`` swaps in spdsl's Triton kernels
+    (``"auto"``: on CUDA; ``"on"``/``"off"``); ``debug=True`` checks every rank passed the
+    same batch.
 
     Example::
 

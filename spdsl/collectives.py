@@ -26,27 +26,17 @@ import torch.distributed._functional_collectives as fc
 
 from spdsl.propagate.placement import chunk_bounds
 
-COUNTER: list = []   # (kind, bytes) of every collective issued, when a test or bench asks
-
-
-def _note(kind: str, t: torch.Tensor) -> None:
-    if COUNTER and COUNTER[0] is not None:
-        COUNTER[0].append((kind, t.numel() * t.element_size()))
-
 
 def _a2a_raw(buf: torch.Tensor, group: str, out_splits=None, in_splits=None) -> torch.Tensor:
-    _note("all_to_all", buf)
     return fc.wait_tensor(fc.all_to_all_single(buf.contiguous(), out_splits, in_splits, group))
 
 
 def _all_reduce_raw(x: torch.Tensor, group: str) -> torch.Tensor:
-    _note("all_reduce", x)
     return fc.wait_tensor(fc.all_reduce(x.contiguous(), "sum", group))
 
 
 def _all_gather_raw(x: torch.Tensor, group: str) -> torch.Tensor:
     """[n, ...] on each rank -> [P*n, ...], rank order."""
-    _note("all_gather", x)
     return fc.wait_tensor(fc.all_gather_tensor(x.contiguous(), 0, group))
 
 

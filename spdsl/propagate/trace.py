@@ -206,10 +206,10 @@ def _assign_module_paths(gm: torch.fx.GraphModule, events: list[tuple[int, str |
 
 
 def _plain(t: torch.Tensor) -> torch.Tensor:
-    """A DTensor is traced as a plain tensor of its global shape (never materialised)."""
+    """A DTensor is traced as a plain tensor of its global shape on its device."""
     from torch.distributed.tensor import DTensor
     if isinstance(t, DTensor):
-        # storage-less until traced: make_fx turns it into a fake tensor right away
+        # uninitialised and dropped right after tracing: make_fx only reads its metadata
         return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype,
                                    device=t.to_local().device)
     return t

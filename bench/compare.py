@@ -13,10 +13,11 @@ CI smoke (one step, 256 tokens, reference + hand-written Ulysses, exits 1 on a p
 Everything that bench/RESULTS.md reports (SP 2 at 4096 tokens, SP 4 over 1K..16K tokens, two
 label variants at SP 2, the plot), then rewrites its tables (runs and times: bench/README.md)::
 
-    python bench/compare.py --suite            # or --suite sp4_sweep; --render: tables only
+    python bench/compare.py --suite            # or --suite sp4_8k; --render: tables only
 
-Needs the ``bench`` extra (matplotlib, deepspeed==0.19.8; deepspeed is optional: its systems
-report "unavailable" without it). Per system it prints: median step time after warm-up, the
+Needs matplotlib (the ``bench`` extra) for the plot, and deepspeed==0.19.8 for the DeepSpeed
+systems (install it with torch pinned, see bench/README.md; without it they report
+"unavailable"). Per system it prints: median step time after warm-up, the
 ratio to hand-written Ulysses in the same mode, the first (compiling) step, loss and gradient
 relative error against the single-process reference, bytes sent per rank per step by kind
 of collective beside the analytic Ulysses floor, and peak tensor memory per rank.
@@ -28,6 +29,7 @@ import argparse
 import datetime
 import json
 import os
+import subprocess
 import sys
 
 # DeepSpeed picks its accelerator at import; CPU here, whatever imports it first.
@@ -36,15 +38,15 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
+import torch
+import torch.distributed as dist
 
-from bench.baselines import report  # noqa: E402
-from bench.baselines.analytic import ulysses_floor  # noqa: E402
-from bench.baselines.data import make_batches  # noqa: E402
-from bench.baselines.model import CONFIGS  # noqa: E402
-from bench.baselines.runner import Workload, run_all  # noqa: E402
-from bench.baselines.systems import RunConfig, select  # noqa: E402
+from bench.baselines import report
+from bench.baselines.analytic import ulysses_floor
+from bench.baselines.data import make_batches
+from bench.baselines.model import CONFIGS
+from bench.baselines.runner import Workload, run_all
+from bench.baselines.systems import RunConfig, select
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -83,10 +85,20 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
+def source_revision() -> str:
+    """The repository revision measured (spdsl changes fast: results must say which one)."""
+    try:
+        return subprocess.run(["git", "describe", "--always", "--dirty"], cwd=ROOT, check=True,
+                              capture_output=True, text=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
 def run(args: argparse.Namespace) -> list[dict] | None:
     """All systems at every ``--seq`` on this rank; rank 0 returns one result per length."""
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     load_before = os.getloadavg()[0]     # the machine is shared: say how busy it was
+    revision = source_revision()         # at the start: the tree may change during a run
     # Long steps at 16K tokens: time out a stuck collective after 15 min, not gloo's 30.
     dist.init_process_group("gloo", timeout=datetime.timedelta(minutes=15))
     cfg = RunConfig(model=args.model, batch=args.batch, world=world, rank=rank, seed=args.seed,
@@ -106,7 +118,8 @@ def run(args: argparse.Namespace) -> list[dict] | None:
     config = {k: getattr(args, k) for k in ("model", "batch", "steps", "warmup", "seed", "lr",
                                             "labels", "ignore_prefix")}
     config.update(world=world, torch=torch.__version__, threads=torch.get_num_threads(),
-                  cpus=os.cpu_count(), loadavg_1min=[load_before, os.getloadavg()[0]])
+                  cpus=os.cpu_count(), loadavg_1min=[load_before, os.getloadavg()[0]],
+                  revision=revision)
     return [{"config": {**config, "seq": seq},
              "floor": ulysses_floor(CONFIGS[args.model](), args.batch, seq, world),
              "rows": [r for r in rows if r["seq"] == seq]} for seq in args.seq]

@@ -10,10 +10,11 @@ Used as its source prescribes (``deepspeed/compile/passes/sp_compile.py``):
   dynamic and tags the three global tensors; the pass then slices them inside the graph
   (``S -> S // P`` downstream of the tags) and wraps each SDPA with four all-to-alls.
 
-The model is ``PositionalLoss`` with plain SDPA: positions must be a tagged *input*, since
-AutoSP would otherwise shrink the model's ``torch.arange(S)`` to ``arange(S // P)`` on every
-rank (wrong RoPE angles off rank 0). kv heads are replicated when fewer than P, since AutoSP
-requires q and kv head counts divisible by P.
+The model is ``PositionalLoss`` with plain SDPA: positions must be a tagged *input*. On the
+unmodified model (positions from ``torch.arange(S)`` inside ``forward``) AutoSP shards q to
+``S // P`` but not the RoPE table and fails to compile ("The size of tensor a ((s38//2)) must
+match the size of tensor b (s38)" at ``q * cos``). kv heads are replicated when fewer than P,
+since AutoSP requires q and kv head counts divisible by P.
 
 The loss it returns is each rank's *local* mean; DeepSpeed then reduces gradients over the
 sequence-data-parallel group. How that compares with the global mean is what the parity
@@ -26,8 +27,8 @@ import contextlib
 import os
 
 import torch
-import torch._functorch.partitioners as partitioners
 import torch.distributed as dist
+from torch._functorch import partitioners
 
 from .model import PositionalLoss, build_llama, kv_repeat, repeated_kv, sdpa
 from .systems import RunConfig, Unavailable

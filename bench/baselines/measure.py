@@ -30,10 +30,9 @@ profiler does not record which process group an op ran on.
 from __future__ import annotations
 
 import ast
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
-import torch
 from torch.profiler import ProfilerActivity, profile
 
 # C++ scalar type names as the profiler prints them.
@@ -177,7 +176,3 @@ def profile_step(step: Callable[[], object], world: int, rank: int,
     if top:
         out.top_ops = top_ops(prof, top)
     return out
-
-
-def dtype_bytes(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()

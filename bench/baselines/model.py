@@ -13,14 +13,15 @@ Two forward paths over the same parameters:
   use it (spdsl must find the positions, the RoPE slice and the attention by itself).
 - ``PositionalLoss``: mirrors ``Llama.forward`` but takes the (global) positions as an input
   and an ``attend(q, k, v)`` function, because hand-written Ulysses has to offset the
-  positions per rank and AutoSP can only slice a *tagged input* (it would shrink
-  ``torch.arange(S)`` to ``arange(S // P)`` on every rank). Loss and gradient parity against
-  the reference would catch any drift between the mirror and ``models/llama.py``.
+  positions per rank and AutoSP can only slice a *tagged input* (on the model's own
+  ``torch.arange(S)`` it fails to compile: the RoPE table keeps length S while q is S // P).
+  Loss and gradient parity against the reference would catch any drift between the mirror and
+  ``models/llama.py``.
 """
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F

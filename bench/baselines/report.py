@@ -57,7 +57,8 @@ def header(result: dict) -> str:
             f"labels `{c['labels']}`, ignore_prefix {c['ignore_prefix']}"
             + (f"; 1-min load average {c['loadavg_1min'][0]:.1f} at start, "
                f"{c['loadavg_1min'][1]:.1f} at end on {c['cpus']} CPUs"
-               if "loadavg_1min" in c else ""))
+               if "loadavg_1min" in c else "")
+            + (f"; source `{c['revision']}`" if "revision" in c else ""))
 
 
 def top_ops(result: dict) -> str:

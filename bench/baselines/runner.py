@@ -17,11 +17,12 @@ rank 0 alone while the other ranks wait, so it is timed as the single process it
 
 from __future__ import annotations
 
+import functools
 import statistics
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -79,7 +80,7 @@ def _guarded(slot: Slot, rank: int, fn: Callable[[], None]) -> None:
     if (not slot.solo or rank == 0) and slot.status == "ok":
         try:
             fn()
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001 -- any failure is a result to report
             slot.status, slot.reason = _failure(e, rank)
     if slot.solo:
         dist.barrier()               # the other ranks wait while rank 0 runs the reference
@@ -88,6 +89,10 @@ def _guarded(slot: Slot, rank: int, fn: Callable[[], None]) -> None:
     dist.all_reduce(flag, op=dist.ReduceOp.MAX)
     if flag.item() and slot.status == "ok":
         slot.status, slot.reason = "failed", "another rank failed"
+
+
+def _build(slot: Slot, cfg: RunConfig) -> None:
+    slot.trainer = slot.system.build(cfg)
 
 
 def _step(slot: Slot, batch: tuple, keep_grads: bool) -> None:
@@ -158,8 +163,7 @@ def run_all(systems: list[System], cfg: RunConfig, workloads: list[Workload], wa
     """Every system at every workload; rank 0 gets one row per (system, workload)."""
     slots = [Slot(s) for s in systems]
     for slot in slots:
-        _guarded(slot, cfg.rank, lambda slot=slot: setattr(slot, "trainer",
-                                                          slot.system.build(cfg)))
+        _guarded(slot, cfg.rank, functools.partial(_build, slot, cfg))
     reference = next((s for s in slots if s.solo), None)
     rows = []
     for work in workloads:
@@ -167,13 +171,13 @@ def run_all(systems: list[System], cfg: RunConfig, workloads: list[Workload], wa
         for slot in slots:
             slot.times, slot.losses, slot.grads, slot.measure = [], [], None, None
             for j in range(min(warmup, n)):
-                _guarded(slot, cfg.rank, lambda: _step(slot, work.batches[j], j == 0))
+                _guarded(slot, cfg.rank, functools.partial(_step, slot, work.batches[j], j == 0))
         for j in range(warmup, n):
             for slot in slots:
-                _guarded(slot, cfg.rank, lambda: _step(slot, work.batches[j], j == 0))
+                _guarded(slot, cfg.rank, functools.partial(_step, slot, work.batches[j], j == 0))
         for slot in slots:
-            _guarded(slot, cfg.rank,
-                     lambda: _profile(slot, work.profile_batch, cfg.world, cfg.rank, top))
+            _guarded(slot, cfg.rank, functools.partial(_profile, slot, work.profile_batch,
+                                                       cfg.world, cfg.rank, top))
         for slot in slots:
             spread = None
             if not slot.solo and slot.status == "ok":

@@ -56,7 +56,7 @@ def _launch(name: str) -> None:
     with tempfile.TemporaryDirectory(prefix="spdsl-bench-inductor-") as cache:
         env = {**os.environ, "DS_ACCELERATOR": "cpu", "TORCHINDUCTOR_CACHE_DIR": cache}
         t0 = time.time()
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
     print(f"[suite] {name}: exit {proc.returncode} after {time.time() - t0:.0f} s", flush=True)
     with open(os.path.join(RESULTS_DIR, f"{name}.log"), "w") as f:
         f.write(proc.stdout + proc.stderr)

@@ -9,8 +9,9 @@ shards (by hand, by AutoSP, by spdsl) is its own business; so are its collective
 from __future__ import annotations
 
 import importlib
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, Protocol
+from typing import Protocol
 
 import torch
 

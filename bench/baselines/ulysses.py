@@ -92,7 +92,7 @@ class UlyssesTrainer:
 def build(cfg: RunConfig, compiled: bool) -> UlyssesTrainer:
     try:
         import deepspeed.comm
-        import deepspeed.sequence.layer  # noqa: F401
+        import deepspeed.sequence.layer
     except ImportError as e:
         raise Unavailable(f"deepspeed is not installed ({e}); pip install the bench extra")
     # deepspeed.comm wraps the gloo group torch.distributed already has (it asserts otherwise).

@@ -8,8 +8,15 @@ import torch
 
 from bench.baselines.analytic import ulysses_floor
 from bench.baselines.data import make_batches, shard
-from bench.baselines.model import (CONFIGS, PositionalLoss, ShiftedLoss, build_llama, kv_repeat,
-                                   repeated_kv, sdpa)
+from bench.baselines.model import (
+    CONFIGS,
+    PositionalLoss,
+    ShiftedLoss,
+    build_llama,
+    kv_repeat,
+    repeated_kv,
+    sdpa,
+)
 from models.llama import LlamaConfig
 from tests._util import assert_close
 

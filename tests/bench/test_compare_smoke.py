@@ -31,7 +31,8 @@ def test_compare_smoke_ulysses_matches_reference(tmp_path):
            os.path.join(ROOT, "bench", "compare.py"), "--smoke", "--systems", "ulysses-eager",
            "--check", "1e-5", "--out", str(out)]
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
+                          check=False)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
 
     (result,) = json.loads(out.read_text())

@@ -16,7 +16,9 @@ Replicate, used split  identity                    all-reduce (partial grad)
 slice of a split dim   halo exchange (all-to-all)  halo exchange back
 =====================  ==========================  ===============================
 
-All-to-alls are real ``all_to_all_single`` calls (DTensor's CPU path gathers instead).
+All-to-alls are real ``all_to_all_single`` calls (DTensor's CPU path gathers instead). The
+gradient all-reduces of parameters go in buckets (``grad_all_reduce_many``): one flat
+all-reduce per bucket instead of one per parameter.
 """
 
 from __future__ import annotations
@@ -72,6 +74,22 @@ class _GradAllReduce(torch.autograd.Function):
         return _all_reduce_raw(grad, ctx.group), None
 
 
+class _GradAllReduceMany(torch.autograd.Function):
+    """Identity on several replicated values; backward all-reduces their gradients together,
+    as one flat buffer, once all of them are known."""
+
+    @staticmethod
+    def forward(ctx, group: str, *xs: torch.Tensor):
+        ctx.group = group
+        return tuple(x.view_as(x) for x in xs)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        flat = _all_reduce_raw(torch.cat([g.reshape(-1) for g in grads]), ctx.group)
+        pieces = torch.split(flat, [g.numel() for g in grads])
+        return (None, *(p.view(g.shape) for p, g in zip(pieces, grads)))
+
+
 def all_reduce(x: torch.Tensor, group: str) -> torch.Tensor:
     """Partial -> Replicate."""
     return _AllReduce.apply(x, group)
@@ -82,6 +100,18 @@ def grad_all_reduce(x: torch.Tensor, group: str) -> torch.Tensor:
     if not x.requires_grad:
         return x
     return _GradAllReduce.apply(x, group)
+
+
+def grad_all_reduce_many(xs: list[torch.Tensor], group: str) -> list[torch.Tensor]:
+    """``grad_all_reduce`` of several values (one dtype) as one bucket: a single all-reduce of
+    their concatenated gradients in backward instead of one per value."""
+    idx = [i for i, x in enumerate(xs) if x.requires_grad]
+    if not idx:
+        return list(xs)
+    outs = list(xs)
+    for i, y in zip(idx, _GradAllReduceMany.apply(group, *(xs[i] for i in idx))):
+        outs[i] = y
+    return outs
 
 
 def _split_dim(x: torch.Tensor, dim: int, outer: int) -> tuple[torch.Tensor, int]:

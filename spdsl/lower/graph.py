@@ -109,6 +109,11 @@ class Lowering:
         for node in self.prop.gm.graph.nodes:
             if node.op == "placeholder":
                 self.env[node] = self.graph.placeholder(node.name)
+                val = node.meta.get("val")
+                if isinstance(val, torch.Tensor):   # what this rank is passed
+                    shape = local_shape(val.shape, self.prop.placement(node), self.parts,
+                                        self.rank)
+                    self.env[node].meta["spdsl_local"] = (tuple(shape), val.dtype)
             elif node.op == "get_attr":
                 self.env[node] = self.graph.get_attr(node.target)
             elif node.op == "call_function":
@@ -127,6 +132,7 @@ class Lowering:
                         x = self.redistribute(x, self.prop.placement(o), want, o.meta["val"])
                     outs.append(x)
                 self.graph.output(outs)
+        bucket_gradient_reduces(self.graph)
         gm = torch.fx.GraphModule(self.prop.gm, self.graph)
         return gm
 
@@ -188,6 +194,79 @@ class Lowering:
         if node.target is torch.ops.spdsl.attention.default:    # replicated attention
             return self.graph.call_function(ops.local_attention, args, kwargs)
         return self.graph.call_function(node.target, args, kwargs)
+
+
+GRAD_BUCKET_BYTES = 32 * 2 ** 20
+
+
+def bucket_gradient_reduces(graph: torch.fx.Graph, cap: int = GRAD_BUCKET_BYTES) -> int:
+    """Fold the gradient all-reduces of graph inputs (parameters) into buckets of up to
+    ``cap`` bytes, one ``grad_all_reduce_many`` each; returns the number of buckets.
+
+    A marker on a value computed from one parameter alone (``t(w)``) moves to the parameter
+    when nothing else uses that chain: the gradient map of replicated inputs is the same on
+    every rank, so summing before or after it is the same sum. A parameter's gradient is
+    complete once backward has passed its first use, so buckets are
+    filled in reverse order of first use (the last layer's weights first) and grouped by dtype;
+    a bucket reduces when its last gradient is known. The calls sit after the placeholders,
+    outside every layer (checkpointed regions never re-run them).
+    """
+    nodes = [m for m in (_marker_on_input(graph, n) for n in list(graph.nodes)
+                         if n.target is C.grad_all_reduce) if m is not None]
+    if not nodes:
+        return 0
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    nodes.sort(key=lambda n: min(order[u] for u in n.users), reverse=True)
+    buckets: list[list[torch.fx.Node]] = []
+    open_: dict[torch.dtype, tuple[list[torch.fx.Node], list[int]]] = {}
+    for n in nodes:
+        shape, dtype = n.args[0].meta.get("spdsl_local", ((), None))
+        size = math.prod(shape) * (dtype.itemsize if dtype is not None else 0)
+        bucket, used = open_.get(dtype, (None, [0]))
+        if bucket is None or (bucket and used[0] + size > cap):
+            bucket, used = [], [0]
+            buckets.append(bucket)
+            open_[dtype] = (bucket, used)
+        bucket.append(n)
+        used[0] += size
+    anchor = [n for n in graph.nodes if n.op == "placeholder"][-1]
+    for bucket in buckets:
+        group = bucket[0].args[1]
+        with graph.inserting_after(anchor):
+            many = graph.call_function(C.grad_all_reduce_many,
+                                       ([n.args[0] for n in bucket], group))
+        anchor = many
+        for k, n in enumerate(bucket):
+            with graph.inserting_after(anchor):
+                item = graph.call_function(operator.getitem, (many, k))
+            item.meta.update(n.meta)
+            item.meta["spdsl_module"] = ""
+            anchor = item
+            n.replace_all_uses_with(item)
+            graph.erase_node(n)
+        many.meta.update(spdsl_module="", spdsl_origin="gradient bucket",
+                         stack_trace=None)
+    return len(buckets)
+
+
+def _marker_on_input(graph: torch.fx.Graph, n: torch.fx.Node) -> torch.fx.Node | None:
+    """The gradient marker ``n`` moved onto the graph input it derives from (see above), or
+    None where it derives from data or its chain has other users."""
+    chain, a = [], n.args[0]
+    while a.op == "call_function" and len(a.users) == 1 and len(a.all_input_nodes) == 1:
+        chain.append(a)
+        a = a.all_input_nodes[0]
+    if a.op != "placeholder" or not n.users:
+        return None
+    if not chain:
+        return n
+    with graph.inserting_after(a):
+        moved = graph.call_function(C.grad_all_reduce, (a, n.args[1]))
+    moved.meta.update(n.meta)
+    chain[-1].replace_input_with(a, moved)
+    n.replace_all_uses_with(n.args[0])
+    graph.erase_node(n)
+    return moved
 
 
 def lower(prop: Propagator, rank: int, group: str,

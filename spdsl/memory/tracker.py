@@ -17,7 +17,7 @@ import weakref
 from collections import defaultdict
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_flatten
 
 _WAIT = torch.ops._c10d_functional.wait_tensor.default
@@ -57,6 +57,12 @@ class LiveBytes(TorchDispatchMode):
 
     # -- bookkeeping ----------------------------------------------------------------------
     def _add(self, t: torch.Tensor, category: str) -> None:
+        if is_traceable_wrapper_subclass(t):
+            # a wrapper (a collective's AsyncCollectiveTensor, say) owns no memory of its own;
+            # its storage reports the full size but holds nothing: count what it wraps
+            for name in t.__tensor_flatten__()[0]:
+                self._add(getattr(t, name), category)
+            return
         st = t.untyped_storage()
         key = st._cdata
         if key in self.live:

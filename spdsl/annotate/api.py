@@ -67,6 +67,12 @@ class _Compiled:
     out_placements: list[Placement]
     plan: ShardingPlan
     local: Any = None
+    state_requires: tuple = ()
+
+    def stale(self) -> bool:
+        """A parameter was frozen or unfrozen since the trace: which gradients exist, and so
+        the plan and its lowering (tables built per rank, say), may differ."""
+        return tuple(t.requires_grad for t in self.traced.state) != self.state_requires
 
 
 class Sharded:
@@ -216,7 +222,7 @@ class Sharded:
     def build(self, args: tuple, kwargs: dict) -> _Compiled:
         leaves, spec = tree_flatten((args, kwargs))
         key = self._key(leaves, spec)
-        if key in self._cache:
+        if key in self._cache and not self._cache[key].stale():
             return self._cache[key]
         specs = self._specs_for(args, kwargs, leaves)
         placements = self._leaf_placements(leaves, specs)
@@ -233,6 +239,7 @@ class Sharded:
                 p, origin = placements[j - n_state]
                 inputs[ph] = (p, origin)
                 requires[ph] = leaves[traced.tensor_leaf_index[j - n_state]].requires_grad
+            ph.meta["spdsl_requires_grad"] = requires[ph]
         for node in gm.graph.nodes:
             if node.target is torch.ops.spdsl.constraint.default:
                 sp = _decode(node.args[1])
@@ -244,7 +251,8 @@ class Sharded:
         outs = self._out_placements(traced, prop)
         plan = build_plan(prop, requires, outs)
         plan._memory = functools.cache(functools.partial(_plan_memory, self, args, kwargs))
-        entry = _Compiled(traced, prop, [p for p, _ in placements], outs, plan)
+        entry = _Compiled(traced, prop, [p for p, _ in placements], outs, plan,
+                          state_requires=tuple(t.requires_grad for t in traced.state))
         self._cache[key] = entry
         return entry
 

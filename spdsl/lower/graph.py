@@ -17,6 +17,8 @@ from torch.utils._pytree import tree_map
 
 from spdsl import collectives as C
 from spdsl.lower import ops
+from spdsl.lower.factories import VAL as REPLICATED_VAL
+from spdsl.lower.factories import split_factories
 from spdsl.propagate.engine import Propagator, tensor_inputs
 from spdsl.propagate.placement import (
     Partial,
@@ -114,11 +116,14 @@ class Lowering:
                     shape = local_shape(val.shape, self.prop.placement(node), self.parts,
                                         self.rank)
                     self.env[node].meta["spdsl_local"] = (tuple(shape), val.dtype)
+                self.env[node].meta["spdsl_requires_grad"] = node.meta.get("spdsl_requires_grad")
+                self._note_replicated(node)
             elif node.op == "get_attr":
                 self.env[node] = self.graph.get_attr(node.target)
             elif node.op == "call_function":
                 start = len(self.graph.nodes)
                 self.env[node] = self._node(node)
+                self._note_replicated(node)
                 for i, new in enumerate(self.graph.nodes):
                     if i >= start:   # module path and source travel to the local nodes
                         new.meta.setdefault("spdsl_module", node.meta.get("spdsl_module", ""))
@@ -132,9 +137,17 @@ class Lowering:
                         x = self.redistribute(x, self.prop.placement(o), want, o.meta["val"])
                     outs.append(x)
                 self.graph.output(outs)
+        if self.parts > 1:
+            split_factories(self.graph, self.parts, self.rank)
         bucket_gradient_reduces(self.graph)
         gm = torch.fx.GraphModule(self.prop.gm, self.graph)
         return gm
+
+    def _note_replicated(self, node: torch.fx.Node) -> None:
+        """A replicated tensor's local value is its global one: kept for later passes."""
+        val, d = node.meta.get("val"), self.prop.decisions.get(node)
+        if isinstance(val, torch.Tensor) and d is not None and isinstance(d.output, Replicate):
+            self.env[node].meta[REPLICATED_VAL] = val
 
     def _node(self, node: torch.fx.Node) -> torch.fx.Node:
         if node.target is operator.getitem:

@@ -12,8 +12,7 @@ pytestmark = [pytest.mark.multirank, pytest.mark.slow]
 TOL = 0.10
 
 
-@pytest.mark.parametrize("world", [1, 2, 4],
-                         ids=lambda w: f"sp{w}")
+@pytest.mark.parametrize("world", [1, 2, 4], ids=lambda w: f"sp{w}")
 def test_planner_matches_measured_peak(world):
     rows = []
     for rank, res in enumerate(launch(world)):
@@ -23,6 +22,7 @@ def test_planner_matches_measured_peak(world):
                 rows.append(f"sp{world} r{rank} {name:10} {mode:10} plan {out['plan']:>11,} "
                             f"real {out['real']['peak']:>11,} {err:+.2%}")
                 assert abs(err) <= TOL, "\n".join(rows)
+    print("\n" + "\n".join(rows))           # the table, with pytest -s
 
 
 @pytest.mark.parametrize("world", [1, 4], ids=lambda w: f"sp{w}")

@@ -4,6 +4,7 @@ Examples::
 
     python -m spdsl memory --model llama3_8b --sp 8 --device-memory 80GiB --max-seq
     python -m spdsl memory --model llama3_8b --sp 8 --seq 131072 --remat full
+    python -m spdsl memory --model llama3_8b --sp 8 --remat full --recompute-collectives --max-seq
     python -m spdsl memory --model small --sp 4 --seq 8192 --dtype fp32 --json
 """
 
@@ -39,6 +40,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--state-shards", type=int, default=1,
                    help="split parameters, gradients and optimizer state N ways (ZeRO-3); "
                         "1: replicated on every rank")
+    p.add_argument("--recompute-collectives", action="store_true",
+                   help="checkpointed layers re-run their forward all-to-alls in backward "
+                        "instead of keeping what they received (Remat(recompute_collectives="
+                        "True))")
     p.add_argument("--max-seq", action="store_true",
                    help="search the longest sequence that fits --device-memory")
     p.add_argument("--granularity", type=int, default=1024)
@@ -79,6 +84,8 @@ def main(argv: list[str] | None = None) -> int:
           f"budget {fmt_bytes(budget)} per rank", file=sys.stderr)
     for mode in modes:
         remat = _search_remat(mode)
+        if a.recompute_collectives:
+            remat = remat.with_(recompute_collectives=True)
         if a.max_seq:
             est = Estimator(cfg, a.sp, remat, dtype, a.batch, a.optimizer, a.state_shards)
             seq, plan = max_seq(est, budget, granularity=a.granularity, verify=not a.no_verify)

@@ -51,13 +51,17 @@ class Remat:
     """A resolved ``remat=`` request.
 
     - ``mode``: ``"none"`` saves everything; ``"full"`` keeps only each layer's input (and the
-      outputs of collectives, which are never recomputed); ``"auto"`` saves per op by recompute
+      outputs of collectives, not recomputed by default); ``"auto"`` saves per op by recompute
       FLOPs per saved byte (attention and matmuls saved, norms/pointwise/RoPE/casts recomputed).
     - ``budget``: per-rank bytes for ``"auto"`` (None: no budget, save every op worth saving;
       0: the leanest auto policy — attention saved, all else recomputed, MLP and loss tiled).
     - ``tile_mlp`` / ``tile_loss``: True/False force, None decides by size (``tile_bytes``).
     - ``mlp_chunks``: sequence chunks of a tiled MLP (None: from ``tile_bytes``).
     - ``optimizer``: what the budget must leave room for (``"adamw"``: two fp32 states).
+    - ``recompute_collectives``: recompute the all-to-alls of checkpointed layers in backward
+      instead of keeping their outputs: ``"full"`` then keeps only each layer's input (the
+      analytic 2*h bytes per token per layer in bf16) for a second set of forward all-to-alls
+      per step.
 
     Example::
 
@@ -71,6 +75,7 @@ class Remat:
     mlp_chunks: int | None = None
     tile_bytes: int = 256 * 2 ** 20
     optimizer: str = "adamw"
+    recompute_collectives: bool = False
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -104,4 +109,5 @@ class Remat:
         extra = [f"budget={self.budget}"] if self.budget is not None else []
         extra += [f"{k}={getattr(self, k)}" for k in ("tile_mlp", "tile_loss", "mlp_chunks")
                   if getattr(self, k) is not None]
+        extra += ["recompute_collectives"] if self.recompute_collectives else []
         return self.mode + (f"({', '.join(extra)})" if extra else "")

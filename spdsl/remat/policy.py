@@ -5,8 +5,10 @@ arguments), from what recomputing it costs against what saving it holds: FLOPs p
 A matmul ``[M, K] @ [K, N]`` costs ``2K / itemsize`` FLOPs per byte of output whatever the
 sequence length; attention costs about ``4 * S_k * D`` per ``D`` saved, so its ratio grows with
 the sequence — at long context it is always the first thing saved. Pointwise ops, norms, RoPE
-and casts cost about one FLOP per element: always recomputed. Collectives are never recomputed
-(a second all-to-all in backward costs bandwidth and can reorder communication across ranks).
+and casts cost about one FLOP per element: always recomputed. Collectives are not recomputed
+(a second all-to-all in backward costs bandwidth) unless asked for with
+``Remat(recompute_collectives=True)``: then a checkpointed layer keeps only its input, and every
+rank re-runs the layer's forward all-to-alls, in the same order, when backward reaches it.
 
 The policy is a plain callable for ``torch.utils.checkpoint.create_selective_checkpoint_contexts``,
 so eager and ``torch.compile`` (which reads the same tags) honour it without patching PyTorch.
@@ -100,7 +102,8 @@ class OpClass:
 
 
 class SavePolicy:
-    """SAC policy: save collectives always, the op signatures in ``save``, recompute the rest.
+    """SAC policy: save collectives (unless ``save_collectives=False``), the op signatures in
+    ``save``, recompute the rest.
 
     Example::
 
@@ -109,13 +112,16 @@ class SavePolicy:
         y = checkpoint(layer, x, use_reentrant=False, context_fn=ctx)
     """
 
-    def __init__(self, save: frozenset = frozenset(), save_attention: bool = False) -> None:
+    def __init__(self, save: frozenset = frozenset(), save_attention: bool = False,
+                 save_collectives: bool = True) -> None:
         self.save, self.save_attention = save, save_attention
+        self.save_collectives = save_collectives
 
     def __call__(self, ctx, func, *args, **kwargs) -> CheckpointPolicy:
         kind = kind_of(func)
         if kind == "collective":
-            return CheckpointPolicy.MUST_SAVE
+            return CheckpointPolicy.MUST_SAVE if self.save_collectives else \
+                CheckpointPolicy.PREFER_RECOMPUTE
         if _IN_TILE[0]:
             return CheckpointPolicy.PREFER_RECOMPUTE
         if kind == "attention" and self.save_attention:

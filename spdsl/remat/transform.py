@@ -81,11 +81,12 @@ def apply_remat(gm: torch.fx.GraphModule, remat, state: list[TensorSpec],
         gm.spdsl_remat = report
         return gm
     if r.mode == "full":
-        out = checkpoint_layers(gm, SavePolicy())
+        out = checkpoint_layers(gm, SavePolicy(save_collectives=not r.recompute_collectives))
     elif r.budget is None:
         keep = candidates(classes)
         report.saved = [c.name for c in keep]
-        out = checkpoint_layers(gm, SavePolicy(frozenset(c.key for c in keep)))
+        out = checkpoint_layers(gm, SavePolicy(frozenset(c.key for c in keep),
+                                               save_collectives=not r.recompute_collectives))
     else:
         out = _fit_budget(gm, r, report, classes, state, inputs)
     out.spdsl_remat = report
@@ -128,7 +129,8 @@ def _fit_budget(gm, r: Remat, report: RematReport, classes: list[OpClass],
         [c for c in cands if c.kind != "attention"]
 
     def build(k: int):
-        return checkpoint_layers(gm, SavePolicy(frozenset(c.key for c in cands[:k])))
+        return checkpoint_layers(gm, SavePolicy(frozenset(c.key for c in cands[:k]),
+                                                save_collectives=not r.recompute_collectives))
 
     def peak(k: int) -> int:
         return simulate(build(k), state, inputs, optimizer=r.optimizer).peak

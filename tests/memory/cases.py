@@ -19,7 +19,8 @@ from spdsl.remat import Remat
 TILED = Remat("auto", tile_mlp=True, tile_loss=True, mlp_chunks=4)
 FULL_TILED = Remat("full", tile_mlp=True, tile_loss=True, mlp_chunks=3)
 MODES = {"none": Remat("none"), "auto": Remat("auto"), "full": Remat("full"),
-         "auto_tiled": TILED, "full_tiled": FULL_TILED}
+         "auto_tiled": TILED, "full_tiled": FULL_TILED,
+         "full_recompute": Remat("full", recompute_collectives=True)}
 # (name, config, batch, global sequence length)
 CONFIGS = [("tiny_256", LlamaConfig.tiny(), 2, 256), ("tiny_1024", LlamaConfig.tiny(), 1, 1024),
            ("small_512", LlamaConfig.small(), 1, 512)]

@@ -55,6 +55,10 @@ def test_policy_never_recomputes_collectives():
     # another signature of the same op is another decision
     assert auto(None, aten.mm.default, b.T, a.T) == CheckpointPolicy.PREFER_RECOMPUTE
     assert auto(None, aten.rsqrt.default, a) == CheckpointPolicy.PREFER_RECOMPUTE
+    # asked for: the all-to-alls of a checkpointed layer run again in backward
+    again = SavePolicy(save_collectives=False)
+    assert again(None, torch.ops._c10d_functional.all_to_all_single.default, a, None, None,
+                 "0") == CheckpointPolicy.PREFER_RECOMPUTE
 
 
 def test_candidates_rank_by_flops_per_byte_and_drop_cheap_ops():

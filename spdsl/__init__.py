@@ -15,12 +15,14 @@ from spdsl.annotate.spec import P
 from spdsl.errors import ShardingError
 from spdsl.propagate.plan import Collective, ShardingPlan
 from spdsl.propagate.rules import RuleCtx, Strategy, register_rule
+from spdsl.remat import Remat
 
 _dtensor_ops.register()
 
 __all__ = [
     "Collective",
     "P",
+    "Remat",
     "RuleCtx",
     "Sharded",
     "ShardingError",

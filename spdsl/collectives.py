@@ -81,13 +81,18 @@ class _GradAllReduceMany(torch.autograd.Function):
     @staticmethod
     def forward(ctx, group: str, *xs: torch.Tensor):
         ctx.group = group
+        ctx.set_materialize_grads(False)    # a value no gradient reached keeps None
         return tuple(x.view_as(x) for x in xs)
 
     @staticmethod
     def backward(ctx, *grads):
-        flat = _all_reduce_raw(torch.cat([g.reshape(-1) for g in grads]), ctx.group)
-        pieces = torch.split(flat, [g.numel() for g in grads])
-        return (None, *(p.view(g.shape) for p, g in zip(pieces, grads)))
+        # the same on every rank: which values get a gradient is decided by the graph
+        got = [g for g in grads if g is not None]
+        if not got:
+            return (None,) * (len(grads) + 1)
+        flat = _all_reduce_raw(torch.cat([g.reshape(-1) for g in got]), ctx.group)
+        pieces = iter(torch.split(flat, [g.numel() for g in got]))
+        return (None, *(None if g is None else next(pieces).view(g.shape) for g in grads))
 
 
 def all_reduce(x: torch.Tensor, group: str) -> torch.Tensor:

@@ -19,9 +19,11 @@ from spdsl import P
 
 def _errs(model: nn.Module, ref: nn.Module, loss, loss_ref) -> dict:
     out = {"loss": abs(loss.item() - loss_ref.item()) / abs(loss_ref.item()),
-           "loss_value": loss.item(), "grad": 0.0, "n_grads": 0, "missing": []}
+           "loss_value": loss.item(), "grad": 0.0, "n_grads": 0, "missing": [], "extra": []}
     for (name, p), q in zip(model.named_parameters(), ref.parameters()):
         if q.grad is None:
+            if p.grad is not None:
+                out["extra"].append(name)
             continue
         if p.grad is None:
             out["missing"].append(name)
@@ -62,7 +64,8 @@ def _uneven_labels(ids: torch.Tensor) -> torch.Tensor:
 
 class EinsumNet(nn.Module):
     """A model written the way a new user might: einsum attention, chunked qkv, a triu mask
-    of -inf, a learned scale, residual scaling, mean-of-squares auxiliary term."""
+    of -inf, a learned scale, residual scaling, mean-of-squares auxiliary term, and a
+    temperature read through ``.detach()`` (a parameter that must end with no gradient)."""
 
     def __init__(self, vocab: int = 256, dim: int = 32, heads: int = 4) -> None:
         super().__init__()
@@ -71,6 +74,7 @@ class EinsumNet(nn.Module):
         self.qkv = nn.Linear(dim, 3 * dim)
         self.proj = nn.Linear(dim, dim)
         self.gain = nn.Parameter(torch.ones(dim))
+        self.temp = nn.Parameter(torch.tensor(1.0))
         self.head = nn.Linear(dim, vocab, bias=False)
 
     def forward(self, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -80,6 +84,7 @@ class EinsumNet(nn.Module):
         q, k, v = (t.view(b, s, self.heads, -1).permute(0, 2, 1, 3) for t in (q, k, v))
         mask = torch.triu(torch.full((s, s), float("-inf")), diagonal=1)
         att = torch.einsum("bhqd,bhkd->bhqk", q, k) / math.sqrt(q.shape[-1]) + mask
+        att = att / self.temp.detach()
         y = torch.einsum("bhqk,bhkd->bhqd", att.softmax(-1), v)
         y = y.permute(0, 2, 1, 3).reshape(b, s, -1)
         x = x + 0.5 * self.proj(y) * self.gain

@@ -36,6 +36,7 @@ def test_loss_and_every_gradient(results, name):
     for r, res in enumerate(per_rank):
         out = res[name]
         assert out["missing"] == [], f"rank {r}: no gradient for {out['missing']}"
+        assert out["extra"] == [], f"rank {r}: a gradient where PyTorch has none: {out['extra']}"
         assert out["n_grads"] > 0
         assert out["loss"] <= LOSS_RTOL, f"sp{world} rank {r}: loss rel err {out['loss']:.2e}"
         assert out["grad"] <= GRAD_RTOL, f"sp{world} rank {r}: grad rel err {out['grad']:.2e}"

@@ -222,10 +222,15 @@ def bucket_gradient_reduces(graph: torch.fx.Graph, cap: int = GRAD_BUCKET_BYTES)
     complete once backward has passed its first use, so buckets are
     filled in reverse order of first use (the last layer's weights first) and grouped by dtype;
     a bucket reduces when its last gradient is known. The calls sit after the placeholders,
-    outside every layer (checkpointed regions never re-run them).
+    outside every layer (checkpointed regions never re-run them). A parameter read only
+    through ``detach()`` gets no marker: it keeps no gradient, eager or compiled.
     """
     nodes = [m for m in (_marker_on_input(graph, n) for n in list(graph.nodes)
                          if n.target is C.grad_all_reduce) if m is not None]
+    for n in [n for n in nodes if not _gets_gradient(n)]:    # read only through detach()
+        n.replace_all_uses_with(n.args[0])
+        graph.erase_node(n)
+        nodes.remove(n)
     if not nodes:
         return 0
     order = {n: i for i, n in enumerate(graph.nodes)}
@@ -260,6 +265,21 @@ def bucket_gradient_reduces(graph: torch.fx.Graph, cap: int = GRAD_BUCKET_BYTES)
         many.meta.update(spdsl_module="", spdsl_origin="gradient bucket",
                          stack_trace=None)
     return len(buckets)
+
+
+def _gets_gradient(n: torch.fx.Node) -> bool:
+    """Whether a gradient can flow back into ``n``: some path of uses reaches the output
+    without passing a ``detach``."""
+    seen, todo = set(), [n]
+    while todo:
+        x = todo.pop()
+        for u in x.users:
+            if u.op == "output":
+                return True
+            if u not in seen and u.target is not aten.detach.default:
+                seen.add(u)
+                todo.append(u)
+    return False
 
 
 def _marker_on_input(graph: torch.fx.Graph, n: torch.fx.Node) -> torch.fx.Node | None:

@@ -76,3 +76,16 @@ def test_buckets_follow_gradient_order_and_cap():
                                                                                 "layers.1.")}
     first = {k: min(i for i, n in enumerate(flat) if n.startswith(k)) for k in last}
     assert last["layers.1."] < first["layers.0."]
+
+
+def test_a_parameter_read_through_detach_gets_no_all_reduce():
+    from tests.parity.cases import EinsumNet
+
+    torch.manual_seed(0)
+    model = EinsumNet()
+    gm = _local(model, seq=16)
+    names = dict(zip([n.target for n in gm.graph.nodes if n.op == "placeholder"],
+                     [k for k, _ in model.named_parameters()]))
+    bucketed = {names[p] for b in _buckets(gm) for p in b}
+    assert "temp" not in bucketed          # its gradient stays None, eager and compiled
+    assert bucketed == {k for k, _ in model.named_parameters()} - {"temp"}

@@ -94,6 +94,8 @@ class _Rows:
         op, args, kw = n.target, list(n.args), dict(n.kwargs)
         if op in _ARANGE:
             return self._arange(n, op, args, kw) if d == 0 else None
+        if _seeded(op):
+            return None           # random rows: a slice of the global draw is not a new draw
         if op in _SAME_ROWS or (isinstance(op, torch._ops.OpOverload)
                                 and torch.Tag.pointwise in op.tags):
             return self._pointwise(n, d, val)
@@ -204,4 +206,9 @@ def _pure(n: torch.fx.Node) -> bool:
     if t is operator.getitem:
         return True
     return isinstance(t, torch._ops.OpOverload) and not t._schema.is_mutable and \
-        "_c10d_functional" not in t.name()
+        "_c10d_functional" not in t.name() and not _seeded(t)   # a draw moves the RNG
+
+
+def _seeded(op) -> bool:
+    return isinstance(op, torch._ops.OpOverload) and \
+        torch.Tag.nondeterministic_seeded in op.tags

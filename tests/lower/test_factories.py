@@ -95,3 +95,25 @@ def test_freezing_a_parameter_retraces():
     model.freq.requires_grad_(False)
     again = f.build((ids, ids), {})
     assert again is not first and not again.stale()
+
+
+class RandomTable(nn.Module):
+    """A table drawn at random from positions: rows of the global draw are not a new draw."""
+
+    def __init__(self, vocab: int = 32, dim: int = 16) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(vocab, dim)
+
+    def forward(self, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        S, D = ids.shape[1], self.emb.embedding_dim
+        p = (torch.arange(S, device=ids.device, dtype=torch.float32) / S)[:, None].expand(S, D)
+        h = self.emb(ids) + torch.bernoulli(p)
+        return nn.functional.cross_entropy((h @ self.emb.weight.t()).flatten(0, 1),
+                                           labels.flatten())
+
+
+def test_a_random_table_stays_global():
+    torch.manual_seed(0)
+    gm = _local(RandomTable(), 2, 1)
+    assert [n.args for n in _aranges(gm)] == [(64,)]
+    assert [n for n in gm.graph.nodes if n.target is aten.bernoulli.default]

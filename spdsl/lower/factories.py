@@ -32,11 +32,12 @@ _SAME_ROWS = (aten._to_copy.default, aten.alias.default, aten.clone.default)
 
 def split_factories(graph: torch.fx.Graph, parts: int, rank: int) -> int:
     """Rewrite every eligible ``take`` of ``graph``; returns how many were rewritten."""
-    done = 0
-    memo: dict[tuple[torch.fx.Node, int], torch.fx.Node | None] = {}
-    for t in [n for n in graph.nodes if n.target is C.take]:
+    done, memo = 0, {}
+    takes = [n for n in graph.nodes if n.target is C.take]
+    const = _constant_nodes(graph) if takes else set()
+    for t in takes:
         x, (dim, outer, size, inner) = t.args[0], t.args[1]
-        if outer != 1 or inner != 1 or not _constant(x):
+        if outer != 1 or inner != 1 or x not in const:
             continue
         lo, hi = chunk_bounds(size, parts, rank)
         local = _Rows(graph, lo, hi, size, memo).push(x, dim)
@@ -50,19 +51,16 @@ def split_factories(graph: torch.fx.Graph, parts: int, rank: int) -> int:
     return done
 
 
-def _constant(n: torch.fx.Node, seen: dict | None = None) -> bool:
-    """No gradient flows through ``n``: every graph input it derives from needs none."""
-    seen = {} if seen is None else seen
-    if n in seen:
-        return seen[n]
-    if n.op == "placeholder":
-        ok = n.meta.get("spdsl_requires_grad") is False
-    elif n.op == "call_function":
-        ok = all(_constant(a, seen) for a in n.all_input_nodes)
-    else:
-        ok = False
-    seen[n] = ok
-    return ok
+def _constant_nodes(graph: torch.fx.Graph) -> set[torch.fx.Node]:
+    """Nodes no gradient flows through: every graph input they derive from needs none."""
+    const: set[torch.fx.Node] = set()
+    for n in graph.nodes:     # topological order: inputs are decided before their users
+        if n.op == "placeholder":
+            if n.meta.get("spdsl_requires_grad") is False:
+                const.add(n)
+        elif n.op == "call_function" and all(a in const for a in n.all_input_nodes):
+            const.add(n)
+    return const
 
 
 class _Rows:

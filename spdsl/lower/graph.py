@@ -227,7 +227,8 @@ def bucket_gradient_reduces(graph: torch.fx.Graph, cap: int = GRAD_BUCKET_BYTES)
     """
     nodes = [m for m in (_marker_on_input(graph, n) for n in list(graph.nodes)
                          if n.target is C.grad_all_reduce) if m is not None]
-    for n in [n for n in nodes if not _gets_gradient(n)]:    # read only through detach()
+    live = _reaching_output(graph)
+    for n in [n for n in nodes if n not in live]:    # read only through detach()
         n.replace_all_uses_with(n.args[0])
         graph.erase_node(n)
         nodes.remove(n)
@@ -267,19 +268,15 @@ def bucket_gradient_reduces(graph: torch.fx.Graph, cap: int = GRAD_BUCKET_BYTES)
     return len(buckets)
 
 
-def _gets_gradient(n: torch.fx.Node) -> bool:
-    """Whether a gradient can flow back into ``n``: some path of uses reaches the output
-    without passing a ``detach``."""
-    seen, todo = set(), [n]
-    while todo:
-        x = todo.pop()
-        for u in x.users:
-            if u.op == "output":
-                return True
-            if u not in seen and u.target is not aten.detach.default:
-                seen.add(u)
-                todo.append(u)
-    return False
+def _reaching_output(graph: torch.fx.Graph) -> set[torch.fx.Node]:
+    """Nodes a gradient can flow back into: some path of uses reaches the output without
+    passing a ``detach``. One pass, in reverse order."""
+    live: set[torch.fx.Node] = set()
+    for n in reversed(graph.nodes):
+        if n.op == "output" or any(u in live and u.target is not aten.detach.default
+                                   for u in n.users):
+            live.add(n)
+    return live
 
 
 def _marker_on_input(graph: torch.fx.Graph, n: torch.fx.Node) -> torch.fx.Node | None:

@@ -120,7 +120,7 @@ class _Rows:
             src = self.push(args[0], args[1][d] % val.dim())
             return src and self._call(op, [src] + args[1:], kw, n)
         if op in (aten.transpose.int, aten.t.default):
-            a, b = (args[1] % val.dim(), args[2] % val.dim()) if op is aten.transpose.int else (0, 1)
+            a, b = (0, 1) if op is aten.t.default else (args[1] % val.dim(), args[2] % val.dim())
             src = self.push(args[0], b if d == a else a if d == b else d)
             return src and self._call(op, [src] + args[1:], kw, n)
         if op is aten.cat.default:

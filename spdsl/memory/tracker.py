@@ -1,9 +1,10 @@
 """Live tensor bytes, tracked at the dispatcher: one number for real and fake runs alike.
 
 Every op output's storage is counted once (views share it) and uncounted when its storage dies
-(a weak reference on the storage object). The same mode measures a real step and simulates a
-fake one, so what the planner predicts and what it checks against are the same quantity: bytes
-of live tensor storages, not process RSS. Kernel-internal scratch (allocated below the Python
+(a weak reference on the storage object); a tensor-wrapper subclass (a collective's
+``AsyncCollectiveTensor``) owns no memory and is counted through the tensors it wraps. The
+same mode measures a real step and simulates a fake one, so what the planner predicts and what
+it checks against are the same quantity: bytes of live tensor storages, not process RSS. Kernel-internal scratch (allocated below the Python
 dispatcher) is invisible to it, as it is to ``torch.distributed._tools.mem_tracker.MemTracker``.
 
 Categories, decided when a storage is first seen: ``parameter``, ``optimizer`` and ``input``

@@ -44,6 +44,10 @@ def test_rope_tables_are_built_per_rank():
                     and any(a.target is aten.arange.default for a in _ancestors(n))]
 
 
+def _tied_loss(h: torch.Tensor, emb: nn.Embedding, labels: torch.Tensor) -> torch.Tensor:
+    return nn.functional.cross_entropy((h @ emb.weight.t()).flatten(0, 1), labels.flatten())
+
+
 class LearnedFrequencies(nn.Module):
     """Positions times a learned frequency vector: the table needs a gradient."""
 
@@ -55,9 +59,7 @@ class LearnedFrequencies(nn.Module):
     def forward(self, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         S = ids.shape[1]
         pos = torch.arange(S, device=ids.device, dtype=torch.float32)[:, None] * self.freq
-        h = self.emb(ids) + pos.sin()
-        return nn.functional.cross_entropy((h @ self.emb.weight.t()).flatten(0, 1),
-                                           labels.flatten())
+        return _tied_loss(self.emb(ids) + pos.sin(), self.emb, labels)
 
 
 def test_a_table_that_needs_a_gradient_stays_global():
@@ -107,9 +109,7 @@ class RandomTable(nn.Module):
     def forward(self, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         S, D = ids.shape[1], self.emb.embedding_dim
         p = (torch.arange(S, device=ids.device, dtype=torch.float32) / S)[:, None].expand(S, D)
-        h = self.emb(ids) + torch.bernoulli(p)
-        return nn.functional.cross_entropy((h @ self.emb.weight.t()).flatten(0, 1),
-                                           labels.flatten())
+        return _tied_loss(self.emb(ids) + torch.bernoulli(p), self.emb, labels)
 
 
 def test_a_random_table_stays_global():

@@ -81,16 +81,20 @@ def apply_remat(gm: torch.fx.GraphModule, remat, state: list[TensorSpec],
         gm.spdsl_remat = report
         return gm
     if r.mode == "full":
-        out = checkpoint_layers(gm, SavePolicy(save_collectives=not r.recompute_collectives))
+        out = checkpoint_layers(gm, _policy(r))
     elif r.budget is None:
         keep = candidates(classes)
         report.saved = [c.name for c in keep]
-        out = checkpoint_layers(gm, SavePolicy(frozenset(c.key for c in keep),
-                                               save_collectives=not r.recompute_collectives))
+        out = checkpoint_layers(gm, _policy(r, keep))
     else:
         out = _fit_budget(gm, r, report, classes, state, inputs)
     out.spdsl_remat = report
     return out
+
+
+def _policy(r: Remat, keep: list[OpClass] = ()) -> SavePolicy:
+    """Save the op signatures of ``keep`` (and the collectives, unless ``r`` recomputes them)."""
+    return SavePolicy(frozenset(c.key for c in keep), save_collectives=not r.recompute_collectives)
 
 
 def _tile(gm, r: Remat, report: RematReport, n_state: int, loss_only: bool) -> None:
@@ -129,8 +133,7 @@ def _fit_budget(gm, r: Remat, report: RematReport, classes: list[OpClass],
         [c for c in cands if c.kind != "attention"]
 
     def build(k: int):
-        return checkpoint_layers(gm, SavePolicy(frozenset(c.key for c in cands[:k]),
-                                                save_collectives=not r.recompute_collectives))
+        return checkpoint_layers(gm, _policy(r, cands[:k]))
 
     def peak(k: int) -> int:
         return simulate(build(k), state, inputs, optimizer=r.optimizer).peak

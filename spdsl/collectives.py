@@ -90,7 +90,11 @@ class _GradAllReduceMany(torch.autograd.Function):
         got = [g for g in grads if g is not None]
         if not got:
             return (None,) * (len(grads) + 1)
-        flat = _all_reduce_raw(torch.cat([g.reshape(-1) for g in got]), ctx.group)
+        flat = torch.cat([g.reshape(-1) for g in got])
+        if torch.compiler.is_compiling():
+            flat = _all_reduce_raw(flat, ctx.group)     # Inductor plans the buffers itself
+        else:   # the concatenation is ours: reduce it in place, one bucket-sized buffer fewer
+            fc.wait_tensor(torch.ops._c10d_functional.all_reduce_(flat, "sum", ctx.group))
         pieces = iter(torch.split(flat, [g.numel() for g in got]))
         return (None, *(None if g is None else next(pieces).view(g.shape) for g in grads))
 

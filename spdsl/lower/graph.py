@@ -237,17 +237,16 @@ def bucket_gradient_reduces(graph: torch.fx.Graph, cap: int = GRAD_BUCKET_BYTES)
     order = {n: i for i, n in enumerate(graph.nodes)}
     nodes.sort(key=lambda n: min(order[u] for u in n.users), reverse=True)
     buckets: list[list[torch.fx.Node]] = []
-    open_: dict[torch.dtype, tuple[list[torch.fx.Node], list[int]]] = {}
+    filling: dict[torch.dtype | None, tuple[list[torch.fx.Node], int]] = {}   # per dtype
     for n in nodes:
         shape, dtype = n.args[0].meta.get("spdsl_local", ((), None))
         size = math.prod(shape) * (dtype.itemsize if dtype is not None else 0)
-        bucket, used = open_.get(dtype, (None, [0]))
-        if bucket is None or (bucket and used[0] + size > cap):
-            bucket, used = [], [0]
+        bucket, used = filling.get(dtype, (None, 0))
+        if bucket is None or used + size > cap:
+            bucket, used = [], 0
             buckets.append(bucket)
-            open_[dtype] = (bucket, used)
         bucket.append(n)
-        used[0] += size
+        filling[dtype] = (bucket, used + size)
     anchor = [n for n in graph.nodes if n.op == "placeholder"][-1]
     for bucket in buckets:
         group = bucket[0].args[1]

@@ -176,6 +176,7 @@ def trace(fn: Callable, args: tuple, kwargs: dict) -> Traced:
         stack.pop()
         events.append((graph_len(), stack[-1] if stack else None))
 
+    _anchor_user_code(fn)
     _TRACING[0] = True
     h1 = torch.nn.modules.module.register_module_forward_pre_hook(pre)
     h2 = torch.nn.modules.module.register_module_forward_hook(post)
@@ -193,6 +194,21 @@ def trace(fn: Callable, args: tuple, kwargs: dict) -> Traced:
         h2.remove()
     _assign_module_paths(gm, events)
     return Traced(gm, state_names, state, arg_spec, tensor_leaf_index, out_spec_box[-1])
+
+
+def _anchor_user_code(fn: Callable) -> None:
+    """make_fx keeps only ``forward`` frames in a node's stack trace; a plain function (and
+    what it wraps) is registered so that its lines are kept too. If the private
+    ``torch.fx.proxy._register_stack_trace_anchor`` moves, plain functions lose their ``at:``
+    lines (modules keep theirs); nothing else changes."""
+    register = getattr(torch.fx.proxy, "_register_stack_trace_anchor", None)
+    seen = set()
+    while fn is not None and id(fn) not in seen:
+        seen.add(id(fn))
+        code = getattr(fn, "__func__", fn)
+        if register is not None and hasattr(code, "__code__"):
+            register(code)
+        fn = getattr(fn, "__wrapped__", None) or getattr(fn, "func", None)
 
 
 def _assign_module_paths(gm: torch.fx.GraphModule, events: list[tuple[int, str | None]]) -> None:

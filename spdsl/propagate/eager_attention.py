@@ -34,10 +34,40 @@ aten = torch.ops.aten
 _VIEWS = {aten.view.default, aten._unsafe_view.default, aten.reshape.default}
 _PASS = _VIEWS | {aten.clone.default, aten.alias.default, aten.contiguous.default,
                   aten._to_copy.default, aten.expand.default}
+# scores scaled in place (``scores /= math.sqrt(d)``, Falcon) are the same chain
+_MUL = (aten.mul.Tensor, aten.mul.Scalar, aten.mul_.Tensor, aten.mul_.Scalar)
+_DIV = (aten.div.Tensor, aten.div.Scalar, aten.div_.Tensor, aten.div_.Scalar)
 
 
-def _only_user(n: torch.fx.Node) -> torch.fx.Node | None:
-    users = [u for u in n.users if not (u.target is aten.detach.default and not u.users)]
+def _live(g: torch.fx.Graph) -> set[torch.fx.Node]:
+    """Nodes the output depends on (attention weights a module returns and its caller drops,
+    ``nn.MultiheadAttention``'s averaged weights, are not)."""
+    live: set[torch.fx.Node] = set()
+    for n in reversed(g.nodes):
+        if n.op != "call_function" or any(u in live for u in n.users) or _effect(n):
+            live.add(n)
+    return live
+
+
+def _effect(n: torch.fx.Node) -> bool:
+    """Seeded random ops (the stream must advance as in the user's program) and in-place
+    ops (running statistics) are kept even when nothing reads them."""
+    t = n.target
+    return isinstance(t, torch._ops.OpOverload) and (
+        torch.Tag.nondeterministic_seeded in t.tags or t._schema.is_mutable)
+
+
+def _sweep(g: torch.fx.Graph) -> None:
+    """Erase what no longer reaches the output: the written-out attention's leftovers (its
+    weights, which a module may return and its caller drop)."""
+    live = _live(g)
+    for n in reversed(list(g.nodes)):
+        if n not in live and not n.users:
+            g.erase_node(n)
+
+
+def _only_user(n: torch.fx.Node, live: set) -> torch.fx.Node | None:
+    users = [u for u in n.users if u in live]
     return users[0] if len(users) == 1 else None
 
 
@@ -63,7 +93,7 @@ def _shape(n) -> tuple:
     return tuple(n.meta["val"].shape)
 
 
-def _back(n: torch.fx.Node, want: int) -> list[torch.fx.Node]:
+def _back(n: torch.fx.Node) -> list[torch.fx.Node]:
     """``n`` and the nodes it is a view/copy of, nearest first (stopping at other ops)."""
     out = [n]
     while n.target in _PASS and isinstance(n.args[0], torch.fx.Node):
@@ -76,26 +106,27 @@ def _back(n: torch.fx.Node, want: int) -> list[torch.fx.Node]:
 
 
 def _root4(n: torch.fx.Node, N: int, S: int, D: int, transposed: bool) -> torch.fx.Node | None:
-    """A ``[B, H, S, D]`` node (B*H == N) that the bmm operand ``n`` is a view of; for k the
-    operand is ``k^T`` and the root is the input of that transpose."""
-    for m in _back(n, 4):
-        sh = _shape(m)
+    """A ``[B, H, S, D]`` node (``B*H`` dividing N: kv heads broadcast by ``matmul`` count)
+    that the bmm operand ``n`` is a view of; for k the operand is ``k^T`` and the root is the
+    input of that transpose."""
+    def fits(sh) -> bool:
+        return len(sh) == 4 and sh[2:] == (S, D) and N % (sh[0] * sh[1]) == 0
+
+    found = None
+    for m in _back(n):      # the farthest back: before a broadcast of kv heads
         if transposed:
-            if m.target is aten.transpose.int and len(sh) == 4 and \
-                    {a % 4 for a in m.args[1:3]} == {2, 3}:
-                src = m.args[0]
-                s = _shape(src)
-                if s[0] * s[1] == N and s[2:] == (S, D):
-                    return src
+            if m.target is aten.transpose.int and len(_shape(m)) == 4 and \
+                    {a % 4 for a in m.args[1:3]} == {2, 3} and fits(_shape(m.args[0])):
+                return m.args[0]
             continue
-        if len(sh) == 4 and sh[0] * sh[1] == N and sh[2:] == (S, D):
-            return m
-    return None
+        if fits(_shape(m)):
+            found = m
+    return found
 
 
 def _unrepeat(k: torch.fx.Node) -> torch.fx.Node:
     """The kv tensor before Hugging Face's ``repeat_kv``, or ``k`` itself."""
-    chain = _back(k, 5)
+    chain = _back(k)
     for i, m in enumerate(chain):
         if m.target is aten.expand.default and len(_shape(m)) == 5:
             src = m.args[0]
@@ -116,8 +147,8 @@ def _unrepeat(k: torch.fx.Node) -> torch.fx.Node:
 
 
 class _Match:
-    def __init__(self, gm: torch.fx.GraphModule, bmm1: torch.fx.Node) -> None:
-        self.gm, self.bmm1 = gm, bmm1
+    def __init__(self, gm: torch.fx.GraphModule, bmm1: torch.fx.Node, live: set) -> None:
+        self.gm, self.bmm1, self.live = gm, bmm1, live
         self.scale, self.mask, self.bmm2 = 1.0, None, None
         self.mask_dims = 0
 
@@ -129,7 +160,7 @@ class _Match:
             self.mask, self.mask_dims = b1.args[0], 3
         n, soft = b1, None
         while True:
-            u = _only_user(n)
+            u = _only_user(n, self.live)
             if u is None:
                 return False
             if u.target is aten.bmm.default and soft is not None and u.args[0] is n:
@@ -137,15 +168,13 @@ class _Match:
                 return True
             if u.target in _PASS and u.args[0] is n:
                 pass
-            elif u.target in (aten.mul.Tensor, aten.mul.Scalar, aten.div.Tensor,
-                              aten.div.Scalar) and soft is None and self.mask is None:
+            elif u.target in _MUL + _DIV and soft is None and self.mask is None:
                 other = u.args[1] if u.args[0] is n else u.args[0]
                 c = _constant(self.gm, other)
-                if c is None or (u.target in (aten.div.Tensor, aten.div.Scalar)
-                                 and u.args[0] is not n):
+                if c is None or (u.target in _DIV and u.args[0] is not n):
                     return False
-                self.scale *= c if u.target in (aten.mul.Tensor, aten.mul.Scalar) else 1.0 / c
-            elif u.target is aten.add.Tensor and soft is None and self.mask is None and \
+                self.scale *= c if u.target in _MUL else 1.0 / c
+            elif u.target in (aten.add.Tensor, aten.add_.Tensor) and soft is None and self.mask is None and \
                     len(u.args) == 2 and not u.kwargs:
                 other = u.args[1] if u.args[0] is n else u.args[0]
                 if not isinstance(other, torch.fx.Node) or other is n:
@@ -173,20 +202,21 @@ def fuse_eager_attention(gm: torch.fx.GraphModule) -> int:
     if os.environ.get("SPDSL_FUSE_EAGER_ATTENTION", "1") == "0":
         return 0
     g = gm.graph
-    done, gone = 0, set()
+    done, live = 0, _live(g)
     for b1 in [n for n in g.nodes if n.target in (aten.bmm.default, aten.baddbmm.default)]:
-        if b1 in gone or not b1.users:
+        if not b1.users:
             continue
-        m = _Match(gm, b1)
-        if not m.run() or not _rewrite(gm, m, gone):
+        m = _Match(gm, b1, live)
+        if not m.run() or not _rewrite(gm, m):
             continue
         done += 1
     if done:
+        _sweep(g)
         gm.recompile()
     return done
 
 
-def _rewrite(gm: torch.fx.GraphModule, m: _Match, gone: set) -> bool:
+def _rewrite(gm: torch.fx.GraphModule, m: _Match) -> bool:
     b1, b2 = m.bmm1, m.bmm2
     qa, ka = (b1.args[1], b1.args[2]) if b1.target is aten.baddbmm.default else b1.args[:2]
     N, S, D = _shape(qa)
@@ -210,7 +240,7 @@ def _rewrite(gm: torch.fx.GraphModule, m: _Match, gone: set) -> bool:
         return node
 
     four = q4 is not None and k4 is not None and v4 is not None and \
-        _shape(q4)[0] == _shape(k4)[0] == _shape(v4)[0]
+        _shape(q4)[0] == _shape(k4)[0] == _shape(v4)[0] and _shape(q4)[0] * _shape(q4)[1] == N
     with g.inserting_before(b2):
         if four:
             B, H = _shape(q4)[:2]
@@ -237,25 +267,4 @@ def _rewrite(gm: torch.fx.GraphModule, m: _Match, gone: set) -> bool:
         n.meta["stack_trace"] = b1.meta.get("stack_trace")
         n.meta["spdsl_module"] = b1.meta.get("spdsl_module", "")
     b2.replace_all_uses_with(out)
-    _erase_dead(g, b2, gone)
     return True
-
-
-def _erase_dead(g: torch.fx.Graph, start: torch.fx.Node, gone: set) -> None:
-    """Erase ``start`` and what only it used, once nothing reads them (seeded random ops and
-    graph inputs stay)."""
-    work = [start]
-    while work:
-        n = work.pop()
-        if n in gone or n.op != "call_function":
-            continue
-        for u in [u for u in n.users if u.target is aten.detach.default and not u.users]:
-            g.erase_node(u)
-            gone.add(u)
-        if n.users or (isinstance(n.target, torch._ops.OpOverload)
-                       and torch.Tag.nondeterministic_seeded in n.target.tags):
-            continue
-        ins = n.all_input_nodes
-        g.erase_node(n)
-        gone.add(n)
-        work.extend(ins)

@@ -66,13 +66,26 @@ FAMILIES: dict[str, Family] = {f.name: f for f in [
            dict(vocab_size=VOCAB, n_embd=DIM, n_layer=LAYERS, n_head=HEADS, rotary_dim=8,
                 n_positions=256, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0),
            "interleaved partial rotary (rotary_dim 8 of 16), parallel block"),
+    Family("phi", "PhiConfig", "PhiForCausalLM",
+           dict(vocab_size=VOCAB, hidden_size=DIM, intermediate_size=128,
+                num_hidden_layers=LAYERS, num_attention_heads=HEADS, partial_rotary_factor=0.5,
+                max_position_embeddings=256, resid_pdrop=0.0, embd_pdrop=0.0,
+                attention_dropout=0.0),
+           "partial rotary, q/k/v biases, parallel attention/MLP block, LayerNorm"),
     Family("opt", "OPTConfig", "OPTForCausalLM",
            dict(vocab_size=VOCAB, hidden_size=DIM, num_hidden_layers=LAYERS,
                 num_attention_heads=HEADS, ffn_dim=128, max_position_embeddings=256,
                 word_embed_proj_dim=DIM, dropout=0.0, attention_dropout=0.0,
                 layerdrop=0.0),
-           "learned positions computed from the attention mask (cumsum), tied embeddings"),
+           "learned positions from the mask's cumsum; its training-mode layerdrop draw "
+           "(torch.rand([]) < p, Python control flow on data) cannot be traced"),
 ]}
+
+
+# families in the tested matrix (OPT is listed for the docs table only), and the attention
+# implementations each supports (GPT-J has no SDPA path in transformers)
+MATRIX = [f for f in FAMILIES if f != "opt"]
+ATTN = {f: ("eager",) if f == "gptj" else ("sdpa", "eager") for f in FAMILIES}
 
 
 def build(name: str, attn: str = "sdpa", seed: int = 0, **overrides) -> torch.nn.Module:

@@ -1,0 +1,38 @@
+"""Hugging Face models under ``compile=True`` (tied embeddings: GPT-2, Gemma and a plain
+PyTorch model) at SP 2, and under ``remat="full"``/``"auto"`` at SP 4: exact, with the
+all-to-alls run by the process group."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("transformers")
+
+from tests.dist import spawn  # noqa: E402
+from tests.hf.cases import COMPILED_CASES, REMAT_CASES, run_all  # noqa: E402
+from tests.hf.test_hf_parity import check  # noqa: E402
+
+
+@pytest.mark.multirank
+@pytest.mark.slow
+@pytest.mark.compile
+@pytest.mark.parametrize("name", [c.name for c in COMPILED_CASES])
+def test_compiled(compiled, name):
+    check(2, compiled, name)
+
+
+@pytest.mark.multirank
+@pytest.mark.slow
+@pytest.mark.parametrize("name", [c.name for c in REMAT_CASES])
+def test_remat(remat, name):
+    check(4, remat, name)
+
+
+@pytest.fixture(scope="module")
+def compiled():
+    return spawn(run_all, 2, COMPILED_CASES, False)
+
+
+@pytest.fixture(scope="module")
+def remat():
+    return spawn(run_all, 4, REMAT_CASES, False)

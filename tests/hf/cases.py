@@ -135,6 +135,7 @@ TEST_CASES = [Case(f, a) for f in MATRIX for a in ATTN[f]] + [
     Case("gpt2", "sdpa", "pad_left"), Case("gemma", "eager", "pad_right"),
     Case("qwen2", "sdpa", "packed"), Case("gpt_neox", "eager", "packed"),
     Case("falcon", "eager", "pad_left"), Case("phi3", "sdpa", "packed"),
+    Case("gptj", "eager", "packed"),
 ]
 # compiled (tied embeddings: GPT-2, Gemma, a plain PyTorch model) and checkpointed
 COMPILED_CASES = [Case("gpt2", "sdpa", compile=True), Case("gemma", "eager", compile=True),

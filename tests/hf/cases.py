@@ -129,7 +129,7 @@ def dropout_trains(world: int, steps: int = 30) -> dict:
 
 
 # the tested matrix: every family in every attention it has on a plain batch, padded and
-# packed batches on a spread of families (the full matrix is docs/hf.md, scripts/hf_matrix.py)
+# packed batches on a spread of families (the full matrix: docs/hf.md, written by python -m tests.hf.matrix)
 TEST_CASES = [Case(f, a) for f in MATRIX for a in ATTN[f]] + [
     Case("llama", "eager", "pad_right"), Case("llama", "sdpa", "pad_left"),
     Case("gpt2", "sdpa", "pad_left"), Case("gemma", "eager", "pad_right"),

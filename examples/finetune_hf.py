@@ -38,9 +38,9 @@ def build(args) -> torch.nn.Module:
         return transformers.AutoModelForCausalLM.from_pretrained(
             args.model_dir, local_files_only=True, attn_implementation=args.attn,
             torch_dtype=torch.float32)
-    kw = dict(vocab_size=args.vocab, hidden_size=128, intermediate_size=256,
-              num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2,
-              max_position_embeddings=max(4096, args.seq), attention_dropout=0.0)
+    kw = {"vocab_size": args.vocab, "hidden_size": 128, "intermediate_size": 256,
+          "num_hidden_layers": 2, "num_attention_heads": 8, "num_key_value_heads": 2,
+          "max_position_embeddings": max(4096, args.seq), "attention_dropout": 0.0}
     if args.family == "gemma":
         kw.update(num_key_value_heads=1, head_dim=16)
     cfg = getattr(transformers, {"llama": "LlamaConfig", "qwen2": "Qwen2Config",

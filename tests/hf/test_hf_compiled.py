@@ -8,9 +8,9 @@ import pytest
 
 pytest.importorskip("transformers")
 
-from tests.dist import spawn  # noqa: E402
-from tests.hf.cases import COMPILED_CASES, REMAT_CASES, run_all  # noqa: E402
-from tests.hf.test_hf_parity import check  # noqa: E402
+from tests.dist import spawn
+from tests.hf.cases import COMPILED_CASES, REMAT_CASES, run_all
+from tests.hf.test_hf_parity import check
 
 
 @pytest.mark.multirank

@@ -9,8 +9,8 @@ import pytest
 
 pytest.importorskip("transformers")
 
-from tests.dist import spawn  # noqa: E402
-from tests.hf.cases import EXPECTED_ALL_TO_ALL, TEST_CASES, run_all  # noqa: E402
+from tests.dist import spawn
+from tests.hf.cases import EXPECTED_ALL_TO_ALL, TEST_CASES, run_all
 
 pytestmark = [pytest.mark.multirank, pytest.mark.slow]
 
@@ -46,8 +46,8 @@ def test_loss_gradients_and_all_to_alls(results, name):
 
 def test_dropout_trains(results):
     """Dropout under SP draws from a different random stream than one device (each rank
-    masks its own shard): the same distribution, not the same bits. It trains."""
-    world, per_rank = results
+    masks its own local piece): not the same bits, but it trains."""
+    _world, per_rank = results
     for res in per_rank:
         out = res["dropout"]
         assert "error" not in out, out.get("error")

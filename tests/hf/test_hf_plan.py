@@ -8,8 +8,8 @@ import pytest
 
 pytest.importorskip("transformers")
 
-import spdsl  # noqa: E402
-from tests.hf.families import LAYERS, build, padded  # noqa: E402
+import spdsl
+from tests.hf.families import LAYERS, build, padded
 
 
 @pytest.mark.parametrize("attn", ["eager", "sdpa"])

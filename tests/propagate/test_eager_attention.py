@@ -62,7 +62,7 @@ def test_fused_graph_computes_the_written_out_attention(hkv):
     mask = torch.zeros(2, 1, 16, 16).masked_fill(torch.ones(16, 16).triu(1).bool(), -1e9)
     _, nodes = _attention_nodes(block, x, mask)
     assert len(nodes) == 1
-    q, k = (a.meta["val"] for a in nodes[0].args[:2])
+    _q, k = (a.meta["val"] for a in nodes[0].args[:2])
     assert k.shape[1] == hkv          # kv heads cross unrepeated
     assert nodes[0].args[6] == pytest.approx(1 / math.sqrt(8))
     assert_close(_run_traced(block, x, mask), block(x, mask), rtol=1e-5, name="loss")

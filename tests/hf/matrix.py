@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import json
 import os
 import sys
 
@@ -37,6 +38,8 @@ def cases() -> list[Case]:
 
 
 def cell(per_rank: list[dict], name: str) -> str:
+    if not per_rank or name not in per_rank[0]:
+        return "not run"
     outs = [r[name] for r in per_rank]
     err = next((o["error"] for o in outs if "error" in o), None)
     if err is not None:
@@ -50,18 +53,38 @@ def cell(per_rank: list[dict], name: str) -> str:
     return f"{'exact' if ok else 'NOT exact'} ({max(loss, grad):.0e}{note})"
 
 
+def load(path: str, degrees: list[int]) -> dict[int, list[dict]]:
+    out: dict[int, list[dict]] = {w: [] for w in degrees}
+    for name in sorted(os.listdir(path)):
+        w = int(name[2:].split("_")[0])
+        if w not in out:
+            continue
+        with open(os.path.join(path, name)) as fh:
+            per_rank = json.load(fh)
+        if not out[w]:
+            out[w] = [{} for _ in per_rank]
+        for mine, theirs in zip(out[w], per_rank):
+            mine.update(theirs)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--degrees", default="2,4")
     ap.add_argument("--out", default=os.path.join(ROOT, "docs", "hf.md"))
+    ap.add_argument("--from", dest="saved", default=None,
+                    help="render results saved by the tests (SPDSL_HF_RESULTS=dir) instead of "
+                         "running the matrix; cases they did not run read 'not run'")
     args = ap.parse_args()
     degrees = [int(d) for d in args.degrees.split(",")]
     import transformers
-    results = {}
-    for w in degrees:
+    results = load(args.saved, degrees) if args.saved else {}
+    for w in degrees if not args.saved else []:
         extra = REMAT_CASES + (COMPILED_CASES if w == 2 else [])
         results[w] = spawn(run_all, w, cases() + extra, False, timeout=7200)
         print(f"sp{w} done", file=sys.stderr)
+    source = "the saved results of `pytest tests/hf` (`SPDSL_HF_RESULTS=dir`, then " \
+        "`python -m tests.hf.matrix --from dir`)" if args.saved else "`python -m tests.hf.matrix`"
     lines = [
         "# Hugging Face models under `sp_shard`",
         "",

@@ -10,7 +10,7 @@ pytest.importorskip("transformers")
 
 from tests.dist import spawn
 from tests.hf.cases import COMPILED_CASES, REMAT_CASES, run_all
-from tests.hf.test_hf_parity import check
+from tests.hf.test_hf_parity import check, save
 
 
 @pytest.mark.multirank
@@ -30,9 +30,13 @@ def test_remat(remat, name):
 
 @pytest.fixture(scope="module")
 def compiled():
-    return spawn(run_all, 2, COMPILED_CASES, False)
+    per_rank = spawn(run_all, 2, COMPILED_CASES, False)
+    save(2, per_rank)
+    return per_rank
 
 
 @pytest.fixture(scope="module")
 def remat():
-    return spawn(run_all, 4, REMAT_CASES, False)
+    per_rank = spawn(run_all, 4, REMAT_CASES, False)
+    save(4, per_rank)
+    return per_rank

@@ -5,6 +5,9 @@ at the process group), two per layer forward and two backward. One launch per de
 
 from __future__ import annotations
 
+import json
+import os
+
 import pytest
 
 pytest.importorskip("transformers")
@@ -21,7 +24,19 @@ GRAD_RTOL = 1e-4
 @pytest.fixture(scope="module", params=[2, 4], ids=lambda w: f"sp{w}")
 def results(request):
     world = request.param
-    return world, spawn(run_all, world, TEST_CASES)
+    per_rank = spawn(run_all, world, TEST_CASES)
+    save(world, per_rank)
+    return world, per_rank
+
+
+def save(world: int, per_rank: list) -> None:
+    """With ``SPDSL_HF_RESULTS=dir``, keep the raw results for ``python -m tests.hf.matrix
+    --from dir`` (the docs table of what the tests ran)."""
+    out = os.environ.get("SPDSL_HF_RESULTS")
+    if out:
+        os.makedirs(out, exist_ok=True)
+        with open(os.path.join(out, f"sp{world}_{len(per_rank[0])}.json"), "w") as fh:
+            json.dump(per_rank, fh)
 
 
 def check(world: int, per_rank: list, name: str) -> None:

@@ -30,13 +30,13 @@ def test_remat(remat, name):
 
 @pytest.fixture(scope="module")
 def compiled():
-    per_rank = spawn(run_all, 2, COMPILED_CASES, False)
+    per_rank = spawn(run_all, 2, COMPILED_CASES, False, timeout=3000)
     save(2, per_rank)
     return per_rank
 
 
 @pytest.fixture(scope="module")
 def remat():
-    per_rank = spawn(run_all, 4, REMAT_CASES, False)
+    per_rank = spawn(run_all, 4, REMAT_CASES, False, timeout=3000)
     save(4, per_rank)
     return per_rank

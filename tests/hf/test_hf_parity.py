@@ -24,7 +24,7 @@ GRAD_RTOL = 1e-4
 @pytest.fixture(scope="module", params=[2, 4], ids=lambda w: f"sp{w}")
 def results(request):
     world = request.param
-    per_rank = spawn(run_all, world, TEST_CASES)
+    per_rank = spawn(run_all, world, TEST_CASES, timeout=3000)
     save(world, per_rank)
     return world, per_rank
 

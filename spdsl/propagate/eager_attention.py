@@ -24,6 +24,7 @@ Numerics: SDPA's math replaces the written-out ops, a difference of float32 roun
 
 from __future__ import annotations
 
+import math
 import operator
 import os
 
@@ -150,7 +151,7 @@ class _Match:
     def __init__(self, gm: torch.fx.GraphModule, bmm1: torch.fx.Node, live: set) -> None:
         self.gm, self.bmm1, self.live = gm, bmm1, live
         self.scale, self.mask, self.bmm2 = 1.0, None, None
-        self.mask_dims = 0
+        self.mask_dims, self.scores = 0, ()
 
     def run(self) -> bool:
         b1 = self.bmm1
@@ -179,7 +180,7 @@ class _Match:
                 other = u.args[1] if u.args[0] is n else u.args[0]
                 if not isinstance(other, torch.fx.Node) or other is n:
                     return False
-                self.mask, self.mask_dims = other, len(_shape(n))
+                self.mask, self.mask_dims, self.scores = other, len(_shape(n)), _shape(n)
             elif u.target is aten._softmax.default and soft is None:
                 if u.args[1] % len(_shape(n)) != len(_shape(n)) - 1:
                     return False
@@ -255,9 +256,15 @@ def _rewrite(gm: torch.fx.GraphModule, m: _Match) -> bool:
         mask = m.mask
         if mask is not None:
             ms = _shape(mask)
-            if len(ms) == 3 and m.mask_dims == 3 and ms[0] == N and N > 1:
+            if len(ms) > 4:
+                return False
+            if m.mask_dims == 4 and not four and len(ms) >= 3 and math.prod(ms[:-2]) > 1:
+                # added to [B', H', S, S] scores, attended as [1, B'*H', S, S]
+                mask = call(aten.expand.default, mask, list(m.scores))
+                mask = call(aten.reshape.default, mask, [1, N, S, Skv])
+            elif len(ms) == 3 and m.mask_dims == 3 and ms[0] == N and N > 1:
                 mask = call(aten.reshape.default, mask, [B, H, ms[1], ms[2]])
-            elif len(ms) > 4 or (len(ms) == 3 and m.mask_dims == 3 and ms[0] != 1):
+            elif len(ms) == 3 and m.mask_dims == 3 and ms[0] != 1:
                 return False
         gqa = _shape(k4)[1] != H
         att = call(torch.ops.spdsl.attention.default, q4, k4, v4, mask, 0.0, False,

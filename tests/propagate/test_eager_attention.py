@@ -118,3 +118,19 @@ def test_dropout_and_off_switch_leave_the_ops(monkeypatch):
     monkeypatch.setenv("SPDSL_FUSE_EAGER_ATTENTION", "0")
     block = _Block()
     assert _attention_nodes(block, torch.randn(1, 8, 32), torch.zeros(1, 1, 8, 8))[1] == []
+
+
+def test_three_d_operands_with_a_per_batch_mask():
+    """q, k, v only ever ``[B*H, S, D]``; the mask is added to the scores viewed as
+    ``[B, H, S, S]``: attended as ``[1, B*H, S, D]`` with the mask expanded to match."""
+    def f(q, k, v, mask):
+        B, H = mask.shape[0], q.shape[0] // mask.shape[0]
+        s = torch.bmm(q, k.transpose(1, 2)).view(B, H, q.shape[1], k.shape[1]) / 4.0 + mask
+        w = torch.softmax(s, -1).view(B * H, q.shape[1], k.shape[1])
+        return torch.bmm(w, v).sum(-1)
+
+    q, k, v = (torch.randn(6, 8, 16) for _ in range(3))
+    mask = torch.randn(2, 1, 8, 8)
+    _, nodes = _attention_nodes(f, q, k, v, mask)
+    assert len(nodes) == 1
+    assert_close(_run_traced(f, q, k, v, mask), f(q, k, v, mask), rtol=1e-5, name="out")

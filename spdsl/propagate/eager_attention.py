@@ -52,10 +52,20 @@ def _live(g: torch.fx.Graph) -> set[torch.fx.Node]:
 
 def _effect(n: torch.fx.Node) -> bool:
     """Seeded random ops (the stream must advance as in the user's program) and in-place
-    ops (running statistics) are kept even when nothing reads them."""
+    updates of graph inputs (running statistics) are kept even when nothing reads them; an
+    in-place op on a temporary (Falcon's ``scores /= math.sqrt(d)``) is not."""
     t = n.target
-    return isinstance(t, torch._ops.OpOverload) and (
-        torch.Tag.nondeterministic_seeded in t.tags or t._schema.is_mutable)
+    if not isinstance(t, torch._ops.OpOverload):
+        return False
+    if torch.Tag.nondeterministic_seeded in t.tags:
+        return True
+    if not t._schema.is_mutable:
+        return False
+    base = n.args[0] if n.args else None
+    while isinstance(base, torch.fx.Node) and base.op == "call_function" and \
+            isinstance(base.target, torch._ops.OpOverload) and base.target.is_view:
+        base = base.args[0]
+    return not isinstance(base, torch.fx.Node) or base.op != "call_function"
 
 
 def _sweep(g: torch.fx.Graph) -> None:

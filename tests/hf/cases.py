@@ -174,3 +174,9 @@ def run_all(rank: int, world: int, cases: list[Case], extras: bool = True) -> di
 
 
 EXPECTED_ALL_TO_ALL = 4 * LAYERS      # per layer: q/k/v in and out, forward and backward
+
+
+def expected_all_to_alls(name: str) -> int:
+    """Hugging Face models gather their (integer) labels for the in-model shift; spdsl's
+    own Llama shifts them by a halo exchange, one more gloo all-to-all in forward."""
+    return EXPECTED_ALL_TO_ALL + (1 if name.startswith("plain_tied") else 0)

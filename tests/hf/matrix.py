@@ -23,6 +23,7 @@ from tests.hf.cases import (
     EXPECTED_ALL_TO_ALL,
     REMAT_CASES,
     Case,
+    expected_all_to_alls,
     run_all,
 )
 from tests.hf.families import ATTN, FAMILIES
@@ -49,7 +50,7 @@ def cell(per_rank: list[dict], name: str) -> str:
     grad = max(o["grad"] for o in outs)
     a2a = {o["all_to_all"] for o in outs}
     ok = loss <= LOSS_RTOL and grad <= GRAD_RTOL and not any(o["missing"] for o in outs)
-    note = "" if a2a == {EXPECTED_ALL_TO_ALL} else f", {sorted(a2a)} all-to-alls"
+    note = "" if a2a == {expected_all_to_alls(name)} else f", {sorted(a2a)} all-to-alls"
     return f"{'exact' if ok else 'NOT exact'} ({max(loss, grad):.0e}{note})"
 
 

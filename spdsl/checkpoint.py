@@ -207,7 +207,8 @@ def load_checkpoint(path: str | os.PathLike, model: Any,
 
 
 def _prune(root: str, keep: int) -> None:
-    done = sorted((int(m.group(1)), n) for n in os.listdir(root) if (m := _NAME.match(n)))
+    done = sorted((int(m.group(1)), n) for n in os.listdir(root) if (m := _NAME.match(n))
+                  and os.path.isfile(os.path.join(root, n, _METADATA)))
     for _, n in done[:max(len(done) - keep, 0)]:
         shutil.rmtree(os.path.join(root, n), ignore_errors=True)
 

@@ -126,3 +126,21 @@ def test_loading_optimizer_state_that_was_not_saved_says_so(tmp_path):
     spdsl.save_checkpoint(tmp_path, model, step=1)
     with pytest.raises(spdsl.ShardingError, match="no optimizer state"):
         spdsl.load_checkpoint(tmp_path, model, optimizer(model))
+
+
+def test_scheduler_state_travels_in_extra(tmp_path):
+    model = build()
+    opt = optimizer(model)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+    for _ in range(3):
+        train(model, model, opt, 1, 1)
+        sched.step()
+    spdsl.save_checkpoint(tmp_path, model, opt, step=3, extra={"sched": sched.state_dict()})
+    other = build(seed=1)
+    opt2 = optimizer(other)
+    sched2 = torch.optim.lr_scheduler.StepLR(opt2, step_size=2, gamma=0.5)
+    extra = {"sched": sched2.state_dict()}
+    spdsl.load_checkpoint(tmp_path, other, opt2, extra=extra)
+    sched2.load_state_dict(extra["sched"])
+    assert sched2.state_dict() == sched.state_dict()
+    assert opt2.param_groups[0]["lr"] == opt.param_groups[0]["lr"] == 1e-2 * 0.5

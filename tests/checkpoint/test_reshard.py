@@ -1,7 +1,8 @@
 """A checkpoint saved with parameters split over a dp=2 x sp=2 mesh (4 ranks) loads on
 dp=1 x sp=4, on sp=2 (2 ranks) and in one process into plain tensors, every value exactly as
 saved; training resumed on the same mesh is bitwise the uninterrupted run, and on another mesh
-within 1e-5 of it (fp32, a few AdamW steps)."""
+within 1e-5 of it (fp32, a few AdamW steps). A checkpoint of replicated plain parameters
+saved by 4 ranks loads split over 2."""
 
 from __future__ import annotations
 
@@ -28,7 +29,23 @@ def _resume(root: str, dp: int, sp: int) -> dict:
     return {"start": start, "loaded": loaded, "final": weights(model)}
 
 
-def run_four(rank: int, world: int, root: str) -> dict | None:
+def _load_only(root: str, dp: int, sp: int) -> dict:
+    model = build(seed=5)
+    if dp * sp > 1:
+        sharded(model, dp, sp)
+    opt = optimizer(model)
+    spdsl.load_checkpoint(root, model, opt)
+    return full_state(model, opt)
+
+
+def run_four(rank: int, world: int, root: str, plain_root: str) -> dict | None:
+    # replicated plain parameters, as sp_shard without shard_state holds them
+    plain = build()
+    plain_opt = optimizer(plain)
+    train(plain, plain, plain_opt, 1, 2)
+    spdsl.save_checkpoint(plain_root, plain, plain_opt, step=2)
+    plain_saved = full_state(plain, plain_opt)
+
     model = build()
     step_fn = sharded(model, 2, 2)
     opt = optimizer(model)
@@ -36,21 +53,22 @@ def run_four(rank: int, world: int, root: str) -> dict | None:
     spdsl.save_checkpoint(root, model, opt, step=SAVED_AT)
     saved = full_state(model, opt)
     train(step_fn, model, opt, SAVED_AT + 1, LAST)
-    out = {"saved": saved, "final": weights(model),
+    out = {"saved": saved, "final": weights(model), "plain_saved": plain_saved,
            "dp2_sp2": _resume(root, 2, 2), "dp1_sp4": _resume(root, 1, 4)}
     return out if rank == 0 else None
 
 
-def run_two(rank: int, world: int, root: str) -> dict | None:
+def run_two(rank: int, world: int, root: str, plain_root: str) -> dict | None:
     out = _resume(root, 1, 2)
+    out["plain_loaded"] = _load_only(plain_root, 1, 2)
     return out if rank == 0 else None
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    root = str(tmp_path_factory.mktemp("ckpt"))
-    four = spawn(run_four, 4, root)[0]
-    two = spawn(run_two, 2, root)[0]
+    root, plain_root = (str(tmp_path_factory.mktemp(n)) for n in ("ckpt", "plain"))
+    four = spawn(run_four, 4, root, plain_root)[0]
+    two = spawn(run_two, 2, root, plain_root)[0]
     one = _resume(root, 1, 1)              # this process: no process group, plain tensors
     return {"reference": four, "dp2_sp2": four["dp2_sp2"], "dp1_sp4": four["dp1_sp4"],
             "sp2": two, "single": one}
@@ -59,20 +77,29 @@ def runs(tmp_path_factory):
 MESHES = ["dp2_sp2", "dp1_sp4", "sp2", "single"]
 
 
+def _assert_same_state(have: dict, want: dict, n_params: int) -> None:
+    assert have.keys() == want.keys()
+    n_tensors = 0
+    for k, w in want.items():
+        if isinstance(w, torch.Tensor):
+            n_tensors += 1
+            assert have[k].shape == w.shape and torch.equal(have[k], w), k
+        else:
+            assert have[k] == w, k
+    assert n_tensors >= 3 * n_params          # weights, exp_avg, exp_avg_sq (and steps)
+
+
 @pytest.mark.parametrize("mesh", MESHES)
 def test_loaded_state_equals_saved_state(runs, mesh):
-    saved, got = runs["reference"]["saved"], runs[mesh]
-    assert got["start"] == SAVED_AT
-    assert got["loaded"].keys() == saved.keys()
-    n_tensors = 0
-    for k, want in saved.items():
-        have = got["loaded"][k]
-        if isinstance(want, torch.Tensor):
-            n_tensors += 1
-            assert have.shape == want.shape and torch.equal(have, want), k
-        else:
-            assert have == want, k
-    assert n_tensors >= 3 * len(runs["reference"]["final"])   # weights, exp_avg, exp_avg_sq
+    assert runs[mesh]["start"] == SAVED_AT
+    _assert_same_state(runs[mesh]["loaded"], runs["reference"]["saved"],
+                       len(runs["reference"]["final"]))
+
+
+def test_replicated_parameters_load_into_sharded_ones(runs):
+    # saved by 4 ranks holding plain (replicated) parameters, loaded split over 2
+    _assert_same_state(runs["sp2"]["plain_loaded"], runs["reference"]["plain_saved"],
+                       len(runs["reference"]["final"]))
 
 
 def test_resumed_on_the_same_mesh_is_bitwise(runs):

@@ -1,5 +1,6 @@
-"""A tiny Llama trained a few AdamW steps, with its state sharded or not, and helpers that read
-a model's and optimizer's whole state back as plain full tensors."""
+"""A tiny Llama trained a few AdamW steps, on a dp x sp mesh with its state sharded
+(``sp_shard(..., shard_state=True)``) or in one process, and helpers that read a model's and
+optimizer's whole state back as plain full tensors."""
 
 from __future__ import annotations
 
@@ -31,26 +32,11 @@ def optimizer(model: torch.nn.Module) -> torch.optim.Optimizer:
     return torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
 
 
-def sharded(model: torch.nn.Module, dp: int, sp: int) -> torch.nn.Module:
-    """``model`` with its parameters split over the dp x sp ranks; returns what to call."""
+def sharded(model: torch.nn.Module, dp: int, sp: int):
+    """``model`` on a dp x sp mesh with its state split over all ranks; returns what to call."""
     import spdsl
-    from spdsl.state import shard_parameters
-    shard_parameters(model, spdsl.mesh(dp=dp, sp=sp) if dp > 1 else spdsl.mesh(sp=sp))
-    return _GatherAll(model)
-
-
-class _GatherAll(torch.nn.Module):
-    """Runs a model whose parameters are DTensor shards by gathering each one (differentiably:
-    the backward of ``full_tensor`` keeps the rank's rows of the gradient)."""
-
-    def __init__(self, model: torch.nn.Module) -> None:
-        super().__init__()
-        self.module = model
-
-    def forward(self, ids, labels):
-        full = {n: p.full_tensor() if isinstance(p, DTensor) else p
-                for n, p in self.module.named_parameters()}
-        return torch.func.functional_call(self.module, full, (ids, labels))
+    mesh = spdsl.mesh(dp=dp, sp=sp)
+    return spdsl.sp_shard(model, seq=sp, mesh=mesh, shard_state=True)
 
 
 def train(step_fn, model: torch.nn.Module, opt: torch.optim.Optimizer, first: int, last: int

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import tempfile
 import time
 
@@ -145,6 +146,8 @@ def main() -> None:
               f"10th step): loss rel err {step_loss:.1e}, max gradient rel err {step_grad:.1e}")
         print(f"final weights vs the uninterrupted run: {same} of {len(want)} tensors bitwise "
               f"equal (max abs diff {diff:.1e})")
+        if args.ckpt is None:
+            shutil.rmtree(root)
     dist.destroy_process_group()
 
 

@@ -177,11 +177,9 @@ def load_checkpoint(path: str | os.PathLike, model: Any,
         opt = torch.optim.AdamW(model.parameters())
         start = spdsl.load_checkpoint("ckpt", model, opt) or 0
     """
-    path = os.fspath(path)
-    if not os.path.isfile(os.path.join(path, _METADATA)):
-        path = latest_checkpoint(path)
-        if path is None:
-            return None
+    path = _resolve(os.fspath(path))
+    if path is None:
+        return None
     saved = set(dcp.FileSystemReader(path).read_metadata().state_dict_metadata)
     if optimizer is not None and "optim_fresh" not in saved:
         raise ShardingError(rule="checkpoint", value=path, detail="it holds no optimizer state",
@@ -204,6 +202,20 @@ def load_checkpoint(path: str | os.PathLike, model: Any,
     if extra is not None:
         extra.update(sd["extra"])
     return int(sd["step"])
+
+
+def _resolve(path: str) -> str | None:
+    """The checkpoint to load; rank 0 decides, so that every rank loads the same one even
+    where a shared file system shows a fresh rename to some nodes later than to others."""
+    if _rank() == 0:
+        found = path if os.path.isfile(os.path.join(path, _METADATA)) else latest_checkpoint(path)
+    else:
+        found = None
+    if _distributed():
+        box = [found]
+        dist.broadcast_object_list(box, src=0)
+        found = box[0]
+    return found
 
 
 def _prune(root: str, keep: int) -> None:

@@ -4,7 +4,7 @@
 What is saved: the model's state dict and the optimizer's (``get_state_dict`` from
 ``torch.distributed.checkpoint.state_dict``: keys are parameter names, values are the
 parameters' own tensors -- DTensor shards under ``shard_state=True``, plain tensors otherwise),
-the step, rank 0's RNG state and whatever the caller passes as ``extra``. Every rank writes
+the step, every rank's RNG state and whatever the caller passes as ``extra``. Every rank writes
 only its own shards; DCP records each shard's global offset, so a checkpoint saved on a
 dp=2 x sp=2 mesh loads on sp=4, on sp=2, or in a single process into plain tensors, with the
 same values bit for bit. The state-dict helpers handle DTensor parameters without FSDP:
@@ -16,9 +16,9 @@ directory is atomic, so a directory named ``step_*`` is always complete. A crash
 leaves only a ``.tmp`` directory, which loading ignores and the next save removes. Several
 nodes need one shared file system for ``root`` (DCP's file writer needs it anyway).
 
-RNG. spdsl runs one program on every rank with the same global inputs, so anything drawn from
-the generator must agree across ranks; rank 0's CPU (and CUDA) generator state is saved and
-every rank gets it back on load.
+RNG. Each rank saves its CPU (and CUDA) generator state under its own rank; on load a rank
+gets its own back, or rank 0's when the checkpoint was written by fewer ranks (with the same
+global batch on every rank, the ranks' generators agree anyway).
 
 Example::
 
@@ -147,7 +147,7 @@ def save_checkpoint(root: str | os.PathLike, model: Any,
                 shutil.rmtree(os.path.join(root, old), ignore_errors=True)
     _barrier()
     sd = _state(model, optimizer)
-    sd.update(step=int(step), rng=_rng(), extra=dict(extra or {}))
+    sd.update(step=int(step), rng={f"rank_{_rank()}": _rng()}, extra=dict(extra or {}))
     _quiet(dcp.save, sd, checkpoint_id=tmp)
     _barrier()
     if _rank() == 0:
@@ -184,7 +184,8 @@ def load_checkpoint(path: str | os.PathLike, model: Any,
     if optimizer is not None and "optim_fresh" not in saved:
         raise ShardingError(rule="checkpoint", value=path, detail="it holds no optimizer state",
                             fix="load it without an optimizer, or save one with it")
-    rng = {k: v for k, v in _rng().items() if f"rng.{k}" in saved}
+    src = f"rank_{_rank()}" if f"rng.rank_{_rank()}.cpu" in saved else "rank_0"
+    rng = {src: {k: v for k, v in _rng().items() if f"rng.{src}.{k}" in saved}}
     sd = _state(model, optimizer)
     sd.update(step=0, rng=rng, extra=dict(extra or {}))
     _quiet(dcp.load, sd, checkpoint_id=path)
@@ -195,10 +196,11 @@ def load_checkpoint(path: str | os.PathLike, model: Any,
         set_state_dict(m, optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
         if sd["optim_fresh"]:
             optimizer.state.clear()
-    if "cpu" in sd["rng"]:
-        torch.set_rng_state(sd["rng"]["cpu"])
-    if "cuda" in sd["rng"]:
-        torch.cuda.set_rng_state(sd["rng"]["cuda"])
+    rng = sd["rng"][src]
+    if "cpu" in rng:
+        torch.set_rng_state(rng["cpu"])
+    if "cuda" in rng:
+        torch.cuda.set_rng_state(rng["cuda"])
     if extra is not None:
         extra.update(sd["extra"])
     return int(sd["step"])

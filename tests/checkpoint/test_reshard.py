@@ -24,9 +24,10 @@ def _resume(root: str, dp: int, sp: int) -> dict:
     step_fn = sharded(model, dp, sp) if dp * sp > 1 else model
     opt = optimizer(model)
     start = spdsl.load_checkpoint(root, model, opt)
+    draw = torch.rand(3)                   # from the generator state the load restored
     loaded = full_state(model, opt)
     train(step_fn, model, opt, start + 1, LAST)
-    return {"start": start, "loaded": loaded, "final": weights(model)}
+    return {"start": start, "loaded": loaded, "final": weights(model), "draw": draw}
 
 
 def _load_only(root: str, dp: int, sp: int) -> dict:
@@ -50,7 +51,9 @@ def run_four(rank: int, world: int, root: str, plain_root: str) -> dict | None:
     step_fn = sharded(model, 2, 2)
     opt = optimizer(model)
     train(step_fn, model, opt, 1, SAVED_AT)
+    torch.manual_seed(1000 + rank)         # a generator state of its own on every rank
     spdsl.save_checkpoint(root, model, opt, step=SAVED_AT)
+    draw = torch.rand(3)
     saved = full_state(model, opt)
     train(step_fn, model, opt, SAVED_AT + 1, LAST)
     final = weights(model)
@@ -60,7 +63,8 @@ def run_four(rank: int, world: int, root: str, plain_root: str) -> dict | None:
     out = {"saved": saved, "final": final, "in_place": {"final": weights(model)},
            "plain_saved": plain_saved,
            "dp2_sp2": _resume(root, 2, 2), "dp1_sp4": _resume(root, 1, 4)}
-    return out if rank == 0 else None
+    rng = torch.equal(out["dp2_sp2"]["draw"], draw) and torch.equal(out["dp1_sp4"]["draw"], draw)
+    return out if rank == 0 else {"rng_restored": rng}
 
 
 def run_two(rank: int, world: int, root: str, plain_root: str) -> dict | None:
@@ -72,7 +76,9 @@ def run_two(rank: int, world: int, root: str, plain_root: str) -> dict | None:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     root, plain_root = (str(tmp_path_factory.mktemp(n)) for n in ("ckpt", "plain"))
-    four = spawn(run_four, 4, root, plain_root)[0]
+    per_rank = spawn(run_four, 4, root, plain_root)
+    four = per_rank[0]
+    four["rng_restored"] = [r["rng_restored"] for r in per_rank[1:]]
     two = spawn(run_two, 2, root, plain_root)[0]
     one = _resume(root, 1, 1)              # this process: no process group, plain tensors
     return {"reference": four, "dp2_sp2": four["dp2_sp2"], "dp1_sp4": four["dp1_sp4"],
@@ -99,6 +105,13 @@ def test_loaded_state_equals_saved_state(runs, mesh):
     assert runs[mesh]["start"] == SAVED_AT
     _assert_same_state(runs[mesh]["loaded"], runs["reference"]["saved"],
                        len(runs["reference"]["final"]))
+
+
+def test_every_rank_gets_its_own_rng_state_back(runs):
+    assert runs["reference"]["rng_restored"] == [True, True, True]     # ranks 1-3 of 4
+    want = torch.rand(3, generator=torch.Generator().manual_seed(1000))   # rank 0's
+    for mesh in MESHES:
+        assert torch.equal(runs[mesh]["draw"], want), mesh
 
 
 def test_replicated_parameters_load_into_sharded_ones(runs):

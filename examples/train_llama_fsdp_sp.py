@@ -60,7 +60,7 @@ def update(model, opt, loss) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--save-at", type=int, default=None, help="default: half way")
     ap.add_argument("--seq", type=int, default=256)
     ap.add_argument("--batch", type=int, default=8, help="global batch (split over dp)")

@@ -5,7 +5,8 @@ attempt; torchrun then restarts the whole group, which resumes from the last che
 ``--reference-out`` first trains the same steps without checkpoints (once: a restarted attempt
 finds the file) and saves its final weights there, to compare with.
 
-    torchrun --standalone --nproc_per_node=4 --max-restarts=1 tests/checkpoint/train_resume.py \
+    PYTHONPATH=. torchrun --standalone --nproc_per_node=4 --max-restarts=1 \
+        tests/checkpoint/train_resume.py \
         --ckpt /tmp/ckpt --out /tmp/weights.pt --reference-out /tmp/ref.pt --crash-at-step 5
 """
 

@@ -32,6 +32,8 @@ import os
 import torch
 from torch._guards import detect_fake_mode
 
+from spdsl.propagate.heads import UNREPEATED
+
 aten = torch.ops.aten
 WRITTEN_OUT = "spdsl_written_out"    # on the attention node: the lowering computes it in ops too
 _VIEWS = {aten.view.default, aten._unsafe_view.default, aten.reshape.default}
@@ -209,6 +211,32 @@ class _Match:
             n = u
 
 
+def unrepeat_kv(gm: torch.fx.GraphModule) -> int:
+    """Attention (SDPA) whose k and v went through Hugging Face's ``repeat_kv`` reads the kv
+    heads before the repeat instead (``enable_gqa``: the same head mapping, query head ``h``
+    reads kv head ``h // (H_q / H_kv)``), so that the all-to-all moves them unrepeated -- at a
+    Llama-3.1-8B shape 320 MiB per layer per rank instead of 512 at 131,072 tokens on 8 ranks.
+    Returns how many were rewritten."""
+    done = 0
+    for n in [n for n in gm.graph.nodes if n.target is torch.ops.spdsl.attention.default]:
+        q, k, v = n.args[:3]
+        a = list(n.args) + [None] * (8 - len(n.args))
+        if a[7] or not all(isinstance(x, torch.fx.Node) for x in (q, k, v)):
+            continue
+        k0, v0 = _unrepeat(k), _unrepeat(v)
+        h = _shape(q)[1]
+        if k0 is k or v0 is v or _shape(k0)[1] != _shape(v0)[1] or h % _shape(k0)[1]:
+            continue
+        a[1], a[2], a[7] = k0, v0, True
+        n.args = tuple(a)
+        n.meta[UNREPEATED] = True
+        done += 1
+    if done:
+        _sweep(gm.graph)
+        gm.recompile()
+    return done
+
+
 def fuse_eager_attention(gm: torch.fx.GraphModule) -> int:
     """Replace every matched written-out attention of ``gm`` by one ``spdsl.attention`` node;
     returns how many were replaced."""
@@ -281,6 +309,8 @@ def _rewrite(gm: torch.fx.GraphModule, m: _Match) -> bool:
         gqa = _shape(k4)[1] != H
         att = call(torch.ops.spdsl.attention.default, q4, k4, v4, mask, 0.0, False,
                    float(m.scale), gqa)
+        if gqa:
+            att.meta[UNREPEATED] = True
         out = call(aten.reshape.default, att, [N, S, Dv])
     att.meta[WRITTEN_OUT] = True
     for n in new:

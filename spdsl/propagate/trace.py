@@ -26,7 +26,7 @@ from torch.nn.utils.stateless import _reparametrize_module
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from spdsl.propagate.eager_attention import fuse_eager_attention
+from spdsl.propagate.eager_attention import fuse_eager_attention, unrepeat_kv
 from spdsl.propagate.replay import LayerReplay
 
 _TRACING = [False]
@@ -210,6 +210,7 @@ def trace(fn: Callable, args: tuple, kwargs: dict) -> Traced:
         h2.remove()
     _assign_module_paths(gm, events)
     fuse_eager_attention(gm)       # written-out attention becomes one attention node too
+    unrepeat_kv(gm)                # grouped kv heads cross the all-to-all unrepeated
     return Traced(gm, state_names, state, arg_spec, tensor_leaf_index, out_spec_box[-1])
 
 

@@ -301,6 +301,8 @@ def window(x: torch.Tensor, dim: int, size_in: int, start: int, n_out: int, part
     if plan is None:
         lo = chunk_bounds(size_in, parts, rank)[0]
         a, b = chunk_bounds(n_out, parts, rank)
+        if a == b:      # this rank holds none of the slice (``x[:, :1]`` beyond rank 0)
+            return x.narrow(dim, 0, 0)
         return x.narrow(dim, start + a - lo, b - a)
     return _Window.apply(x, dim, plan, parts, rank, group)
 

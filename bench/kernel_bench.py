@@ -32,7 +32,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from spdsl.kernels import (  # noqa: E402 - after the path insert
+from spdsl.kernels import (
     flash_attn,
     fused_linear_cross_entropy,
     kernel_backend,
@@ -135,7 +135,7 @@ def _sdpa_flash_repeated(q, k, v, causal: bool):
 
 def case_flash(setup: Setup, b=2, h=16, h_kv=16, s=4096, d=128, causal=True):
     if setup.tiny:
-        b, h, h_kv, s = 1, 2, max(1, h_kv * 2 // h), 64
+        b, h, h_kv, s = 1, 2, max(1, h_kv * 2 // h), 32
         d = min(d, 32)
     dt = setup.dtype
     name = f"flash b{b} h{h}/{h_kv} s{s} d{d}{' causal' if causal else ''}"

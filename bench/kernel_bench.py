@@ -261,10 +261,10 @@ CASES = {
     "flash": [lambda s: case_flash(s, causal=True), lambda s: case_flash(s, causal=False),
               lambda s: case_flash(s, h_kv=4, causal=True),
               lambda s: case_flash(s, d=64, h=32, h_kv=8), case_flash_docs],
+    "fused_ce": [case_fused_ce],
     "rms_norm": [case_rms_norm],
     "rope": [case_rope],
     "swiglu": [case_swiglu],
-    "fused_ce": [case_fused_ce],
 }
 
 
@@ -292,6 +292,14 @@ def main(argv: list[str] | None = None) -> int:
     print(f"device {where}, torch {torch.__version__}, dtype {setup.dtype}")
     print("  case | impl | fwd ms | fwd+bwd ms | fwd rate | fwd+bwd rate | unit | note")
     failures: list[dict] = []
+
+    def save() -> None:      # after every case: a later hang or kill keeps what was measured
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"device": where, "torch": torch.__version__,
+                           "dtype": str(setup.dtype), "tiny": setup.tiny, "rows": ROWS,
+                           "failures": failures}, f, indent=1)
+
     with kernel_backend("triton"):
         for group in args.only or CASES:
             # the dry run checks plumbing, not speed: one case per group
@@ -303,14 +311,11 @@ def main(argv: list[str] | None = None) -> int:
                     failures.append({"case": f"{group}[{i}]", "error": repr(e)[:500]})
                     print(f"  {group}[{i}]: FAILED\n{traceback.format_exc()}", flush=True)
                 finally:
+                    save()
                     if setup.device == "cuda":
                         torch.cuda.empty_cache()
     print("\n" + markdown(ROWS))
     print(f"{len(ROWS)} measurements, {len(failures)} failed cases")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"device": where, "torch": torch.__version__, "dtype": str(setup.dtype),
-                       "tiny": setup.tiny, "rows": ROWS, "failures": failures}, f, indent=1)
     return 1 if failures else 0
 
 

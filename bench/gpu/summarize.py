@@ -8,38 +8,51 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
-import xml.etree.ElementTree as ET
 
 DTYPES = (("bfloat16", "bf16"), ("float16", "fp16"), ("float32", "fp32"))
 
 
+_LINE = re.compile(r"^(tests/\S+::(\S+)) (PASSED|FAILED|SKIPPED|ERROR|XFAIL|XPASS)\b")
+
+
 def kernel_tests(path: str) -> dict:
-    """Pass/fail/skip counts per dtype from pytest's JUnit XML (dtype read from the test id)."""
+    """Pass/fail/skip counts per dtype from pytest's ``-v`` log (dtype read from the test id).
+
+    A test id ends in ``[...-torch.float32]``; ids without a dtype count as "no dtype". Tests
+    named ``*_gpu`` ran on the device, the others on its CPU.
+    """
     counts: dict[str, dict[str, int]] = {}
     failed: list[str] = []
-    for case in ET.parse(path).getroot().iter("testcase"):
-        name = case.get("name", "")
-        dtype = next((short for long, short in DTYPES if f"torch.{long}" in name), "no dtype")
-        where = "gpu" if "_gpu" in name else "cpu"
-        key = f"{dtype} ({where})"
-        if case.find("failure") is not None or case.find("error") is not None:
-            outcome = "failed"
-            failed.append(f"{case.get('classname', '')}::{name}")
-        elif case.find("skipped") is not None:
-            outcome = "skipped"
-        else:
-            outcome = "passed"
-        row = counts.setdefault(key, {"passed": 0, "failed": 0, "skipped": 0})
-        row[outcome] += 1
-    return {"counts": dict(sorted(counts.items())), "failed": failed}
+    groups: list[dict] = []           # one per pytest process: its -k filter and exit status
+    with open(path) as f:
+        for line in f:
+            if line.startswith("---- pytest -k "):
+                groups.append({"k": line[len("---- pytest -k "):].strip().strip("'")})
+            elif line.startswith("== pytest exit ") and groups:
+                groups[-1]["exit"] = int(line.split()[-1])
+            m = _LINE.match(line)
+            if not m:
+                continue
+            test_id, name, word = m.groups()
+            dtype = next((short for long, short in DTYPES if f"torch.{long}" in name),
+                         "no dtype")
+            key = f"{dtype} ({'gpu' if '_gpu' in name else 'cpu'})"
+            outcome = {"PASSED": "passed", "XFAIL": "passed", "SKIPPED": "skipped"}.get(
+                word, "failed")
+            if outcome == "failed":
+                failed.append(f"{test_id} {word}")
+            row = counts.setdefault(key, {"passed": 0, "failed": 0, "skipped": 0})
+            row[outcome] += 1
+    return {"counts": dict(sorted(counts.items())), "failed": failed, "groups": groups}
 
 
 def _load(path: str):
     if not os.path.exists(path):
         return None
     try:
-        if path.endswith(".xml"):
+        if path.endswith(".log"):
             return kernel_tests(path)
         with open(path) as f:
             return json.load(f)
@@ -65,6 +78,8 @@ def markdown(data: dict) -> str:
         out += [f"| {k} | {v['passed']} | {v['failed']} | {v['skipped']} |"
                 for k, v in kt["counts"].items()]
         out += [f"- FAILED {t}" for t in kt["failed"]]
+        out += [f"- pytest -k '{g['k']}': exit {g.get('exit')}"
+                + (" (TIMED OUT)" if g.get("exit") == 124 else "") for g in kt["groups"]]
     else:
         out.append(f"not available: {kt}")
 
@@ -138,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
         name, rc, secs = item.split(":")
         sections.append({"name": name, "rc": int(rc), "seconds": int(secs)})
     data = {"sections": sections,
-            "kernel_tests": _load(os.path.join(args.dir, "kernel_tests.xml")),
+            "kernel_tests": _load(os.path.join(args.dir, "kernel_tests.log")),
             "kernel_bench": _load(os.path.join(args.dir, "kernel_bench.json")),
             "train_parity": _load(os.path.join(args.dir, "train_parity.json")),
             "planner": _load(os.path.join(args.dir, "planner.json"))}

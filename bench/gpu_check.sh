@@ -21,7 +21,7 @@
 #                                           # shapes, kernels under TRITON_INTERPRET=1, fp32
 #   bash bench/gpu_check.sh --out DIR       # results elsewhere (dry run default: a temp dir)
 # Env: PYTHON=... (default: the first of python, python3 that imports torch);
-#      LIMIT_TESTS/LIMIT_PARITY/LIMIT_PLANNER/LIMIT_BENCH seconds per section.
+#      LIMIT_ENV/LIMIT_TESTS/LIMIT_PARITY/LIMIT_PLANNER/LIMIT_BENCH: seconds per section.
 # Nothing is installed: torch and triton must be there.
 set -u
 cd "$(dirname "$0")/.."
@@ -47,6 +47,10 @@ else
     TINY=""
 fi
 mkdir -p "$OUT"
+# Section limits only stop a hang: generous on a shared CPU, where the dry run may crawl.
+if [ $DRY = 1 ]; then DEF=(300 300 300 300 300); else DEF=(60 170 130 75 120); fi
+L_ENV=${LIMIT_ENV:-${DEF[0]}} L_TESTS=${LIMIT_TESTS:-${DEF[1]}} L_PARITY=${LIMIT_PARITY:-${DEF[2]}}
+L_PLANNER=${LIMIT_PLANNER:-${DEF[3]}} L_BENCH=${LIMIT_BENCH:-${DEF[4]}}
 rm -f "$OUT"/kernel_tests.log "$OUT"/*.json "$OUT"/summary.md
 
 PY=""
@@ -71,7 +75,7 @@ section() {   # section NAME LIMIT_S COMMAND...: run it, record exit status and 
 
 echo "== environment ($(date -u +%FT%TZ), $PY, results in $OUT)"
 [ $DRY = 0 ] && { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true; }
-section env 60 "$PY" - <<'PY'
+section env "$L_ENV" "$PY" - <<'PY'
 import os, sys, torch
 print(f"python {sys.version.split()[0]}, torch {torch.__version__}, cuda {torch.version.cuda}, "
       f"available {torch.cuda.is_available()}")
@@ -101,12 +105,12 @@ else
     MARK="gpu or not (interpret or slow)"
     TEST_GROUPS=("float32" "bfloat16" "float16 and not bfloat16" "not float32 and not float16")
 fi
-echo "== tests (limit ${LIMIT_TESTS:-170}s): ${#TEST_GROUPS[@]} pytest processes, -m '$MARK'"
+echo "== tests (limit ${L_TESTS}s): ${#TEST_GROUPS[@]} pytest processes, -m '$MARK'"
 start=$(date +%s)
 rm -rf "$OUT/parts" && mkdir -p "$OUT/parts"
 pids=()
 for i in "${!TEST_GROUPS[@]}"; do
-    timeout -k 10 "${LIMIT_TESTS:-170}" "$PY" -m pytest tests/kernels -m "$MARK" -k "${TEST_GROUPS[$i]}" \
+    timeout -k 10 "$L_TESTS" "$PY" -m pytest tests/kernels -m "$MARK" -k "${TEST_GROUPS[$i]}" \
         -v -rfEs -p no:cacheprovider --durations=5 > "$OUT/parts/kernel_tests_$i.log" 2>&1 &
     pids+=($!)
 done
@@ -127,10 +131,10 @@ grep -E "^(FAILED|ERROR) |passed|failed" "$OUT/kernel_tests.log" | tail -40
 SECTIONS="$SECTIONS${SECTIONS:+,}tests:$rc:$(( $(date +%s) - start ))"
 echo "== tests: exit $rc"
 
-section parity "${LIMIT_PARITY:-130}" "$PY" -m bench.gpu.train_parity $TINY --out "$OUT/train_parity.json"
-section planner "${LIMIT_PLANNER:-75}" "$PY" -m bench.gpu.planner_check $TINY \
+section parity "$L_PARITY" "$PY" -m bench.gpu.train_parity $TINY --out "$OUT/train_parity.json"
+section planner "$L_PLANNER" "$PY" -m bench.gpu.planner_check $TINY \
     ${TINY:+--seq 128} --out "$OUT/planner.json"
-section bench "${LIMIT_BENCH:-120}" "$PY" bench/kernel_bench.py $TINY --json "$OUT/kernel_bench.json"
+section bench "$L_BENCH" "$PY" bench/kernel_bench.py $TINY --json "$OUT/kernel_bench.json"
 
 echo "== summary"
 "$PY" -m bench.gpu.summarize --dir "$OUT" --sections "$SECTIONS"

@@ -48,7 +48,7 @@ def test_dry_run_writes_every_result(tmp_path):
         pytest.skip("triton is not installed: the dry run runs the kernels under its interpreter")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     out = subprocess.run(["bash", "bench/gpu_check.sh", "--dry-run", "--out", str(tmp_path)],
-                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800,
                          check=False)
     assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-2000:]
     for name in ("kernel_tests.log", "kernel_bench.json", "train_parity.json", "planner.json",

@@ -127,6 +127,7 @@ for i in "${!TEST_GROUPS[@]}"; do
     echo "---- pytest -k '${TEST_GROUPS[$i]}'"
     cat "$OUT/parts/kernel_tests_$i.log"
 done > "$OUT/kernel_tests.log"
+rm -rf "$OUT/parts"
 grep -E "^(FAILED|ERROR) |passed|failed" "$OUT/kernel_tests.log" | tail -40
 SECTIONS="$SECTIONS${SECTIONS:+,}tests:$rc:$(( $(date +%s) - start ))"
 echo "== tests: exit $rc"

@@ -98,7 +98,7 @@ def markdown(data: dict) -> str:
     if tp and "models" in tp:
         tol = tp.get("tolerances", {})
         out.append(f"Tolerances: fp32 {tol.get('fp32')}; bf16 {tol.get('bf16')}")
-        out += ["", ("| model | params | B x S | dtype | loss off | loss on | loss rel | "
+        out += ["", ("| model | params | B x S | run vs reference | reference loss | loss | loss rel | "
                      "grad max rel | grad norm rel | pass |"),
                 "|---|---|---|---|---|---|---|---|---|---|"]
         for m in tp["models"]:

@@ -114,12 +114,22 @@ def grad_all_reduce(x: torch.Tensor, group: str) -> torch.Tensor:
 def grad_all_reduce_many(xs: list[torch.Tensor], group: str) -> list[torch.Tensor]:
     """``grad_all_reduce`` of several values (one dtype) as one bucket: a single all-reduce of
     their concatenated gradients in backward instead of one per value."""
-    idx = [i for i, x in enumerate(xs) if x.requires_grad]
+    # one value twice (a tied embedding read by the embedding and the output projection):
+    # pass it once, its gradient is the sum over both uses either way, and an
+    # autograd.Function under torch.compile rejects a duplicated input
+    idx, first = [], {}
+    for i, x in enumerate(xs):
+        if x.requires_grad and not any(x is xs[j] for j in idx):
+            idx.append(i)
     if not idx:
         return list(xs)
     outs = list(xs)
     for i, y in zip(idx, _GradAllReduceMany.apply(group, *(xs[i] for i in idx))):
         outs[i] = y
+        first[i] = y
+    for i, x in enumerate(xs):
+        if i not in first and x.requires_grad:
+            outs[i] = next(first[j] for j in idx if xs[j] is x)
     return outs
 
 

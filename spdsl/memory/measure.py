@@ -36,8 +36,6 @@ from dataclasses import dataclass
 
 import torch
 
-_STEP = "spdsl.measured_step"
-
 
 @dataclass(frozen=True)
 class StepMemory:
@@ -105,14 +103,13 @@ def _measure_cuda(step, device: torch.device, warmup: bool) -> StepMemory:
 
 
 def _measure_cpu(step) -> StepMemory:
-    from torch.profiler import ProfilerActivity, profile, record_function
+    from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        with record_function(_STEP):
-            # one-byte markers: the allocator's total right before and right after the step
-            torch.empty(1, dtype=torch.uint8)
-            step()
-            torch.empty(1, dtype=torch.uint8)
+        # one-byte markers: the allocator's total right before and right after the step
+        torch.empty(1, dtype=torch.uint8)
+        step()
+        torch.empty(1, dtype=torch.uint8)
     kinds = torch._C._profiler._EventType
     events, todo = [], list(prof.profiler.kineto_results.experimental_event_tree())
     while todo:

@@ -32,7 +32,7 @@ def _accum_size(dtype: torch.dtype) -> tuple[int, bool]:
 
 def _flash_cpu_forward(args, kwargs) -> int:
     q, k = args[0], args[1]
-    b, h, q_len, e = q.shape
+    q_len, e = q.shape[2], q.shape[3]                      # q: [B, H, L, E]
     qb, kvb = _blocks(q_len, k.shape[2])
     acc, reduced = _accum_size(q.dtype)
     threads = torch.get_num_threads()
@@ -42,7 +42,7 @@ def _flash_cpu_forward(args, kwargs) -> int:
 
 def _flash_cpu_backward(args, kwargs) -> int:
     grad_out, q, k = args[0], args[1], args[2]
-    b, h, q_len, e = q.shape
+    b, h, q_len = q.shape[:3]
     qb, kvb = _blocks(q_len, k.shape[2])
     acc, reduced = _accum_size(q.dtype)
     threads = torch.get_num_threads()

@@ -66,8 +66,10 @@ def simulate(gm: torch.nn.Module, state: list[TensorSpec], inputs: list[TensorSp
         xs = [s.fake() for s in inputs]
         states = {}
         if optimizer == "adamw":
-            states = {i: (torch.zeros(p.shape, dtype=torch.float32),
-                          torch.zeros(p.shape, dtype=torch.float32), torch.zeros(()))
+            # on the parameter's device (a CUDA plan mixing devices would fail); step on CPU
+            states = {i: (torch.zeros(p.shape, dtype=torch.float32, device=p.device),
+                          torch.zeros(p.shape, dtype=torch.float32, device=p.device),
+                          torch.zeros(()))
                       for i, p in enumerate(params) if p.requires_grad}
         tracker.register(params, "parameter")
         tracker.register(xs, "input")

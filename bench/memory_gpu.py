@@ -40,7 +40,7 @@ def main() -> None:
                 f = spdsl.sp_shard(seq=1, remat=mode)(model)
                 opt = torch.optim.AdamW(model.parameters(), foreach=False)
 
-                def step(f=f, opt=opt):
+                def step(f=f, opt=opt, ids=ids):
                     f(ids, ids).backward()
                     opt.step()
                     opt.zero_grad(set_to_none=True)

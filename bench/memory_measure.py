@@ -1,7 +1,7 @@
 """The planner against the allocator's own count, per rank: the table in bench/MEMORY.md.
 
     python bench/memory_measure.py                  # SP 1, 2 (with compiled), 4: ~15 min
-    python bench/memory_measure.py --worlds 2       # one degree
+    python bench/memory_measure.py --worlds 2       # one degree, merged into the JSON
 
 One launch of gloo ranks per SP degree (``tests/memory/measured.py``: the cases and what is
 compared). Prints a markdown table, writes ``bench/memory_measure.json``.
@@ -46,6 +46,9 @@ def main(argv: list[str] | None = None) -> None:
     from tests.memory.measured import PLAN, launch
 
     results = {}
+    if a.worlds != [1, 2, 4] and os.path.exists(a.out):
+        with open(a.out) as fh:
+            results = json.load(fh)                # the other degrees from an earlier run
     for w in a.worlds:
         t = time.time()
         results[str(w)] = launch(w, PLAN[w])

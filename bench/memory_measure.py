@@ -22,19 +22,22 @@ LABEL = {"tiny_1024": "tiny, 1x1024", "tiny_2x256": "tiny, 2x256", "small_512": 
 
 
 def table(results: dict) -> str:
-    lines = [("| SP | rank | model, BxS | exec | remat | planned | measured | planned / measured "
-              "| planned abs | measured abs |"),
-             "| --- | --- | --- | --- | --- | ---: | ---: | ---: | ---: | ---: |"]
+    """One row per SP degree, case, execution and mode: rank 0's bytes, every rank's ratios."""
+    lines = [("| SP | model, BxS | exec | remat | planned (rank 0) | measured (rank 0) "
+              "| planned / measured, all ranks | absolute: planned / measured (rank 0) |"),
+             "| --- | --- | --- | --- | ---: | ---: | ---: | ---: |"]
     for world in sorted(results, key=int):
-        for rank, res in enumerate(results[world]):
-            for key, modes in res.items():
-                case, how = key.split("/")
-                for mode, o in modes.items():
-                    lines.append(
-                        f"| {world} | {rank} | {LABEL[case]} | {how} | `{mode}` | "
-                        f"{o['planned']:,} | {o['measured']:,} | "
-                        f"{o['planned'] / o['measured']:.4f} | {o['planned_abs']:,} | "
-                        f"{o['measured_abs']:,} |")
+        ranks = results[world]
+        for key, modes in ranks[0].items():
+            case, how = key.split("/")
+            for mode, o in modes.items():
+                ratios = [r[key][mode]["planned"] / r[key][mode]["measured"] for r in ranks]
+                span = f"{min(ratios):.4f}" if max(ratios) - min(ratios) < 5e-5 else \
+                    f"{min(ratios):.4f} - {max(ratios):.4f}"
+                lines.append(
+                    f"| {world} | {LABEL[case]} | {how} | `{mode}` | {o['planned']:,} | "
+                    f"{o['measured']:,} | {span} | "
+                    f"{o['planned_abs']:,} / {o['measured_abs']:,} |")
     return "\n".join(lines)
 
 

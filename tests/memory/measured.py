@@ -14,6 +14,8 @@ Absolute figures travel too (``plan.peak`` and ``before + peak``), for the table
 
 from __future__ import annotations
 
+import gc
+
 import torch
 
 import spdsl
@@ -34,6 +36,7 @@ PLAN = {1: [("tiny_1024", False), ("small_512", False)],
 
 def run_case(name: str, world: int, rank: int, modes=MODES, compile: bool = False) -> dict:
     cfg, batch, seq = CASES[name]
+    gc.collect()       # the previous case's model lives on in reference cycles until collected
     torch.manual_seed(0)
     model = Llama(cfg)
     ids = torch.randint(0, cfg.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(1))

@@ -11,11 +11,12 @@ the optimizer's temporaries) is in the figure.
   turns the same accounting on, but only for allocations and frees on the threads it
   profiles. Each allocation on a profiled thread becomes an event carrying its size and that
   running total (``total_allocated``). A block freed on another thread — gloo's worker threads
-  drop the last reference to a collective's buffers about half of the time — would stay
+  sometimes drop the last reference to a collective's buffers (a race) — would stay
   counted forever, so :func:`track_cpu_allocations` sets the flag (through ctypes, the flag is
   a plain global in ``libc10``) and the total becomes exact on every thread; set at process
   start, it is absolute. The peak is the largest total among the step's events. Without the
-  flag a measured peak read up to 15% high at SP 4 (frees on gloo threads never counted).
+  flag a peak read up to 4% high at SP 2 and a step did not end where it began (frees on gloo
+  threads never counted, 64-417 KiB a step on a tiny Llama).
   ``prof.export_memory_timeline(path, device="cpu")`` works on CPU too and replays the same
   events (same peak on one thread), but needs ``with_stack`` and ``record_shapes``, is
   deprecated in 2.13, and inherits the missed frees: not used.

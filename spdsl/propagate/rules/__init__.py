@@ -100,6 +100,7 @@ def lookup(op: Any) -> Rule | None:
 from spdsl.propagate.rules import (  # noqa: F401  (registration side effects)
     attention,
     factory,
+    index,
     loss,
     matmul,
     pointwise,

@@ -20,6 +20,7 @@ from spdsl import collectives as C
 from spdsl.lower import ops
 from spdsl.lower.factories import VAL as REPLICATED_VAL
 from spdsl.lower.factories import split_factories
+from spdsl.propagate.eager_attention import WRITTEN_OUT
 from spdsl.propagate.engine import Propagator, tensor_inputs
 from spdsl.propagate.placement import (
     REPLICATE,
@@ -341,8 +342,9 @@ class Lowering:
         if low == "ulysses":
             a = list(args) + [None] * (8 - len(args))
             q, k, v, mask, dropout_p, is_causal, scale, gqa = a[:8]
-            return self.call(ops.ulysses_attention, q, k, v, mask, dropout_p or 0.0,
-                             bool(is_causal), scale, bool(gqa), P, r, g)
+            return self.graph.call_function(
+                ops.ulysses_attention, (q, k, v, mask, dropout_p or 0.0, bool(is_causal), scale,
+                                        bool(gqa), P, r, g), written_out(node))
         if low == "nll_mean":
             two_d = node.target.overloadpacket is aten.nll_loss2d_forward
             return self.call(ops.nll_mean, args[0], args[1], args[2], args[4], g, two_d)
@@ -371,8 +373,14 @@ class Lowering:
             lo, hi = chunk_bounds(src.shape[dim], P, r)
             return self.call(ops.select_owner, args[0], dim, index, lo, hi)
         if node.target is torch.ops.spdsl.attention.default:    # replicated attention
-            return self.graph.call_function(ops.local_attention, args, kwargs)
+            return self.graph.call_function(ops.local_attention, args,
+                                            {**kwargs, **written_out(node)})
         return self.graph.call_function(node.target, args, kwargs)
+
+
+def written_out(node: torch.fx.Node) -> dict:
+    """Attention the user wrote out in ops is computed the same way on each rank."""
+    return {"written_out": True} if node.meta.get(WRITTEN_OUT) else {}
 
 
 GRAD_BUCKET_BYTES = 32 * 2 ** 20

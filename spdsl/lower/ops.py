@@ -15,13 +15,13 @@ aten = torch.ops.aten
 def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                       mask: torch.Tensor | None, dropout_p: float, is_causal: bool,
                       scale: float | None, enable_gqa: bool, parts: int, rank: int,
-                      group: str, kernel: bool = False) -> torch.Tensor:
+                      group: str, kernel: bool = False, written_out: bool = False) -> torch.Tensor:
     """Local ``[B, H, S/P, D]`` q, k, v -> attention over the whole sequence for ``H/P`` heads
     -> local ``[B, H, S/P, D]`` output. One all-to-all in (q, k, v fused), one out.
     ``kernel``: spdsl's flash attention instead of SDPA (set by ``spdsl.lower.kernels``)."""
     if parts == 1:
         return local_attention(q, k, v, mask, dropout_p, is_causal, scale, enable_gqa,
-                               kernel=kernel)
+                               kernel=kernel, written_out=written_out)
     hq, hk = q.shape[1], k.shape[1]
     r = kv_repeat(hq, hk, parts)
     if r > 1:
@@ -34,14 +34,28 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         n = hq // parts
         mask = mask.narrow(-3, rank * n, n)
     gqa = qh.shape[1] != kh.shape[1]
-    o = local_attention(qh, kh, vh, mask, dropout_p, is_causal, scale, gqa, kernel=kernel)
+    o = local_attention(qh, kh, vh, mask, dropout_p, is_causal, scale, gqa, kernel=kernel,
+                        written_out=written_out)
     return all_to_all(o, heads, seq, parts, group)
 
 
 def local_attention(q, k, v, mask=None, dropout_p=0.0, is_causal=False, scale=None,
-                    enable_gqa=False, kernel: bool = False) -> torch.Tensor:
+                    enable_gqa=False, kernel: bool = False, written_out: bool = False) -> torch.Tensor:
+    """``written_out``: attention the user wrote out in ops (``spdsl.propagate.eager_attention``),
+    computed the same way, so that rows whose every key is masked (left padding) get what
+    the user's ops give them (a uniform average), not SDPA's convention."""
     if kernel:      # the kernel pass only sets this where there is no mask and no dropout
         return flash_attn(q, k, v, causal=is_causal, scale=scale)
+    if written_out:
+        if k.shape[1] != q.shape[1]:
+            r = q.shape[1] // k.shape[1]
+            k, v = k.repeat_interleave(r, dim=1), v.repeat_interleave(r, dim=1)
+        s = torch.matmul(q, k.transpose(-2, -1))
+        s = s * (scale if scale is not None else q.shape[-1] ** -0.5)
+        if mask is not None:
+            s = s.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else s + mask
+        w = torch.softmax(s, dim=-1, dtype=torch.float32).to(q.dtype)
+        return torch.matmul(w, v)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p,
                                           is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
 

@@ -18,8 +18,9 @@ the input dtype), and dropout with ``p == 0``. q, k and v are followed back thro
 unrepeated. Not matched (left as ops, still exact): dropout with ``p > 0``, masks applied by
 ``where``/``masked_fill``, attention weights used elsewhere (``output_attentions=True``).
 
-Numerics: SDPA's math replaces the written-out ops, a difference of float32 rounding (about
-1e-7 relative), in single-device runs too. ``SPDSL_FUSE_EAGER_ATTENTION=0`` turns it off.
+Numerics: each rank computes its heads with the same ops (``spdsl.lower.ops.local_attention``
+with ``written_out``), not SDPA, so rows whose every key is masked (left padding) get the
+uniform average the user's ops give them. ``SPDSL_FUSE_EAGER_ATTENTION=0`` turns it off.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from torch._guards import detect_fake_mode
 from spdsl.propagate.heads import UNREPEATED
 
 aten = torch.ops.aten
+WRITTEN_OUT = "spdsl_written_out"    # on the attention node: the lowering computes it in ops too
 _VIEWS = {aten.view.default, aten._unsafe_view.default, aten.reshape.default}
 _PASS = _VIEWS | {aten.clone.default, aten.alias.default, aten.contiguous.default,
                   aten._to_copy.default, aten.expand.default}
@@ -310,6 +312,7 @@ def _rewrite(gm: torch.fx.GraphModule, m: _Match) -> bool:
         if gqa:
             att.meta[UNREPEATED] = True
         out = call(aten.reshape.default, att, [N, S, Dv])
+    att.meta[WRITTEN_OUT] = True
     for n in new:
         n.meta["stack_trace"] = b1.meta.get("stack_trace")
         n.meta["spdsl_module"] = b1.meta.get("spdsl_module", "")

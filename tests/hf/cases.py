@@ -9,6 +9,8 @@ group emits for each collective it executes (eager or compiled), not from spdsl'
 from __future__ import annotations
 
 import copy
+import os
+import sys
 import traceback
 from dataclasses import dataclass
 
@@ -161,6 +163,8 @@ def run_all(rank: int, world: int, cases: list[Case], extras: bool = True) -> di
     torch.manual_seed(0)
     results = {}
     for case in cases:
+        if os.environ.get("SPDSL_HF_VERBOSE"):
+            print(f"rank {rank}: {case.name}", file=sys.stderr, flush=True)
         try:
             results[case.name] = run_case(case, world)
         except Exception:  # noqa: BLE001 - reported per case

@@ -70,7 +70,8 @@ def untested(family: str, attn: str) -> str:
 
 def load(path: str, degrees: list[int]) -> dict[int, list[dict]]:
     out: dict[int, list[dict]] = {w: [] for w in degrees}
-    for name in sorted(os.listdir(path)):
+    # oldest first: a later rerun of a case replaces its earlier result
+    for name in sorted(os.listdir(path), key=lambda n: os.path.getmtime(os.path.join(path, n))):
         w = int(name[2:].split("_")[0])
         if w not in out:
             continue
@@ -142,8 +143,21 @@ def main() -> None:
     lines += ["## Compiled and checkpointed", "", "| case | SP | result |", "|---|---|---|"]
     for w in degrees:
         for c in REMAT_CASES + (COMPILED_CASES if w == 2 else []):
-            lines.append(f"| {c.name} | {w} | {cell(results[w], c.name)} |")
-    lines += ["", "## What each family exercises", "", "| family | exercises |", "|---|---|"]
+            if cell(results[w], c.name) != "not run":
+                lines.append(f"| {c.name} | {w} | {cell(results[w], c.name)} |")
+    lines += ["", "## Known gaps", "",
+              ("- `not run`: the case is outside the tested subset (`tests/hf/cases.py`: "
+              "`TEST_CASES`); `python -m tests.hf.matrix` without `--from` runs every cell."),
+              ("- Packed batches at SP 4: `qwen2/sdpa/packed` aborted the launch with a gloo "
+              "size mismatch (ranks issued different collectives; rank 0 expected 4 bytes, "
+              "another sent 8); the cases after it in that launch did not run. Cause not yet "
+              "identified; a suspect: Hugging Face finds document boundaries with "
+              "`position_ids[:, :1] - 1` and `torch.diff(..., prepend=...)`, a one-row slice "
+              "of the split sequence that at SP 4 only rank 0 holds. At SP 2 every packed case "
+              "is exact."),
+              ("- OPT: its training-mode layerdrop (`torch.rand([]) < p` in Python) cannot be "
+              "traced; with `layerdrop=0.0` the draw still happens."),
+              "", "## What each family exercises", "", "| family | exercises |", "|---|---|"]
     lines += [f"| {f.name} | {f.exercises} |" for f in FAMILIES.values()]
     lines.append("| plain_tied | a plain PyTorch Llama (`models/llama.py`) tying its input "
                  "and output embeddings |")

@@ -148,13 +148,6 @@ def main() -> None:
     lines += ["", "## Known gaps", "",
               ("- `not run`: the case is outside the tested subset (`tests/hf/cases.py`: "
               "`TEST_CASES`); `python -m tests.hf.matrix` without `--from` runs every cell."),
-              ("- Packed batches at SP 4: `qwen2/sdpa/packed` aborted the launch with a gloo "
-              "size mismatch (ranks issued different collectives; rank 0 expected 4 bytes, "
-              "another sent 8); the cases after it in that launch did not run. Cause not yet "
-              "identified; a suspect: Hugging Face finds document boundaries with "
-              "`position_ids[:, :1] - 1` and `torch.diff(..., prepend=...)`, a one-row slice "
-              "of the split sequence that at SP 4 only rank 0 holds. At SP 2 every packed case "
-              "is exact."),
               ("- OPT: its training-mode layerdrop (`torch.rand([]) < p` in Python) cannot be "
               "traced; with `layerdrop=0.0` the draw still happens."),
               "", "## What each family exercises", "", "| family | exercises |", "|---|---|"]

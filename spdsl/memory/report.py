@@ -31,7 +31,9 @@ class MemoryPlan:
     bytes of each kind live at the peak instant. ``activations`` were allocated in forward and
     are still held (saved for backward); ``transient`` were allocated in backward or the
     optimizer step (recomputed layers, gradients of activations, temporaries).
-    ``saved_activations`` is everything forward left for backward (at the end of forward).
+    ``saved_activations`` is everything forward left for backward on the device (at the end
+    of forward). ``host`` is the peak of host memory the step holds per rank: what activation
+    offload (``Remat(offload=True)``) moved there; it is not part of ``peak``.
 
     Example::
 
@@ -53,6 +55,7 @@ class MemoryPlan:
     label: str = ""
     # per phase (forward/backward/optimizer): bytes per category at that phase's own peak
     phases: dict = field(default_factory=dict, compare=False)
+    host: int = 0
 
     @staticmethod
     def from_tracker(tracker, *, saved: int, tokens: int | None, label: str) -> MemoryPlan:
@@ -60,7 +63,8 @@ class MemoryPlan:
         phases = {k: {c: v.get(c, 0) for c in CATEGORIES} for k, v in tracker.phase_peaks.items()}
         return MemoryPlan(tracker.peak, at["parameter"], at["gradient"], at["optimizer"],
                           at["input"], at["activation"], at["transient"], saved,
-                          tracker.peak_phase, tokens, label, phases)
+                          tracker.peak_phase, tokens, label, phases,
+                          getattr(tracker, "host_peak", 0))
 
     def with_state_shards(self, n: int) -> MemoryPlan:
         """The same step with parameters, gradients and optimizer state split ``n`` ways

@@ -66,10 +66,13 @@ class MemoryPlan:
                           tracker.peak_phase, tokens, label, phases,
                           getattr(tracker, "host_peak", 0))
 
-    def with_state_shards(self, n: int) -> MemoryPlan:
+    def with_state_shards(self, n: int, gathered: tuple[int, int] = (0, 0)) -> MemoryPlan:
         """The same step with parameters, gradients and optimizer state split ``n`` ways
-        (ZeRO-3/FSDP-like; the gathered layer weights FSDP adds transiently are not counted).
-        The optimizer's per-parameter temporaries shrink with them."""
+        (ZeRO-3 over every rank, as ``spdsl.state`` shards them). The optimizer's per-parameter
+        temporaries shrink with them. ``gathered``: bytes of whole parameters (and whole
+        gradients) that exist for a moment, (forward, backward): the weights of the layer in
+        flight all-gathered in forward; in backward the regathered weights plus the layer's
+        whole gradients before their reduce-scatter. Added at each phase's peak."""
         if n <= 1:
             return self
         phases = {}
@@ -79,12 +82,14 @@ class MemoryPlan:
                 at[c] = at[c] // n
             if phase == "optimizer":
                 at["transient"] //= n
+            at["gathered"] = {"forward": gathered[0], "backward": gathered[1]}.get(phase, 0)
             phases[phase] = at
         top = max(phases, key=lambda k: sum(phases[k].values()))
         b = phases[top]
         return MemoryPlan(sum(b.values()), b["parameter"], b["gradient"], b["optimizer"],
-                          b["input"], b["activation"], b["transient"], self.saved_activations,
-                          top, self.tokens, f"{self.label}, state / {n}", phases)
+                          b["input"], b["activation"], b["transient"] + b["gathered"],
+                          self.saved_activations, top, self.tokens,
+                          f"{self.label}, state / {n}", phases, self.host)
 
     @property
     def saved_per_token(self) -> float | None:
@@ -105,6 +110,9 @@ class MemoryPlan:
                 ("saved activations", self.activations), ("transient", self.transient)]
         lines = [head] + [f"  {k:18} {fmt_bytes(v):>12}  {100 * v / max(1, self.peak):5.1f}%"
                           for k, v in rows]
+        if self.host:
+            lines.append(f"  host (offloaded)   {fmt_bytes(self.host):>12}  per rank, not in the "
+                         "device peak")
         extra = f"  forward leaves {fmt_bytes(self.saved_activations)} for backward"
         if self.tokens:
             extra += f" ({self.saved_activations / self.tokens:.0f} B per local token)"

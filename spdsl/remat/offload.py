@@ -41,8 +41,10 @@ import weakref
 
 import torch
 from torch.utils import checkpoint as _ckpt
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 _LOCAL = threading.local()
+_WAIT = torch.ops._c10d_functional.wait_tensor.default
 
 
 def allocating_on_host() -> bool:
@@ -62,10 +64,13 @@ def _host_allocation():
 class _Held:
     """One tensor's host copy, and the device tensor fetched back from it (while alive)."""
 
-    __slots__ = ("host", "ready", "device", "fetched", "layer", "__weakref__")
+    __slots__ = ("__weakref__", "device", "fetched", "host", "layer", "ready", "source")
 
-    def __init__(self, host: torch.Tensor, ready, device: torch.device, layer: int) -> None:
-        self.host, self.ready, self.device, self.layer = host, ready, device, layer
+    def __init__(self, source: torch.Tensor, layer: int) -> None:
+        self.source: torch.Tensor | None = source     # the device tensor until it is copied
+        self.host: torch.Tensor | None = None
+        self.ready = None
+        self.device, self.layer = source.device, layer
         self.fetched: torch.Tensor | None = None
 
 
@@ -77,6 +82,7 @@ class Offloader:
         self.pending: dict[int, list[weakref.ref]] = {}     # layer -> held copies not fetched
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
         self._seen: dict[int, tuple] = {}                   # storage key -> (storage ref, held)
+        self._copy: list[_Held] = []                        # this layer's, copied at its end
 
     # -- forward ---------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -88,40 +94,52 @@ class Offloader:
             with self.hooks(index):
                 yield
         finally:
+            # copied once the layer's forward is over: an all-to-all's output is cached when
+            # the collective is issued, and holds its data only after its wait
+            for held in self._copy:
+                self._to_host(held)
+            self._copy.clear()
             self._seen.clear()
 
     def put(self, t: torch.Tensor, layer: int) -> _Held:
+        if is_traceable_wrapper_subclass(t) and hasattr(t, "elem"):
+            # a collective's AsyncCollectiveTensor: the memory is the tensor it wraps, which
+            # the collective op's own cached output already names
+            t = t.elem
         st = t.untyped_storage()
         key = (st._cdata, t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype)
         hit = self._seen.get(key)
         if hit is not None and hit[0]() is st:
             return hit[1]
-        if t.device.type == "cuda":
-            held = self._to_host_cuda(t, layer)
-        else:
-            with _host_allocation():
-                host = t.detach().clone(memory_format=torch.contiguous_format)
-            held = _Held(host, None, t.device, layer)
+        held = _Held(t.detach(), layer)
+        self._copy.append(held)
         self._seen[key] = (weakref.ref(st), held)
         self.pending.setdefault(layer, []).append(weakref.ref(held))
         return held
+
+    def _to_host(self, held: _Held) -> None:
+        t, held.source = held.source, None
+        if t.device.type == "cuda":
+            self._to_host_cuda(t, held)
+            return
+        with _host_allocation():
+            held.host = t.clone(memory_format=torch.contiguous_format)
 
     def _stream(self, device: torch.device) -> torch.cuda.Stream:
         if device not in self._streams:
             self._streams[device] = torch.cuda.Stream(device)
         return self._streams[device]
 
-    def _to_host_cuda(self, t: torch.Tensor, layer: int) -> _Held:
+    def _to_host_cuda(self, t: torch.Tensor, held: _Held) -> None:
         side = self._stream(t.device)
         with _host_allocation():
-            host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            held.host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
         side.wait_stream(torch.cuda.current_stream(t.device))
         with torch.cuda.stream(side):
-            host.copy_(t.detach(), non_blocking=True)
-            done = torch.cuda.Event()
-            done.record(side)
+            held.host.copy_(t, non_blocking=True)
+            held.ready = torch.cuda.Event()
+            held.ready.record(side)
         t.record_stream(side)      # the allocator must not reuse t before the copy has read it
-        return _Held(host, done, t.device, layer)
 
     # -- backward --------------------------------------------------------------------------
     def get(self, held: _Held) -> torch.Tensor:
@@ -134,11 +152,14 @@ class Offloader:
                 if h is not None and h.fetched is None:
                     self._fetch(h)
         out = held.fetched
-        if held.device.type == "cuda":
+        if held.device.type == "cuda" and held.ready is not None:
             torch.cuda.current_stream(held.device).wait_event(held.ready)
         return out
 
     def _fetch(self, held: _Held) -> None:
+        if held.source is not None:     # backward inside the layer's own forward: not moved yet
+            held.fetched, held.source = held.source, None
+            return
         refs = self.pending.get(held.layer)
         if refs is not None:
             refs[:] = [r for r in refs if r() is not None and r() is not held]
@@ -159,8 +180,8 @@ class Offloader:
     def hooks(self, layer: int) -> torch.autograd.graph.saved_tensors_hooks:
         """Saved-tensor hooks for a checkpointed layer's inputs."""
         def pack(t: torch.Tensor):
-            if t.grad_fn is None or not t.dtype.is_floating_point:
-                return t                # parameters, tables, ids: not activations, not moved
+            if not _activation(t):
+                return t                # parameters (and their views), tables, ids: stay
             return self.put(t, layer)
 
         def unpack(x):
@@ -176,15 +197,29 @@ class Offloader:
                 _ckpt._CachedTorchDispatchMode(policy, storage))
 
 
+def _activation(t: torch.Tensor) -> bool:
+    """A tensor with an autograd history of its own: not a parameter, nor a view of one
+    (``t(W)`` reaches a layer as an input), nor a constant table."""
+    if t.grad_fn is None or not t.dtype.is_floating_point:
+        return False
+    base = t._base
+    return base is None or base.grad_fn is not None
+
+
 class _HostEntries(dict):
     """One op's cached outputs by call index; tensors kept as host copies."""
 
-    def __init__(self, off: Offloader, layer: int) -> None:
+    def __init__(self, off: Offloader, layer: int, key) -> None:
         super().__init__()
         self.off, self.layer = off, layer
+        # a wait returns the tensor its collective wrote: run again on the fetched copy it is
+        # a no-op, and caching it would hold that tensor a second time
+        self.again = key is _WAIT
 
     def __setitem__(self, idx, entry) -> None:
-        if entry is not _ckpt._RECOMPUTE and entry is not _ckpt._CONSUMED:
+        if self.again and entry is not _ckpt._CONSUMED:
+            entry = _ckpt._RECOMPUTE
+        elif entry is not _ckpt._RECOMPUTE and entry is not _ckpt._CONSUMED:
             entry = _tree(entry, self._put)
         super().__setitem__(idx, entry)
 
@@ -226,5 +261,5 @@ class HostStorage(dict):
         self.off, self.layer = off, layer
 
     def __missing__(self, key):
-        v = self[key] = _HostEntries(self.off, self.layer)
+        v = self[key] = _HostEntries(self.off, self.layer, key)
         return v

@@ -91,6 +91,23 @@ class MemoryPlan:
                           self.saved_activations, top, self.tokens,
                           f"{self.label}, state / {n}", phases, self.host)
 
+    def with_extra(self, extra: dict[str, int], note: str) -> MemoryPlan:
+        """The same step with ``extra[phase]`` more transient bytes at that phase's peak: memory
+        a kernel allocates inside one op, which no dispatcher-level tracker sees."""
+        if not self.phases or not any(extra.values()):
+            return self
+        phases = {k: dict(v) for k, v in self.phases.items()}
+        for phase, n in extra.items():
+            if phase in phases:
+                phases[phase]["transient"] = phases[phase].get("transient", 0) + n
+        top = max(phases, key=lambda k: sum(phases[k].values()))
+        b = phases[top]
+        return MemoryPlan(sum(b.values()), b["parameter"], b["gradient"], b["optimizer"],
+                          b["input"], b["activation"],
+                          sum(v for k, v in b.items() if k in ("transient", "gathered")),
+                          self.saved_activations, top, self.tokens, f"{self.label}, {note}",
+                          phases, self.host)
+
     @property
     def saved_per_token(self) -> float | None:
         """Bytes forward leaves for backward, per token this rank holds."""

@@ -47,7 +47,27 @@ def llama_plan(cfg, seq: int, sp: int, remat, *, dtype: torch.dtype = torch.bflo
     with _kernels(kernels) as choice:
         plan = plan_memory(spdsl.sp_shard(seq=sp, remat=remat, kernels=choice)(model), ids,
                            ids, optimizer=optimizer)
-    return plan.with_state_shards(state_shards, gathered_bytes(model))
+    plan = plan.with_state_shards(state_shards, gathered_bytes(model))
+    if kernels == "triton":
+        plan = plan.with_extra(kernel_workspace(cfg, batch * seq // sp, sp, dtype),
+                               "kernel workspace")
+    return plan
+
+
+def kernel_workspace(cfg, tokens: int, sp: int, dtype: torch.dtype) -> dict[str, int]:
+    """Bytes spdsl's Triton kernels allocate inside their op (invisible to a dispatcher-level
+    tracker), per phase: the fused cross-entropy's logits chunk and, in bf16/fp16, one
+    ``[V, E]`` product before it is added to the fp32 weight gradient (forward: the loss
+    computes its gradients there); flash attention's backward ``delta`` (fp32, one per query
+    row and local head)."""
+    from spdsl.kernels.reference import default_chunk_size
+
+    item = torch.empty((), dtype=dtype).element_size()
+    v, e = cfg.vocab_size, cfg.dim
+    rows = min(tokens, default_chunk_size(tokens, v, e))
+    loss = rows * v * item + (v * e * item if item < 4 else 0)
+    delta = tokens * sp * max(1, cfg.n_heads // sp) * 4
+    return {"forward": loss, "backward": delta}
 
 
 @contextlib.contextmanager

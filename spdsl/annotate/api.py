@@ -10,12 +10,13 @@ from __future__ import annotations
 import functools
 import os
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import Replicate as DReplicate
 from torch.distributed.tensor import Shard as DShard
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
@@ -35,7 +36,7 @@ from spdsl.propagate.placement import (
     typed_shape,
 )
 from spdsl.propagate.plan import ShardingPlan, build_plan
-from spdsl.propagate.trace import Traced, trace, tracing
+from spdsl.propagate.trace import Traced, reachable_modules, trace, tracing
 from spdsl.remat import Remat, apply_remat, local_specs
 
 
@@ -68,6 +69,10 @@ class _Compiled:
     plan: ShardingPlan
     local: Any = None
     state_requires: tuple = ()
+    data: Any = None                  # the data axis' Propagator (a dp axis of size > 1)
+    data_in: list[Placement] = field(default_factory=list)
+    data_out: list[Placement] = field(default_factory=list)
+    input_shapes: list = field(default_factory=list)    # what this rank's inputs look like
 
     def stale(self) -> bool:
         """A parameter was frozen or unfrozen since the trace: which gradients exist, and so
@@ -81,8 +86,14 @@ class Sharded:
     def __init__(self, fn: Callable, *, mesh=None, in_specs=None, out_specs=None,
                  axis: str | None = None, parts: int | None = None, seq_dim: int | None = None,
                  compile: bool = False, debug: bool | None = None, remat=None,
-                 kernels="auto") -> None:
+                 kernels="auto", shard_state: bool = False, batch: str = "global") -> None:
+        if batch not in ("global", "local"):
+            raise ShardingError(rule="batch", detail=f"batch={batch!r}",
+                                fix='use batch="global" (every rank passes the whole batch) '
+                                    'or batch="local" (each dp group passes its own rows)')
         self.fn, self._mesh, self.in_specs, self.out_specs = fn, mesh, in_specs, out_specs
+        self.shard_state, self.batch = shard_state, batch
+        self._state_mesh = None
         self.remat = Remat.of(remat)     # spdsl.remat: "none" | "full" | "auto" | budget
         self.kernels = KernelChoice.of(kernels)   # spdsl.lower.kernels: "auto"|"on"|"off"|names
         self.seq_dim, self.compile = seq_dim, compile
@@ -93,6 +104,8 @@ class Sharded:
         functools.update_wrapper(self, getattr(fn, "forward", fn), updated=())
         if isinstance(fn, torch.nn.Module):
             self.module = fn
+        if shard_state:
+            self._shard_state(reachable_modules(fn, (), {}))
 
     def __getattr__(self, name: str):
         # a wrapped module keeps its own attributes (parameters(), train(), ...)
@@ -119,11 +132,70 @@ class Sharded:
                 self._mesh = make_mesh(**{self.axis: self._parts})
         return self._mesh
 
-    def _group_and_rank(self) -> tuple[str, int]:
+    def _group_and_rank(self, axis: str | None = None) -> tuple[str, int]:
         m = self.mesh
-        axis_size(m, self.axis)
-        pg = m.get_group(self.axis)
+        axis = axis or self.axis
+        axis_size(m, axis)
+        pg = m.get_group(axis)
         return pg.group_name, dist.get_rank(pg)
+
+    # -- the data axis and sharded state ------------------------------------------------------
+    @property
+    def data_axis(self) -> str | None:
+        """The mesh axis the batch is split over (``dp``), or None: named in the specs (by
+        ``shard``), or the other axis of a two-axis mesh (``sp_shard``)."""
+        if self._mesh is None and not dist.is_initialized():
+            return None          # planning without a mesh: one axis
+        named = _axis_of(self.in_specs, skip=self.axis) if self.in_specs is not None else None
+        if named is not None:
+            return named
+        if self.seq_dim is None:
+            return None
+        names = [n for n in (self.mesh.mesh_dim_names or ()) if n != self.axis]
+        return names[0] if len(names) == 1 and axis_size(self.mesh, names[0]) > 1 else None
+
+    @property
+    def data_parts(self) -> int:
+        ax = self.data_axis
+        return 1 if ax is None else axis_size(self.mesh, ax)
+
+    def _world(self):
+        """A one-axis mesh over every rank of the mesh: sums over both axes, parameter
+        gathers and their gradients' reduce-scatters."""
+        if self._state_mesh is None:
+            from spdsl.state import state_mesh
+            self._state_mesh = state_mesh(self.mesh)
+        return self._state_mesh
+
+    def _shard_state(self, roots: list[torch.nn.Module]) -> None:
+        from spdsl.state import shard_parameters
+        if not roots:
+            raise ShardingError(
+                rule="state sharding", detail="shard_state=True, but no module is reachable "
+                "from the function when it is wrapped",
+                fix="wrap the model (sp_shard(...)(model)) or a function that closes over it, "
+                    "then build the optimizer on model.parameters()")
+        for root in roots:
+            self._state_mesh = shard_parameters(root, self.mesh)
+
+    def _check_state_sharded(self, traced: Traced) -> list:
+        """Which graph inputs are sharded parameters (``spdsl.lower.state``)."""
+        from spdsl.lower.state import ShardedInput
+        from spdsl.state import is_sharded_state
+        out = []
+        for j, t in enumerate(traced.state):
+            if not isinstance(t, torch.nn.Parameter):
+                continue
+            if is_sharded_state(t):
+                out.append(ShardedInput(j, t.shape[0], t.to_local().shape[0]))
+            elif self.shard_state:
+                raise ShardingError(
+                    rule="state sharding", value=f"parameter {traced.state_names[j]}",
+                    detail="shard_state=True, but this parameter was not reachable when the "
+                           "function was wrapped, so it is still whole",
+                    fix="wrap the model itself, or a function that closes over it, so that "
+                        "its parameters are sharded before the optimizer is built")
+        return out
 
     # -- specs ----------------------------------------------------------------------------
     def _leaf_placements(self, leaves: list, spec_leaves: list | None) -> list[tuple]:
@@ -157,7 +229,8 @@ class Sharded:
                 where=f"argument {i}",
                 detail=f"spec {spec!r} has {len(spec)} entries for a {x.dim()}-d tensor",
                 fix=f"give one entry per dim, e.g. P({', '.join(['None'] * x.dim())})")
-        split = list(spec.sharded())
+        data = self.data_axis
+        split = [(d, ax) for d, ax in spec.sharded() if ax != data or data is None]
         for _, ax in split:
             if ax != self.axis:
                 names = tuple(self._mesh.mesh_dim_names or ()) if self._mesh is not None else ()
@@ -195,11 +268,46 @@ class Sharded:
                     f", or use a degree that divides {n}")
         return s
 
+    def _data_placement_of(self, x: torch.Tensor, spec, i: int) -> Placement:
+        """The placement over the data axis: the dim the spec names it on (the batch)."""
+        data = self.data_axis
+        if data is None or spec is None or isinstance(x, DTensor):
+            return self._data_from_dtensor(x) if isinstance(x, DTensor) else REPLICATE
+        spec = spec if isinstance(spec, P) else P(*spec)
+        dims = [d for d, ax in spec.sharded() if ax == data]
+        if not dims:
+            return REPLICATE
+        d, D = dims[0], self.data_parts
+        n = x.shape[d] * (D if self.batch == "local" else 1)
+        if any(ax == self.axis for dd, ax in spec.sharded() if dd == d):
+            raise ShardingError(rule="one split dim", where=f"argument {i}",
+                                value=typed_shape(x.shape, x.dtype, REPLICATE, data),
+                                detail=f"spec {spec!r} splits dim {d} over two axes",
+                                fix="split the batch over the data axis, the sequence over "
+                                    "the sequence axis")
+        if n % D:
+            raise ShardingError(
+                rule="divisible batch", where=f"argument {i}",
+                value=typed_shape(x.shape, x.dtype, Shard(d, 1, n), data),
+                detail=f"dim {d} ({n} rows) must split evenly over the {D} ranks of {data!r}",
+                fix=f"give a batch that is a multiple of {D} rows (e.g. {n + (-n) % D}), or "
+                    f"a mesh with fewer {data!r} ranks")
+        return Shard(d, 1, n)
+
+    def _data_from_dtensor(self, x: DTensor) -> Placement:
+        names = x.device_mesh.mesh_dim_names or ()
+        if self.data_axis not in names:
+            return REPLICATE
+        p = x.placements[names.index(self.data_axis)]
+        return Shard(p.dim, 1, x.shape[p.dim]) if isinstance(p, DShard) else REPLICATE
+
     def _specs_for(self, args: tuple, kwargs: dict, leaves: list) -> list | None:
         if self.seq_dim is not None:
             seq = next((x.shape[self.seq_dim] for x in leaves if isinstance(x, torch.Tensor)
                         and x.dim() > self.seq_dim), None)
-            return [P(*[self.axis if d == self.seq_dim else None for d in range(x.dim())])
+            data = self.data_axis if self.seq_dim != 0 else None
+            return [P(*[self.axis if d == self.seq_dim else data if d == 0 else None
+                        for d in range(x.dim())])
                     if isinstance(x, torch.Tensor) and x.dim() > self.seq_dim
                     and x.shape[self.seq_dim] == seq else None for x in leaves]
         if self.in_specs is None:
@@ -226,7 +334,13 @@ class Sharded:
             return self._cache[key]
         specs = self._specs_for(args, kwargs, leaves)
         placements = self._leaf_placements(leaves, specs)
-        traced = trace(self.fn, args, kwargs)
+        tensor_specs = [specs[i] if specs is not None else None
+                        for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
+        data_in = [self._data_placement_of(x, sp, i) for i, (x, sp) in enumerate(
+            (x, sp) for x, sp in zip(leaves, specs or [None] * len(leaves))
+            if isinstance(x, torch.Tensor))]
+        targs, tkwargs = self._global_args(args, kwargs, leaves, data_in)
+        traced = trace(self.fn, targs, tkwargs)
         gm = traced.graph
         phs = [n for n in gm.graph.nodes if n.op == "placeholder"]
         n_state = len(traced.state)
@@ -249,12 +363,106 @@ class Sharded:
         prop = Propagator(gm, self.parts, self.axis)
         prop.run(inputs)
         outs = self._out_placements(traced, prop)
-        plan = build_plan(prop, requires, outs)
+        dprop, data_out = None, []
+        data_in = [data_in[i] for i in range(len(traced.tensor_leaf_index))]
+        if self.data_parts > 1:
+            dprop, data_out = self._propagate_data(traced, phs, data_in, tensor_specs)
+        sharded = self._check_state_sharded(traced)
+        reduced = self._state_reduced(traced, prop, dprop, outs, data_out, sharded)
+        plan = build_plan(prop, requires, outs, frozenset(
+            phs[s.index].name for s in sharded if reduced.get(s.index)))
+        if dprop is not None or sharded:
+            from spdsl.propagate.mesh_plan import add_mesh_collectives
+            add_mesh_collectives(plan, gm, dprop, requires, data_out, sharded, reduced,
+                                 self._regathered(phs, sharded))
         plan._memory = functools.cache(functools.partial(_plan_memory, self, args, kwargs))
         entry = _Compiled(traced, prop, [p for p, _ in placements], outs, plan,
-                          state_requires=tuple(t.requires_grad for t in traced.state))
+                          state_requires=tuple(t.requires_grad for t in traced.state),
+                          data=dprop, data_in=data_in, data_out=data_out)
+        entry.sharded = sharded
         self._cache[key] = entry
         return entry
+
+    def _global_args(self, args, kwargs, leaves, data_in):
+        """``batch="local"``: each dp group passed its own rows; the trace sees the global
+        batch (uninitialised rows: tracing reads shapes only)."""
+        if self.batch != "local" or self.data_parts == 1:
+            return args, kwargs
+        new, j = list(leaves), 0
+        for i, x in enumerate(leaves):
+            if isinstance(x, torch.Tensor):
+                p = data_in[j]
+                j += 1
+                if isinstance(p, Shard) and not isinstance(x, DTensor):
+                    shape = list(x.shape)
+                    shape[p.dim] = p.size
+                    new[i] = torch.empty(shape, dtype=x.dtype, device=x.device)
+        return tree_unflatten(new, tree_flatten((args, kwargs))[1])
+
+    def _propagate_data(self, traced: Traced, phs, data_in, tensor_specs):
+        """The same rules over the same graph for the data axis: where batch rows meet."""
+        gm = traced.graph
+        n_state = len(traced.state)
+        inputs = {}
+        for j, ph in enumerate(phs):
+            inputs[ph] = (REPLICATE, "parameter") if j < n_state else \
+                (data_in[j - n_state], f"in_specs[{j - n_state}] over {self.data_axis!r}")
+        saved = {}
+        for node in gm.graph.nodes:      # constraints that name no data axis leave it alone
+            if node.target is torch.ops.spdsl.constraint.default:
+                saved[node] = node.meta["spdsl_constraint"]
+                sp = _decode(node.args[1])
+                node.meta["spdsl_constraint"] = self._data_placement_of(
+                    node.meta["val"], sp, -1) if self.data_axis in sp else None
+        try:
+            dprop = Propagator(gm, self.data_parts, self.data_axis)
+            dprop.run(inputs)
+        finally:
+            for node, c in saved.items():
+                node.meta["spdsl_constraint"] = c
+        out_node = next(n for n in gm.graph.nodes if n.op == "output")
+        data_out = []
+        for o in out_node.args[0]:
+            val = o.meta.get("val") if isinstance(o, torch.fx.Node) else None
+            have = dprop.placement(o) if isinstance(val, torch.Tensor) else REPLICATE
+            keep = isinstance(have, Shard) and have.outer == 1 and \
+                have.size == val.shape[have.dim]
+            data_out.append(have if keep else REPLICATE)
+        return dprop, data_out
+
+    def _regathered(self, phs: list, sharded: list) -> frozenset:
+        """Sharded parameters first used inside a checkpointed layer: gathered again when the
+        layer is recomputed in backward (remat ``auto``/``full``)."""
+        from spdsl.propagate.source import module_of
+        from spdsl.remat.segments import layer_of
+        if self.remat.mode not in ("auto", "full"):
+            return frozenset()
+        order = {n: i for i, n in enumerate(phs[0].graph.nodes)} if phs else {}
+        out = set()
+        for s in sharded:
+            users = list(phs[s.index].users)
+            if users and layer_of(module_of(min(users, key=order.__getitem__))) is not None:
+                out.add(s.index)
+        return frozenset(out)
+
+    def _state_reduced(self, traced, prop, dprop, outs, data_out, sharded) -> dict:
+        """Which sharded parameters' gradients are one reduce-scatter (the rest: whole on
+        every rank already): read off a lowering, so that the plan says what runs."""
+        if not sharded:
+            return {}
+        from spdsl.lower.graph import DataAxis
+        from spdsl.lower.state import GatherState
+        world = self.parts * self.data_parts
+        data = DataAxis(dprop, 0, "dp", "world") if dprop is not None else None
+        gather = GatherState(sharded, world, 0, "sp" if data is None or self.parts == world
+                             else "dp" if self.data_parts == world else "world")
+        local = lower(prop, 0, "sp", outs, data, data_out, gather)
+        found = {}
+        phs = [n for n in local.graph.nodes if n.op == "placeholder"]
+        for n in local.graph.nodes:
+            if n.target is torch.ops.spdsl.gather_param.default:
+                found[phs.index(n.args[0])] = n.args[5]
+        return found
 
     def _out_placements(self, traced: Traced, prop: Propagator) -> list[Placement]:
         out_node = next(n for n in traced.graph.graph.nodes if n.op == "output")
@@ -282,7 +490,12 @@ class Sharded:
         entry = self.build(args, kwargs)
         if entry.local is None:
             group, rank = self._group_and_rank()
-            entry.local = lower(entry.prop, rank, group, entry.out_placements)
+            data, state = self._lowering_axes(entry)
+            entry.rank, entry.data_rank = rank, data.rank if data is not None else 0
+            entry.local = lower(entry.prop, rank, group, entry.out_placements, data,
+                                entry.data_out, state)
+            entry.input_shapes = [tuple(x.shape) for x in self._local_inputs(entry, args,
+                                                                               kwargs)]
             # -- kernel swaps (spdsl.lower.kernels), on the flat graph before remat splits it --
             entry.local = swap_kernels(entry.local, self.kernels,
                                        *local_specs(entry, args, kwargs, self.parts, rank))
@@ -291,26 +504,55 @@ class Sharded:
                                       *local_specs(entry, args, kwargs, self.parts, rank))
             if self.compile:
                 entry.local = compile_local(entry.local)   # fullgraph; breaks -> ShardingError
-            entry.rank = rank
         leaves, _ = tree_flatten((args, kwargs))
         if self.debug:
             self._check_same_inputs(leaves)
         state = [t.to_local() if isinstance(t, DTensor) else t for t in entry.traced.state]
+        outs = entry.local(*state, *self._local_inputs(entry, args, kwargs))
+        data_out = entry.data_out or [REPLICATE] * len(entry.out_placements)
+        wrapped = [self._wrap(o, p, node, dp) for o, p, node, dp in zip(
+            outs, entry.out_placements, _out_nodes(entry.traced), data_out)]
+        return tree_unflatten(wrapped, entry.traced.out_spec)
+
+    def _lowering_axes(self, entry: _Compiled):
+        """The data axis and the parameter-gather pass of this rank's lowering, if any."""
+        from spdsl.lower.graph import DataAxis
+        from spdsl.lower.state import GatherState
+        data = state = None
+        joint = self._group_and_rank()[0]
+        if entry.data is not None:
+            dgroup, drank = self._group_and_rank(self.data_axis)
+            joint = self._world().get_group().group_name
+            data = DataAxis(entry.data, drank, dgroup, joint)
+        if entry.sharded:
+            smesh = self._world()
+            pg = smesh.get_group()
+            # an axis over the whole job: its own group is the group of the gradient sums
+            group = self._group_and_rank()[0] if self.parts == smesh.size() else \
+                data.group if data is not None and data.parts == smesh.size() else \
+                pg.group_name
+            state = GatherState(entry.sharded, smesh.size(), dist.get_rank(pg), group)
+        return data, state
+
+    def _local_inputs(self, entry: _Compiled, args: tuple, kwargs: dict) -> list:
+        """This rank's pieces of the inputs: the one place global tensors become local."""
+        leaves, _ = tree_flatten((args, kwargs))
         local_in = []
         for j, i in enumerate(entry.traced.tensor_leaf_index):
             x = leaves[i]
             p = entry.in_placements[j]
+            dp = entry.data_in[j] if entry.data is not None else REPLICATE
             if isinstance(x, DTensor):
                 local_in.append(x.to_local())
-            elif isinstance(p, Shard):
+                continue
+            if isinstance(dp, Shard) and self.batch == "global":
+                lo, hi = chunk_bounds(dp.size, self.data_parts, entry.data_rank)
+                x = x.narrow(dp.dim, lo, hi - lo)
+            if isinstance(p, Shard):
                 lo, hi = chunk_bounds(p.size, self.parts, entry.rank)
-                local_in.append(x.narrow(p.dim, lo, hi - lo).contiguous())
-            else:
-                local_in.append(x)
-        outs = entry.local(*state, *local_in)
-        wrapped = [self._wrap(o, p, node) for o, p, node in zip(
-            outs, entry.out_placements, _out_nodes(entry.traced))]
-        return tree_unflatten(wrapped, entry.traced.out_spec)
+                x = x.narrow(p.dim, lo, hi - lo)
+            local_in.append(x.contiguous() if x is not leaves[i] else x)
+        return local_in
 
     def _check_same_inputs(self, leaves: list) -> None:
         """Debug mode: every rank of the axis must pass the same global tensors. A mismatch
@@ -331,11 +573,19 @@ class Sharded:
                     fix="pass every rank the same global batch (seed the data loader the same "
                         "on every rank of the axis), or pass DTensors already split")
 
-    def _wrap(self, local, p: Placement, node):
-        if isinstance(p, Shard) and isinstance(local, torch.Tensor):
+    def _wrap(self, local, p: Placement, node, dp: Placement = REPLICATE):
+        if (isinstance(p, Shard) or isinstance(dp, Shard)) and isinstance(local, torch.Tensor):
             val = node.meta["val"]
-            sub = self.mesh[self.axis] if self.mesh.ndim > 1 else self.mesh
-            return DTensor.from_local(local, sub, [DShard(p.dim)], run_check=False,
+            if self.data_parts > 1:
+                names = self.mesh.mesh_dim_names
+                sub = self.mesh[(names[0], names[1])] if self.mesh.ndim > 2 else self.mesh
+                pl = {self.axis: p, self.data_axis: dp}
+                places = [DShard(pl[n].dim) if isinstance(pl[n], Shard) else DReplicate()
+                          for n in sub.mesh_dim_names]
+            else:
+                sub = self.mesh[self.axis] if self.mesh.ndim > 1 else self.mesh
+                places = [DShard(p.dim)]
+            return DTensor.from_local(local, sub, places, run_check=False,
                                       shape=val.shape, stride=val.stride())
         return local
 
@@ -350,21 +600,28 @@ def _out_nodes(traced: Traced) -> list:
     return list(out_node.args[0])
 
 
-def _axis_of(specs) -> str | None:
+def _axis_of(specs, skip: str | None = None) -> str | None:
+    """The first mesh axis the specs split over (other than ``skip``); a spec naming the
+    data axis first (``P("dp", "sp")``) is read for its sequence axis by ``shard``."""
+    found = []
     for s in tree_flatten(specs, is_leaf=lambda x: isinstance(x, P))[0] if specs else []:
         if isinstance(s, P):
-            for _, ax in s.sharded():
-                return ax
-    return None
+            found += [ax for _, ax in s.sharded() if ax != skip]
+    if skip is None and len(set(found)) > 1:
+        return next((ax for ax in found if ax != "dp"), found[0])
+    return found[0] if found else None
 
 
 def shard(fn: Callable | None = None, *, mesh, in_specs, out_specs=None,
-          compile: bool = False, debug: bool | None = None, remat=None, kernels="auto"
+          compile: bool = False, debug: bool | None = None, remat=None, kernels="auto",
+          shard_state: bool = False, batch: str = "global"
           ) -> Sharded | Callable[[Callable], Sharded]:
     """Run ``fn`` split over a mesh axis: ``in_specs`` mirror the positional arguments (one
     ``P`` per tensor, or None for replicated), ``out_specs`` the outputs (scalars: ``P()``).
     Every rank passes the same global tensors (or DTensors). Usable as a decorator. Takes the
-    same ``compile``/``remat``/``kernels``/``debug`` options as ``sp_shard``.
+    same ``compile``/``remat``/``kernels``/``debug``/``shard_state``/``batch`` options as
+    ``sp_shard``. On a two-axis mesh, a spec naming the data axis on the batch dim
+    (``P("dp", "sp")``) splits the batch over it.
 
     Example::
 
@@ -375,13 +632,14 @@ def shard(fn: Callable | None = None, *, mesh, in_specs, out_specs=None,
     """
     def wrap(f: Callable) -> Sharded:
         return Sharded(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, compile=compile,
-                       debug=debug, remat=remat, kernels=kernels)
+                       debug=debug, remat=remat, kernels=kernels, shard_state=shard_state,
+                       batch=batch)
     return wrap(fn) if fn is not None else wrap
 
 
 def sp_shard(fn: Callable | None = None, *, seq: int, seq_dim: int = 1, axis: str = "sp",
              mesh=None, compile: bool = False, debug: bool | None = None, remat=None,
-             kernels="auto"):
+             kernels="auto", shard_state: bool = False, batch: str = "global"):
     """Sequence parallelism for a forward: tensor arguments whose dim ``seq_dim`` has the
     sequence length are split over ``seq`` ranks of axis ``axis``; everything else, parameters
     included, is replicated. Scalars come back as the exact global value; sequence-shaped
@@ -393,15 +651,26 @@ def sp_shard(fn: Callable | None = None, *, seq: int, seq_dim: int = 1, axis: st
     (``"auto"``: on CUDA; ``"on"``/``"off"``); ``debug=True`` checks every rank passed the
     same batch.
 
+    Scale: on a mesh with a second axis (``mesh=spdsl.mesh(dp=2, sp=4)``, or more ranks than
+    ``seq``), the batch (dim 0) is split over it too and the loss is the exact mean over every
+    valid token of the global batch. ``batch="local"``: each dp group passes only its own rows
+    (a data loader per dp group) instead of the global batch. ``shard_state=True``: the
+    model's parameters become DTensors split over every rank of the mesh (ZeRO-3; see
+    ``spdsl.state``) when it is wrapped -- build the optimizer afterwards.
+
     Example::
 
         model.forward = spdsl.sp_shard(seq=4)(model.forward)   # or spdsl.sp_shard(seq=4)(model)
         loss = model(input_ids, labels)
         loss.backward()                     # p.grad == the single-device gradient
+
+        step = spdsl.sp_shard(model, seq=2, mesh=spdsl.mesh(dp=2, sp=2), shard_state=True)
+        opt = torch.optim.AdamW(model.parameters())       # sharded optimizer state
     """
     def wrap(f: Callable) -> Sharded:
         return Sharded(f, mesh=mesh, axis=axis, parts=seq, seq_dim=seq_dim, compile=compile,
-                       debug=debug, remat=remat, kernels=kernels)
+                       debug=debug, remat=remat, kernels=kernels, shard_state=shard_state,
+                       batch=batch)
     return wrap(fn) if fn is not None else wrap
 
 

@@ -54,11 +54,11 @@ class Block:
 
     @property
     def bytes_fwd(self) -> int:
-        return sum(c.bytes for c in self.collectives if c.purpose != "gradient")
+        return sum(c.bytes for c in self.collectives if c.purpose not in NOT_ACTIVATION)
 
     @property
     def bytes_bwd(self) -> int:
-        return sum(c.bytes_bwd for c in self.collectives if c.purpose != "gradient")
+        return sum(c.bytes_bwd for c in self.collectives if c.purpose not in NOT_ACTIVATION)
 
     @property
     def grad_bwd(self) -> int:
@@ -67,6 +67,11 @@ class Block:
     @property
     def ratio(self) -> float | None:
         return self.bytes_fwd / self.floor if self.floor else None
+
+
+# collectives of parameters and their gradients, not of activations: not measured against the
+# Ulysses floor
+NOT_ACTIVATION = ("gradient", "state")
 
 
 @dataclass(frozen=True)
@@ -79,6 +84,8 @@ class Totals:
     grad_bwd: int
     floor_fwd: int
     floor_bwd: int
+    state_fwd: int = 0        # sharded parameters: all-gathers (forward, and backward again
+    state_bwd: int = 0        # under remat) and gradient reduce-scatters
 
     @property
     def ratio_fwd(self) -> float | None:
@@ -91,11 +98,13 @@ class Totals:
 
 def totals(plan: ShardingPlan) -> Totals:
     """Sum the plan's collectives and attention floors over one step."""
-    act = [c for c in plan.collectives if c.purpose != "gradient"]
+    act = [c for c in plan.collectives if c.purpose not in NOT_ACTIVATION]
     fwd, bwd = sum(c.bytes for c in act), sum(c.bytes_bwd for c in act)
     floor = sum(a.floor for a in plan.attention)
+    state = [c for c in plan.collectives if c.purpose == "state"]
     return Totals(fwd, bwd, sum(c.bytes_bwd for c in plan.collectives
-                                if c.purpose == "gradient"), floor, floor if bwd else 0)
+                                if c.purpose == "gradient"), floor, floor if bwd else 0,
+                  sum(c.bytes for c in state), sum(c.bytes_bwd for c in state))
 
 
 def _segments(plan: ShardingPlan) -> list[tuple[str, list[Value]]]:

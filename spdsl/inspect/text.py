@@ -7,7 +7,7 @@ rows of one layer).
 
 from __future__ import annotations
 
-from spdsl.inspect.layers import Block, Row
+from spdsl.inspect.layers import NOT_ACTIVATION, Block, Row
 from spdsl.propagate.plan import Collective, ShardingPlan
 
 _W_MOD, _W_VAL, _W_RULE, _W_NUM = 30, 28, 20, 10
@@ -52,7 +52,7 @@ def _detail(c: Collective, indent: int) -> str:
 
 
 def _sums(cs: tuple[Collective, ...]) -> tuple[str, str, str]:
-    act = [c for c in cs if c.purpose != "gradient"]
+    act = [c for c in cs if c.purpose not in NOT_ACTIVATION]
     return (_num(sum(c.bytes for c in act)), _num(sum(c.bytes_bwd for c in act)),
             _num(sum(c.bytes_bwd for c in cs if c.purpose == "gradient")))
 
@@ -116,6 +116,9 @@ def render(plan: ShardingPlan) -> str:
     t = plan.totals
     lines += ["", (f"  per step, per rank: forward {fmt_bytes(t.bytes_fwd)}, backward "
                    f"{fmt_bytes(t.bytes_bwd)}, gradient all-reduce {fmt_bytes(t.grad_bwd)}")]
+    if t.state_fwd or t.state_bwd:
+        lines.append(f"  sharded state:      parameter all-gathers and gradient reduce-scatters "
+                     f"{fmt_bytes(t.state_fwd)} forward, {fmt_bytes(t.state_bwd)} backward")
     if t.floor_fwd:
         lines.append(f"  Ulysses floor:      forward {fmt_bytes(t.floor_fwd)}, backward "
                      f"{fmt_bytes(t.floor_bwd)}  ->  {fmt_ratio(t.ratio_fwd)} forward, "

@@ -39,8 +39,8 @@ def split_factories(graph: torch.fx.Graph, parts: int, rank: int) -> int:
         x, (dim, outer, size, inner) = t.args[0], t.args[1]
         if outer != 1 or inner != 1 or x not in const:
             continue
-        lo, hi = chunk_bounds(size, parts, rank)
-        local = _Rows(graph, lo, hi, size, memo).push(x, dim)
+        lo, hi = chunk_bounds(size, t.args[2], t.args[3])    # the take's own axis and rank
+        local = _Rows(graph, lo, hi, size, memo.setdefault((lo, hi, size), {})).push(x, dim)
         if local is None:
             continue
         t.replace_all_uses_with(local)

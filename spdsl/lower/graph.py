@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import operator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -21,6 +22,7 @@ from spdsl.lower.factories import VAL as REPLICATED_VAL
 from spdsl.lower.factories import split_factories
 from spdsl.propagate.engine import Propagator, tensor_inputs
 from spdsl.propagate.placement import (
+    REPLICATE,
     Partial,
     Placement,
     Replicate,
@@ -31,58 +33,188 @@ from spdsl.propagate.placement import (
 
 aten = torch.ops.aten
 
+# special lowerings that mean the same thing whichever axis asked for them (a sum over the
+# tokens of both axes is one sum)
+_SHARED = {"nll_mean", "mean_partial", "loss_mean", "view", "constraint", "factory"}
+
+
+@dataclass
+class DataAxis:
+    """The second mesh axis: the batch split over data-parallel groups (``dp``). Its own
+    propagation (the same rules over the same graph) says where the batch rows meet: partial
+    sums over it are reduced over ``group``, together with the sequence axis' (``joint``, the
+    group of both) where both ask at the same point."""
+
+    prop: Propagator
+    rank: int
+    group: str
+    joint: str
+
+    @property
+    def parts(self) -> int:
+        return self.prop.parts
+
 
 class Lowering:
-    def __init__(self, prop: Propagator, rank: int, group: str) -> None:
+    def __init__(self, prop: Propagator, rank: int, group: str,
+                 data: DataAxis | None = None, state=None) -> None:
         self.prop, self.parts, self.rank, self.group = prop, prop.parts, rank, group
+        self.data = data if data is not None and data.parts > 1 else None
+        self.state = state          # a pass over the local graph (spdsl.lower.state)
         self.graph = torch.fx.Graph()
         self.env: dict[torch.fx.Node, torch.fx.Node] = {}
-        self.marked: dict[torch.fx.Node, torch.fx.Node] = {}
+        self.marked: dict[tuple, torch.fx.Node] = {}
 
     def call(self, fn, *args) -> torch.fx.Node:
         return self.graph.call_function(fn, tuple(args))
 
+    # -- shapes: the data axis splits first (the batch), the sequence axis inside it --------
+    def _dp(self, node: torch.fx.Node, index: int | None = None) -> Placement:
+        if self.data is None or node not in self.data.prop.decisions:
+            return Replicate()
+        out = self.data.prop.decisions[node].output
+        if isinstance(out, tuple):
+            return out[index or 0] if index is not None else Replicate()
+        return out
+
+    def _dp_shape(self, shape, dp: Placement) -> list[int]:
+        if self.data is None:
+            return list(shape)
+        return local_shape(shape, dp, self.data.parts, self.data.rank)
+
+    def _sp_in(self, p: Placement, dp: Placement, node: torch.fx.Node | None = None) -> Placement:
+        """The sequence placement read on the data-local shape: where both axes split one dim
+        (``[B*S]`` after a flatten), the batch factor outside the sequence shrinks by D."""
+        if (self.data is None or not isinstance(p, Shard) or not isinstance(dp, Shard)
+                or p.dim != dp.dim):
+            return p
+        D = self.data.parts
+        if p.outer == 1 and dp.outer == 1 and p.size == dp.size:
+            return Shard(p.dim, 1, p.size // D)     # both split the batch: sp inside dp's rows
+        if dp.outer != 1 or p.outer % dp.size:
+            from spdsl.errors import ShardingError
+            from spdsl.propagate.source import where
+            raise ShardingError(
+                rule="data and sequence axes", value=f"{p!r} over sp, {dp!r} over dp",
+                where=where(node) if node is not None else "",
+                detail="one dim carries both splits, and the batch is not its outer factor",
+                fix="keep the batch dim outermost when merging it with the sequence")
+        return Shard(p.dim, p.outer // D, p.size)
+
+    def local_shape_of(self, node: torch.fx.Node, sp: Placement, dp: Placement,
+                       shape=None) -> list[int]:
+        shape = node.meta["val"].shape if shape is None else shape
+        return local_shape(self._dp_shape(shape, dp), self._sp_in(sp, dp, node), self.parts,
+                           self.rank)
+
     def redistribute(self, x: torch.fx.Node, src: Placement, dst: Placement,
-                     meta: torch.Tensor) -> torch.fx.Node:
+                     meta: torch.Tensor, dp: Placement = REPLICATE,
+                     node: torch.fx.Node | None = None) -> torch.fx.Node:
+        """``src -> dst`` over the sequence axis of a value whose data-axis placement is
+        ``dp``."""
         if src == dst or self.parts == 1:
             return x
         P, r, g = self.parts, self.rank, self.group
-        shape = tuple(meta.shape)
+        shape = tuple(self._dp_shape(meta.shape, dp))
+        src, dst = self._sp_in(src, dp, node), self._sp_in(dst, dp, node)
+        return self._move(x, src, dst, shape, P, r, g)
+
+    def _move(self, x: torch.fx.Node, src: Placement, dst: Placement, shape,
+              parts: int, rank: int, group: str) -> torch.fx.Node:
+        """One redistribution over one axis, of a local tensor of ``shape``."""
         if isinstance(src, Partial):
-            x = self.call(C.all_reduce, x, g)
+            x = self.call(C.all_reduce, x, group)
             src = Replicate()
             if src == dst:
                 return x
+        shape = tuple(shape)
         if isinstance(src, Replicate) and isinstance(dst, Shard):
-            return self.call(C.take, x, (dst.dim, dst.outer, dst.size, dst.inner(shape)), P, r, g)
+            return self.call(C.take, x, (dst.dim, dst.outer, dst.size, dst.inner(shape)), parts,
+                             rank, group)
         if isinstance(src, Shard) and isinstance(dst, Replicate):
-            return self.call(C.gather, x, (src.dim, src.outer, src.size, src.inner(shape)), P, r, g)
+            return self.call(C.gather, x, (src.dim, src.outer, src.size, src.inner(shape)),
+                             parts, rank, group)
         if isinstance(src, Shard) and isinstance(dst, Shard):
-            return self.call(C.all_to_all, x, (src.dim, src.outer), (dst.dim, dst.outer), P, g)
+            return self.call(C.all_to_all, x, (src.dim, src.outer), (dst.dim, dst.outer), parts,
+                             group)
         raise AssertionError(f"no redistribution {src} -> {dst}")
+
+    def _move_data(self, x, a: torch.fx.Node, move, sp_move, sp_now: Placement):
+        """The data-axis redistribution of input ``a``; returns the new local value and
+        whether a sequence-axis partial sum was reduced with it (one joint all-reduce)."""
+        src, dst = move
+        joint = isinstance(src, Partial) and sp_move is not None and \
+            isinstance(sp_move[0], Partial)
+        if joint:
+            x = self.call(C.all_reduce, x, self.data.joint)
+            src = Replicate()
+            if src == dst:
+                return x, True
+        for q in (src, dst):
+            if isinstance(q, Shard) and isinstance(sp_now, Shard) and q.dim == sp_now.dim \
+                    and self.parts > 1:
+                from spdsl.errors import ShardingError
+                from spdsl.propagate.source import where
+                raise ShardingError(
+                    rule="data and sequence axes", where=where(a),
+                    value=f"{sp_now!r} over sp, {src!r} -> {dst!r} over dp",
+                    detail="the batch split would change on a dim the sequence axis splits",
+                    fix="keep the batch split from the inputs on (pass batch tensors with "
+                        "their batch dim split over dp)")
+        # the data axis splits the outer factor: read shapes as the sequence axis leaves them
+        shape = local_shape(a.meta["val"].shape, sp_now, self.parts, self.rank)
+        D = self.data
+        return self._move(x, src, dst, shape, D.parts, D.rank, D.group), joint
+
+    def _grad_group(self, d, dd, i: int) -> str | None:
+        sp = i in d.grad_reduce and self.parts > 1
+        dp = dd is not None and i in dd.grad_reduce
+        if sp and dp:
+            return self.data.joint
+        return self.group if sp else self.data.group if dp else None
 
     def _inputs(self, node: torch.fx.Node) -> dict[int, torch.fx.Node]:
         d = self.prop.decisions[node]
-        out = {}
+        dd = self.data.prop.decisions.get(node) if self.data is not None else None
         ins = tensor_inputs(node)
-        fused = self._fused_all_to_all(d, ins)
-        for i, a in enumerate(ins):
+        moved, reduced = {}, set()
+        for i, a in enumerate(ins):        # the data axis first
             x = self.env[a]
+            if dd is not None and i in dd.redistribute:
+                sp_now = self.prop.decisions[a].output if a in self.prop.decisions else \
+                    Replicate()
+                sp_now = sp_now if not isinstance(sp_now, tuple) else Replicate()
+                x, joint = self._move_data(x, a, dd.redistribute[i], d.redistribute.get(i),
+                                           sp_now)
+                if joint:
+                    reduced.add(i)
+            moved[i] = x
+        fused = self._fused_all_to_all(d, ins, moved)
+        out = {}
+        for i, a in enumerate(ins):
+            x = moved[i]
+            dp = dd.strategy.inputs[i] if dd is not None and i < len(dd.strategy.inputs) \
+                else self._dp(a)
+            touched = i in fused or i in d.redistribute or x is not self.env[a]
             if i in fused:
                 x = fused[i]
             elif i in d.redistribute:
                 src, dst = d.redistribute[i]
-                x = self.redistribute(x, src, dst, a.meta["val"])
-                if i in d.grad_reduce and self.parts > 1:
-                    x = self.call(C.grad_all_reduce, x, self.group)
-            elif i in d.grad_reduce and self.parts > 1:
-                if a not in self.marked:      # one gradient all-reduce per replicated value
-                    self.marked[a] = self.call(C.grad_all_reduce, self.env[a], self.group)
-                x = self.marked[a]
+                x = self.redistribute(x, Replicate() if i in reduced else src, dst,
+                                      a.meta["val"], dp, node)
+            group = self._grad_group(d, dd, i)
+            if group is not None:
+                if touched:
+                    x = self.call(C.grad_all_reduce, x, group)
+                else:                 # one gradient all-reduce per replicated value and group
+                    key = (a, group)
+                    if key not in self.marked:
+                        self.marked[key] = self.call(C.grad_all_reduce, self.env[a], group)
+                    x = self.marked[key]
             out[i] = x
         return out
 
-    def _fused_all_to_all(self, d, ins) -> dict[int, torch.fx.Node]:
+    def _fused_all_to_all(self, d, ins, moved) -> dict[int, torch.fx.Node]:
         """Several operands of one op changing split dims (q and k of a score) share one
         all-to-all."""
         moves = {i: sd for i, sd in d.redistribute.items()
@@ -90,9 +222,12 @@ class Lowering:
         if len(moves) < 2 or self.parts == 1:
             return {}
         idx = sorted(moves)
-        xs = [self.env[ins[i]] for i in idx]
-        srcs = [(moves[i][0].dim, moves[i][0].outer) for i in idx]
-        dsts = [(moves[i][1].dim, moves[i][1].outer) for i in idx]
+        xs = [moved[i] for i in idx]
+        dps = [self._dp(ins[i]) for i in idx]
+        srcs = [(self._sp_in(moves[i][0], p).dim, self._sp_in(moves[i][0], p).outer)
+                for i, p in zip(idx, dps)]
+        dsts = [(self._sp_in(moves[i][1], p).dim, self._sp_in(moves[i][1], p).outer)
+                for i, p in zip(idx, dps)]
         many = self.call(C.all_to_all_many, xs, srcs, dsts, self.parts, self.group)
         return {i: self.call(operator.getitem, many, k) for k, i in enumerate(idx)}
 
@@ -107,14 +242,14 @@ class Lowering:
             return a
         return tree_map(sub, node.args), tree_map(sub, node.kwargs)
 
-    def lower(self, out_placements: list[Placement]) -> torch.fx.GraphModule:
+    def lower(self, out_placements: list[Placement],
+              data_out: list[Placement] | None = None) -> torch.fx.GraphModule:
         for node in self.prop.gm.graph.nodes:
             if node.op == "placeholder":
                 self.env[node] = self.graph.placeholder(node.name)
                 val = node.meta.get("val")
                 if isinstance(val, torch.Tensor):   # what this rank is passed
-                    shape = local_shape(val.shape, self.prop.placement(node), self.parts,
-                                        self.rank)
+                    shape = self.local_shape_of(node, self.prop.placement(node), self._dp(node))
                     self.env[node].meta["spdsl_local"] = (tuple(shape), val.dtype)
                 self.env[node].meta["spdsl_requires_grad"] = node.meta.get("spdsl_requires_grad")
                 self._note_replicated(node)
@@ -131,17 +266,31 @@ class Lowering:
                         new.meta.setdefault("spdsl_origin", node.name)
             elif node.op == "output":
                 outs = []
-                for o, want in zip(node.args[0], out_placements):
+                data_out = data_out or [Replicate()] * len(out_placements)
+                for o, want, dwant in zip(node.args[0], out_placements, data_out):
                     x = self.env[o]
                     if isinstance(o.meta.get("val"), torch.Tensor):
-                        x = self.redistribute(x, self.prop.placement(o), want, o.meta["val"])
+                        x = self._output(o, x, want, dwant)
                     outs.append(x)
                 self.graph.output(outs)
-        if self.parts > 1:
+        if self.parts > 1 or self.data is not None:
             split_factories(self.graph, self.parts, self.rank)
+        move_markers_to_inputs(self.graph)
+        if self.state is not None:
+            self.state(self.graph)
         bucket_gradient_reduces(self.graph)
         gm = torch.fx.GraphModule(self.prop.gm, self.graph)
         return gm
+
+    def _output(self, o: torch.fx.Node, x: torch.fx.Node, want: Placement,
+                dwant: Placement) -> torch.fx.Node:
+        have, dhave = self.prop.placement(o), self._dp(o)
+        joint = self.data is not None and self.parts > 1 and isinstance(have, Partial) and \
+            isinstance(dhave, Partial) and want != have and dwant != dhave
+        if self.data is not None and dhave != dwant:
+            x, _ = self._move_data(x, o, (dhave, dwant), (have, want) if joint else None, have)
+            dhave = dwant
+        return self.redistribute(x, Replicate() if joint else have, want, o.meta["val"], dhave)
 
     def _note_replicated(self, node: torch.fx.Node) -> None:
         """A replicated tensor's local value is its global one: kept for later passes."""
@@ -164,8 +313,25 @@ class Lowering:
             low = None
         meta = node.meta["val"]
         P, r, g = self.parts, self.rank, self.group
+        dd = self.data.prop.decisions.get(node) if self.data is not None else None
+        dlow = dd.strategy.lowering if dd is not None else None
+        if dlow is not None and dlow != low:
+            if low is not None or dlow not in _SHARED:
+                from spdsl.errors import ShardingError
+                from spdsl.propagate.source import where
+                raise ShardingError(
+                    rule="data and sequence axes", where=where(node),
+                    value=f"{self.prop.typed(node)} / {self.data.prop.typed(node)}",
+                    detail=f"the batch split over dp needs {dlow!r} here, the sequence split "
+                           f"{low or 'nothing'!r}",
+                    fix="keep batch rows independent until the loss (no op that mixes rows), "
+                        "or run without a dp axis")
+            low, g = dlow, self.data.group
+        elif dlow is not None and dlow == "nll_mean" and P > 1:
+            g = self.data.joint            # the token counts of both axes in one all-reduce
         if low == "view":
-            shape = local_shape(meta.shape, d.output, P, r)
+            shape = self.local_shape_of(node, d.output, dd.output if dd is not None
+                                        else Replicate())
             # local pieces need not be contiguous where the global value was: reshape
             target = aten.expand.default if node.target is aten.expand.default else \
                 aten.reshape.default
@@ -227,6 +393,7 @@ def bucket_gradient_reduces(graph: torch.fx.Graph, cap: int = GRAD_BUCKET_BYTES)
     """
     nodes = [m for m in (_marker_on_input(graph, n) for n in list(graph.nodes)
                          if n.target is C.grad_all_reduce) if m is not None]
+    nodes = [n for n in nodes if n.args[0].op == "placeholder"]
     live = _reaching_output(graph)
     for n in [n for n in nodes if n not in live]:    # read only through detach()
         n.replace_all_uses_with(n.args[0])
@@ -241,12 +408,13 @@ def bucket_gradient_reduces(graph: torch.fx.Graph, cap: int = GRAD_BUCKET_BYTES)
     for n in nodes:
         shape, dtype = n.args[0].meta.get("spdsl_local", ((), None))
         size = math.prod(shape) * (dtype.itemsize if dtype is not None else 0)
-        bucket, used = filling.get(dtype, (None, 0))
+        kind = (dtype, n.args[1])          # one dtype and one group per bucket
+        bucket, used = filling.get(kind, (None, 0))
         if bucket is None or used + size > cap:
             bucket, used = [], 0
             buckets.append(bucket)
         bucket.append(n)
-        filling[dtype] = (bucket, used + size)
+        filling[kind] = (bucket, used + size)
     anchor = [n for n in graph.nodes if n.op == "placeholder"][-1]
     for bucket in buckets:
         group = bucket[0].args[1]
@@ -267,6 +435,14 @@ def bucket_gradient_reduces(graph: torch.fx.Graph, cap: int = GRAD_BUCKET_BYTES)
     return len(buckets)
 
 
+def move_markers_to_inputs(graph: torch.fx.Graph) -> None:
+    """Move each gradient marker on a chain computed from one parameter alone onto the
+    parameter (see ``bucket_gradient_reduces``)."""
+    for n in list(graph.nodes):
+        if n.target is C.grad_all_reduce:
+            _marker_on_input(graph, n)
+
+
 def _reaching_output(graph: torch.fx.Graph) -> set[torch.fx.Node]:
     """Nodes a gradient can flow back into: some path of uses reaches the output without
     passing a ``detach``. One pass, in reverse order."""
@@ -282,7 +458,8 @@ def _marker_on_input(graph: torch.fx.Graph, n: torch.fx.Node) -> torch.fx.Node |
     """The gradient marker ``n`` moved onto the graph input it derives from (see above), or
     None where it derives from data or its chain has other users."""
     chain, a = [], n.args[0]
-    while a.op == "call_function" and len(a.users) == 1 and len(a.all_input_nodes) == 1:
+    while a.op == "call_function" and len(a.users) == 1 and len(a.all_input_nodes) == 1 \
+            and a.target is not torch.ops.spdsl.gather_param.default:   # a shard's rows differ
         chain.append(a)
         a = a.all_input_nodes[0]
     if a.op != "placeholder" or not n.users:
@@ -298,7 +475,10 @@ def _marker_on_input(graph: torch.fx.Graph, n: torch.fx.Node) -> torch.fx.Node |
     return moved
 
 
-def lower(prop: Propagator, rank: int, group: str,
-          out_placements: list[Placement]) -> torch.fx.GraphModule:
-    """The local graph of ``rank`` (``group``: the axis' process group name)."""
-    return Lowering(prop, rank, group).lower(out_placements)
+def lower(prop: Propagator, rank: int, group: str, out_placements: list[Placement],
+          data: DataAxis | None = None, data_out: list[Placement] | None = None,
+          state=None) -> torch.fx.GraphModule:
+    """The local graph of ``rank`` (``group``: the axis' process group name); ``data``: the
+    data-parallel axis, if the batch is split too; ``state``: a pass that gathers sharded
+    parameters (``spdsl.lower.state``)."""
+    return Lowering(prop, rank, group, data, state).lower(out_placements, data_out)

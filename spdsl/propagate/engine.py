@@ -216,6 +216,8 @@ class Propagator:
 
     def _constraint(self, node: torch.fx.Node, src: torch.fx.Node) -> None:
         target = node.meta["spdsl_constraint"]
+        if target is None:          # the constraint names no split over this axis
+            return
         prev = self.constraints.get(src)
         if prev is not None and prev[0] != target:
             raise ShardingError(

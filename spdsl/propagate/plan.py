@@ -256,9 +256,10 @@ def _attention(node: torch.fx.Node, prop: Propagator, ins: list) -> Attention | 
 
 
 def build_plan(prop: Propagator, requires: dict[torch.fx.Node, bool],
-               out_placements: list) -> ShardingPlan:
+               out_placements: list, state_reduced: frozenset = frozenset()) -> ShardingPlan:
     """Collect values, collectives (bytes per rank, forward and backward) and attention
-    floors from propagation decisions."""
+    floors from propagation decisions. ``state_reduced``: names of sharded parameters whose
+    gradients are reduce-scattered instead (``spdsl.propagate.mesh_plan``)."""
     P, axis = prop.parts, prop.axis
     grad = _needs_grad(prop, requires)
     plan = ShardingPlan(axis, P)
@@ -314,12 +315,21 @@ def build_plan(prop: Propagator, requires: dict[torch.fx.Node, bool],
         for i in d.grad_reduce:
             a = ins[i]
             key = (node, i) if i in d.redistribute else a
-            if key not in marked and grad.get(a, False):
+            if key not in marked and grad.get(a, False) and \
+                    _root(a).name not in state_reduced:
                 marked.add(key)
                 add("all_reduce", 0, nbytes(a.meta["val"]), "gradient", node, [prop.typed(a)])
         _lowering_collectives(prop, node, d, ins, val, grad, add)
     _output_collectives(prop, plan, out_placements, add)
     return plan
+
+
+def _root(a: torch.fx.Node) -> torch.fx.Node:
+    """The graph input a one-input chain (``t(w)``, a cast) starts from, else ``a``."""
+    b = a
+    while b.op == "call_function" and len(b.all_input_nodes) == 1:
+        b = b.all_input_nodes[0]
+    return b if b.op == "placeholder" else a
 
 
 def _lowering_collectives(prop, node, d, ins, val, grad, add) -> None:

@@ -41,10 +41,13 @@ _IN_TILE = [0]   # >0 while a tiled region runs its chunks: those outputs are tr
 
 
 def kind_of(func) -> str:
-    """``collective`` | ``attention`` | ``matmul`` | ``cheap`` for an op overload."""
+    """``collective`` | ``parameter`` | ``attention`` | ``matmul`` | ``cheap`` for an op
+    overload."""
     ns = getattr(func, "namespace", "")
     if ns in COLLECTIVE_NAMESPACES:
         return "collective"
+    if ns == "spdsl" and func.name().startswith("spdsl::gather_param"):
+        return "parameter"     # a sharded parameter's gather: run again in backward (ZeRO-3)
     if func in ATTENTION_OPS:
         return "attention"
     if ns == "spdsl" and ("attn" in func.name() or "attention" in func.name()):
@@ -119,6 +122,8 @@ class SavePolicy:
 
     def __call__(self, ctx, func, *args, **kwargs) -> CheckpointPolicy:
         kind = kind_of(func)
+        if kind == "parameter":
+            return CheckpointPolicy.MUST_RECOMPUTE
         if kind == "collective":
             return CheckpointPolicy.MUST_SAVE if self.save_collectives else \
                 CheckpointPolicy.PREFER_RECOMPUTE

@@ -47,6 +47,9 @@ def local_specs(entry, args: tuple, kwargs: dict, parts: int, rank: int
     """Specs of the local graph's inputs on ``rank``: state, then the rank's input pieces."""
     leaves = tree_flatten((args, kwargs))[0]
     state = [TensorSpec.of(t) for t in entry.traced.state]
+    if getattr(entry, "input_shapes", None):      # the run's own local inputs
+        return state, [TensorSpec.of(leaves[i], shape) for i, shape in zip(
+            entry.traced.tensor_leaf_index, entry.input_shapes)]
     ins = []
     for j, i in enumerate(entry.traced.tensor_leaf_index):
         x, p = leaves[i], entry.in_placements[j]

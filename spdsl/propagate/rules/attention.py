@@ -49,6 +49,13 @@ def check_heads(ctx: RuleCtx, where: str = "") -> None:
 def attention(ctx: RuleCtx) -> list[Strategy]:
     if all(isinstance(p, Replicate) for p in ctx.placements):
         return [Strategy(tuple(REPLICATE for _ in ctx.inputs), REPLICATE, None, "attention")]
+    q = ctx.placements[0]
+    if isinstance(q, Shard) and q.dim == 0 and q.outer == 1:
+        # split on the batch (a data-parallel axis): every row attends within itself
+        reqs = tuple(Shard(0, 1, ctx.meta(i).shape[0]) if i < 3 or (
+            ctx.meta(i).dim() == 4 and ctx.meta(i).shape[0] == ctx.meta(0).shape[0] > 1)
+            else REPLICATE for i in range(len(ctx.inputs)))
+        return [Strategy(reqs, Shard(0, 1, ctx.out.shape[0]), None, "attention.batch")]
     check_heads(ctx, where(ctx.node))
     reqs = []
     for i in range(len(ctx.inputs)):

@@ -90,6 +90,8 @@ class Offloader:
         """One checkpointed layer's forward: its inputs go to the host (views of one storage
         share a copy while the layer runs)."""
         self._seen.clear()
+        if index in self.pending:       # copies of an earlier step backward never reached
+            self.pending[index] = [r for r in self.pending[index] if r() is not None]
         try:
             with self.hooks(index):
                 yield

@@ -70,6 +70,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--max-seq", action="store_true",
                    help="search the longest sequence that fits --device-memory")
     p.add_argument("--granularity", type=int, default=1024)
+    p.add_argument("--probe", type=int, default=131072,
+                   help="first lengths tried by --max-seq: N/4 and N (then refined near the "
+                        "answer)")
     p.add_argument("--no-verify", action="store_true",
                    help="skip the final full-depth simulation at the answer (faster)")
     p.add_argument("--json", action="store_true", help="one JSON object per mode")
@@ -119,7 +122,8 @@ def _name(r: Remat) -> str:
 def _longest(cfg, a, remat: Remat, shards: int, budget: int, host: int, verify: bool):
     est = Estimator(cfg, a.sp, remat, _DTYPES[a.dtype], a.batch, a.optimizer, shards, a.kernels)
     return max_seq(est, budget, granularity=a.granularity, verify=verify,
-                   host_budget=host if remat.offload else None)
+                   host_budget=host if remat.offload else None,
+                   probes=(a.probe // 4, a.probe))
 
 
 def suggest(cfg, a, budget: int, host: int) -> str:

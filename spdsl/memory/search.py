@@ -164,6 +164,11 @@ def max_seq(est: Estimator, budget: int, *, granularity: int = 1024,
     (and whose offloaded bytes fit ``host_budget``, when given); with ``verify``, also the
     full-depth plan at that length.
 
+    Each phase's peak is affine in the sequence only while the same moment stays its peak: at
+    short lengths backward peaks at the loss (the head's weight gradients), at long ones in a
+    layer's recompute. So the lines are fitted again through (answer / 2, answer) until the
+    answer holds still, then checked and stepped down on a miss.
+
     Example::
 
         est = Estimator(LlamaConfig.llama3_8b(), sp=8, remat=Remat("full"), state_shards=8)
@@ -171,29 +176,51 @@ def max_seq(est: Estimator, budget: int, *, granularity: int = 1024,
     """
     gran = max(granularity, est.sp)
     gran -= gran % est.sp
-    s1, s2 = (max(gran, p - p % gran) for p in probes)
-    p1, p2 = est.phases(s1), est.phases(s2)
-    best, steepest = None, 0.0
-    for k in p1:
-        cap = budget if k != "host" else host_budget
-        if cap is None:
-            continue
-        slope = (p2.get(k, p1[k]) - p1[k]) / (s2 - s1)
-        steepest = max(steepest, slope)
-        if slope <= 0:
-            if p1[k] > cap:
-                return 0, None
-            continue
-        fit = s1 + (cap - p1[k]) / slope
-        best = fit if best is None else min(best, fit)
-    seq = int(best // gran) * gran if best is not None else s2
-    for _ in range(4):           # the lines are nearly exact: step down only on a small miss
+
+    def snap(x: float) -> int:
+        return max(gran, int(x // gran) * gran)
+
+    def fit(s1: int, s2: int) -> tuple[float | None, float]:
+        p1, p2 = est.phases(s1), est.phases(s2)
+        best, steepest = None, 0.0
+        for k in p1:
+            cap = budget if k != "host" else host_budget
+            if cap is None:
+                continue
+            slope = (p2.get(k, p1[k]) - p1[k]) / (s2 - s1)
+            steepest = max(steepest, slope)
+            if slope <= 0:
+                if p2[k] > cap:
+                    return 0.0, steepest
+                continue
+            f = s2 + (cap - p2[k]) / slope
+            best = f if best is None else min(best, f)
+        return best, steepest
+
+    s1, s2 = (snap(p) for p in probes)
+    found, steepest = fit(s1, s2)
+    for _ in range(3):
+        if found is None:
+            found = s2          # nothing grows with the sequence: the longest probe
+            break
+        if found <= 0:
+            return 0, None
+        if abs(found - s2) <= max(gran, 0.02 * found):
+            break
+        s1, s2 = snap(found / 2), snap(found)
+        if s1 == s2:
+            break
+        found, steepest = fit(s1, s2)
+    seq = snap(found) if found else 0
+    for _ in range(8):
         if seq <= 0:
             return 0, None
         over = _over(est.phases(seq), budget, host_budget)
         if over <= 0:
             break
         seq -= gran * max(1, -(-int(over / max(steepest, 1e-9)) // gran))
+    else:
+        return 0, None
     plan = None
     if verify:
         plan = llama_plan(est.cfg, seq, est.sp, est.remat, **est._kw())

@@ -12,6 +12,7 @@ from spdsl import dtensor_ops as _dtensor_ops
 from spdsl.annotate.api import Sharded, plan, shard, sp_shard, with_sharding_constraint
 from spdsl.annotate.mesh import mesh
 from spdsl.annotate.spec import P
+from spdsl.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from spdsl.errors import ShardingError
 from spdsl.propagate.plan import Collective, ShardingPlan
 from spdsl.propagate.rules import RuleCtx, Strategy, register_rule
@@ -28,9 +29,12 @@ __all__ = [
     "ShardingError",
     "ShardingPlan",
     "Strategy",
+    "latest_checkpoint",
+    "load_checkpoint",
     "mesh",
     "plan",
     "register_rule",
+    "save_checkpoint",
     "shard",
     "sp_shard",
     "with_sharding_constraint",

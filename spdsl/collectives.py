@@ -28,6 +28,10 @@ import torch.distributed._functional_collectives as fc
 
 from spdsl.propagate.placement import chunk_bounds
 
+# torch 2.13 renamed these (the old names warn on every call); older releases have only those
+_ALL_GATHER = getattr(fc, "all_gather_single", None) or fc.all_gather_tensor
+_REDUCE_SCATTER = getattr(fc, "reduce_scatter_single", None) or fc.reduce_scatter_tensor
+
 
 def _a2a_raw(buf: torch.Tensor, group: str, out_splits=None, in_splits=None) -> torch.Tensor:
     return fc.wait_tensor(fc.all_to_all_single(buf.contiguous(), out_splits, in_splits, group))
@@ -39,7 +43,7 @@ def _all_reduce_raw(x: torch.Tensor, group: str) -> torch.Tensor:
 
 def _all_gather_raw(x: torch.Tensor, group: str) -> torch.Tensor:
     """[n, ...] on each rank -> [P*n, ...], rank order."""
-    return fc.wait_tensor(fc.all_gather_tensor(x.contiguous(), 0, group))
+    return fc.wait_tensor(_ALL_GATHER(x.contiguous(), 0, group))
 
 
 class _AllToAll(torch.autograd.Function):
@@ -114,12 +118,22 @@ def grad_all_reduce(x: torch.Tensor, group: str) -> torch.Tensor:
 def grad_all_reduce_many(xs: list[torch.Tensor], group: str) -> list[torch.Tensor]:
     """``grad_all_reduce`` of several values (one dtype) as one bucket: a single all-reduce of
     their concatenated gradients in backward instead of one per value."""
-    idx = [i for i, x in enumerate(xs) if x.requires_grad]
+    # one value twice (a tied embedding read by the embedding and the output projection):
+    # pass it once, its gradient is the sum over both uses either way, and an
+    # autograd.Function under torch.compile rejects a duplicated input
+    idx, first = [], {}
+    for i, x in enumerate(xs):
+        if x.requires_grad and not any(x is xs[j] for j in idx):
+            idx.append(i)
     if not idx:
         return list(xs)
     outs = list(xs)
     for i, y in zip(idx, _GradAllReduceMany.apply(group, *(xs[i] for i in idx))):
         outs[i] = y
+        first[i] = y
+    for i, x in enumerate(xs):
+        if i not in first and x.requires_grad:
+            outs[i] = next(first[j] for j in idx if xs[j] is x)
     return outs
 
 
@@ -328,7 +342,7 @@ def param_grad(g: torch.Tensor, local_rows: int, rows: int, world: int, rank: in
         return g[lo:lo + local_rows].clone()
     if g.shape[0] < chunk * world:
         g = torch.cat([g, g.new_zeros((chunk * world - g.shape[0], *g.shape[1:]))])
-    mine = fc.wait_tensor(fc.reduce_scatter_tensor(g.contiguous(), "sum", 0, group))
+    mine = fc.wait_tensor(_REDUCE_SCATTER(g.contiguous(), "sum", 0, group))
     return mine[:local_rows].clone() if local_rows != chunk else mine
 
 

@@ -489,13 +489,8 @@ class Sharded:
     def __call__(self, *args, **kwargs):
         entry = self.build(args, kwargs)
         if entry.local is None:
-            group, rank = self._group_and_rank()
-            data, state = self._lowering_axes(entry)
-            entry.rank, entry.data_rank = rank, data.rank if data is not None else 0
-            entry.local = lower(entry.prop, rank, group, entry.out_placements, data,
-                                entry.data_out, state)
-            entry.input_shapes = [tuple(x.shape) for x in self._local_inputs(entry, args,
-                                                                               kwargs)]
+            entry.local = self.lowered(entry, args, kwargs)
+            rank = entry.rank
             # -- kernel swaps (spdsl.lower.kernels), on the flat graph before remat splits it --
             entry.local = swap_kernels(entry.local, self.kernels,
                                        *local_specs(entry, args, kwargs, self.parts, rank))
@@ -513,6 +508,17 @@ class Sharded:
         wrapped = [self._wrap(o, p, node, dp) for o, p, node, dp in zip(
             outs, entry.out_placements, _out_nodes(entry.traced), data_out)]
         return tree_unflatten(wrapped, entry.traced.out_spec)
+
+    def lowered(self, entry: _Compiled, args: tuple, kwargs: dict) -> torch.fx.GraphModule:
+        """This rank's local graph (before kernels and remat), the same for the run and the
+        memory planner; records the rank and the shapes of the rank's inputs on ``entry``."""
+        group, rank = self._group_and_rank()
+        data, state = self._lowering_axes(entry)
+        entry.rank, entry.data_rank = rank, data.rank if data is not None else 0
+        local = lower(entry.prop, rank, group, entry.out_placements, data, entry.data_out,
+                      state)
+        entry.input_shapes = [tuple(x.shape) for x in self._local_inputs(entry, args, kwargs)]
+        return local
 
     def _lowering_axes(self, entry: _Compiled):
         """The data axis and the parameter-gather pass of this rank's lowering, if any."""

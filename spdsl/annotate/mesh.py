@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import os
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -31,7 +32,22 @@ def ensure_process_group() -> None:
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    dist.init_process_group(backend)
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        dist.init_process_group(backend, store=_attempt_store(), rank=int(os.environ["RANK"]),
+                                world_size=int(os.environ["WORLD_SIZE"]))
+    else:
+        dist.init_process_group(backend)
+
+
+def _attempt_store() -> dist.Store:
+    # torchrun (torch 2.13) keeps one agent store for every attempt of a job, so after a
+    # restart (--max-restarts) gloo reads the addresses of the previous attempt's ranks,
+    # including the dead one's, and fails ("connectFullMesh failed ... Connection refused").
+    # A key prefix per attempt keeps the attempts apart.
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                          is_master=False, timeout=timedelta(minutes=10))
+    return dist.PrefixStore(f"spdsl/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}",
+                            store)
 
 
 def mesh(**axes: int) -> DeviceMesh:

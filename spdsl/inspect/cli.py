@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import inspect
+import os
 import sys
 import time
 from collections.abc import Sequence
@@ -84,6 +85,10 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m spdsl", description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="command", required=True)
     q = sub.add_parser("plan", help="plan a model's sequence parallelism without running it")
+    # parsed by spdsl.memory.cli; listed here so that --help names every subcommand
+    sub.add_parser("memory", add_help=False,
+                   help="per-rank memory of a training step and the longest sequence that "
+                        "fits (python -m spdsl memory --help)")
     q.add_argument("model", help="MODULE:EXPR, e.g. models.llama:LlamaConfig.llama3_8b")
     q.add_argument("--seq", type=int, required=True, help="global sequence length")
     q.add_argument("--sp", type=int, required=True, help="sequence-parallel degree")
@@ -126,9 +131,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     # files first: a reader closing stdout early (``| head``) must not lose them
     if args.html:
         plan.to_html(args.html)
+        print(f"wrote the HTML plan to {os.path.abspath(args.html)}", file=sys.stderr)
     if args.json and args.json != "-":
         with open(args.json, "w", encoding="utf-8") as f:
             f.write(plan.to_json())
+        print(f"wrote the JSON plan to {os.path.abspath(args.json)}", file=sys.stderr)
     print(plan.to_json() if args.json == "-" else plan)
     for name in args.explain:
         print()

@@ -7,6 +7,7 @@ import torch.nn.functional as F
 
 from spdsl.collectives import all_reduce, all_to_all, all_to_all_many
 from spdsl.kernels import flash_attn
+from spdsl.propagate.heads import kv_repeat
 
 aten = torch.ops.aten
 
@@ -22,10 +23,10 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         return local_attention(q, k, v, mask, dropout_p, is_causal, scale, enable_gqa,
                                kernel=kernel)
     hq, hk = q.shape[1], k.shape[1]
-    if hk < parts:
+    r = kv_repeat(hq, hk, parts)
+    if r > 1:
         # fewer kv heads than ranks: each rank needs the kv head of its query heads, so repeat
         # each kv head P/H_kv times (not H_q/H_kv: that would move more than needed)
-        r = parts // hk
         k, v = k.repeat_interleave(r, dim=1), v.repeat_interleave(r, dim=1)
     seq, heads = (2, 1), (1, 1)
     qh, kh, vh = all_to_all_many([q, k, v], [seq] * 3, [heads] * 3, parts, group)

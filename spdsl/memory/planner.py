@@ -39,16 +39,26 @@ def plan_memory(fn, *args, remat=None, rank: int = 0, optimizer: str = "adamw",
         raise TypeError("plan_memory needs a function wrapped by spdsl.sp_shard or spdsl.shard")
     r = Remat.of(remat) if remat is not None else fn.remat
     entry = fn.build(args, kwargs)
+    if entry.data is not None or getattr(entry, "sharded", None):
+        # a dp axis or sharded state needs the job's process groups: this rank's own lowering
+        local = _off_meta(fn.lowered(entry, args, kwargs))
+        state, ins = local_specs(entry, args, kwargs, fn.parts, entry.rank)
+        return _finish(fn, local, r, state, ins, optimizer, _local_tokens(entry, ins),
+                       entry.rank)
     state, ins = local_specs(entry, args, kwargs, fn.parts, rank)
     tokens = _local_tokens(entry, ins)
     with _group(fn) as group:
         local = _off_meta(lower(entry.prop, rank, group, entry.out_placements))
-        if hasattr(fn, "kernels"):      # the same kernel swaps as the real run (api.__call__)
-            from spdsl.lower.kernels import swap_kernels
-            local = swap_kernels(local, fn.kernels, state, ins)
-        local = apply_remat(local, r, state, ins)
-        return simulate(local, state, ins, optimizer=optimizer, tokens=tokens,
-                        label=f"{r.describe()}, rank {rank} of {fn.parts}")
+        return _finish(fn, local, r, state, ins, optimizer, tokens, rank)
+
+
+def _finish(fn, local, r: Remat, state, ins, optimizer: str, tokens, rank: int) -> MemoryPlan:
+    if hasattr(fn, "kernels"):      # the same kernel swaps as the real run (api.__call__)
+        from spdsl.lower.kernels import swap_kernels
+        local = swap_kernels(local, fn.kernels, state, ins)
+    local = apply_remat(local, r, state, ins)
+    return simulate(local, state, ins, optimizer=optimizer, tokens=tokens,
+                    label=f"{r.describe()}, rank {rank} of {fn.parts}")
 
 
 def _off_meta(gm):

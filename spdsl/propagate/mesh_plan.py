@@ -33,6 +33,7 @@ def add_mesh_collectives(plan: ShardingPlan, gm: torch.fx.GraphModule,
     (by graph input index) have their gradient reduce-scattered; ``regathered``: which are
     gathered again in backward (used inside a checkpointed layer)."""
     phs = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
     axis, world = plan.axis, plan.parts
     if data is not None:
         axis, world = f"{data.axis}+{plan.axis}", plan.parts * data.parts
@@ -47,11 +48,13 @@ def add_mesh_collectives(plan: ShardingPlan, gm: torch.fx.GraphModule,
         again = chunk if s.index in regathered else 0
         typed = f"{dtype_name(val.dtype)}[{','.join(map(str, val.shape))}]{{rows@{axis}}}"
         owner = plan.by_name[ph.name].module if ph.name in plan.by_name else ""
+        # listed where the gather runs: at the parameter's first use
+        first = min(ph.users, key=order.__getitem__).name if ph.users else ph.name
         plan.collectives.append(Collective("all_gather", axis, chunk, again, "state",
-                                           (typed,), "", owner, ph.name))
+                                           (typed,), "", owner, first))
         if reduced.get(s.index):
             plan.collectives.append(Collective("reduce_scatter", axis, 0, chunk * world,
-                                               "state", (typed,), "", owner, ph.name))
+                                               "state", (typed,), "", owner, first))
 
 
 def _merge(plan: ShardingPlan, dplan: ShardingPlan, joint: str) -> None:

@@ -16,6 +16,7 @@ import torch
 
 from spdsl.collectives import window_plan
 from spdsl.propagate.engine import Decision, Propagator, nbytes, tensor_inputs
+from spdsl.propagate.heads import kv_repeat
 from spdsl.propagate.placement import Partial, Replicate, Shard, typed_shape
 from spdsl.propagate.source import module_of, source_of
 
@@ -242,7 +243,7 @@ def _attention(node: torch.fx.Node, prop: Propagator, ins: list) -> Attention | 
         q, k, v = (ins[j].meta["val"] for j in range(3))
         if q.dim() != 4:
             return None
-        rep = max(k.shape[1], P) / k.shape[1]        # kv heads repeated up to the degree
+        rep = kv_repeat(q.shape[1], k.shape[1], P)    # kv heads repeated up to the degree
         floor = (nbytes(q) + (nbytes(k) + nbytes(v)) * rep + nbytes(node.meta["val"])) / P
         return Attention(node.name, "sdpa", module_of(node), source_of(node), int(floor))
     if node.target is torch.ops.aten.bmm.default and len(ins) == 2:
@@ -336,7 +337,7 @@ def _lowering_collectives(prop, node, d, ins, val, grad, add) -> None:
     P, low = prop.parts, d.strategy.lowering
     if low == "ulysses":
         q, k, v = (ins[j].meta["val"] for j in range(3))
-        rep = max(1, P // k.shape[1])
+        rep = kv_repeat(q.shape[1], k.shape[1], P)
         kv = (nbytes(k) + nbytes(v)) * rep
         g = grad.get(node, False)
         qkv = (nbytes(q) + kv) // P

@@ -26,6 +26,7 @@ from torch.nn.utils.stateless import _reparametrize_module
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from spdsl.propagate.eager_attention import fuse_eager_attention, unrepeat_kv
 from spdsl.propagate.replay import LayerReplay
 
 _TRACING = [False]
@@ -59,16 +60,31 @@ def tracing() -> bool:
     return _TRACING[0]
 
 
+_SDPA = F.scaled_dot_product_attention
+
+
+def _keep_sdpa(*args, **kwargs):
+    sig = _SDPA_SIG.bind(*args, **kwargs)
+    sig.apply_defaults()
+    a = sig.arguments
+    return torch.ops.spdsl.attention(a["query"], a["key"], a["value"], a["attn_mask"],
+                                     float(a["dropout_p"]), bool(a["is_causal"]),
+                                     a["scale"], bool(a["enable_gqa"]))
+
+
 class _KeepAttention(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func is F.scaled_dot_product_attention:
-            sig = _SDPA_SIG.bind(*args, **kwargs)
-            sig.apply_defaults()
-            a = sig.arguments
-            return torch.ops.spdsl.attention(a["query"], a["key"], a["value"], a["attn_mask"],
-                                             float(a["dropout_p"]), bool(a["is_causal"]),
-                                             a["scale"], bool(a["enable_gqa"]))
+        if func is _SDPA:
+            return _keep_sdpa(*args, **kwargs)
+        if func is F.multi_head_attention_forward:
+            # nn.MultiheadAttention calls SDPA from inside this function, where the mode is
+            # off: route that call (a module global of torch.nn.functional) for its duration
+            F.scaled_dot_product_attention = _keep_sdpa
+            try:
+                return func(*args, **kwargs)
+            finally:
+                F.scaled_dot_product_attention = _SDPA
         return func(*args, **kwargs)
 
 
@@ -193,6 +209,8 @@ def trace(fn: Callable, args: tuple, kwargs: dict) -> Traced:
         h1.remove()
         h2.remove()
     _assign_module_paths(gm, events)
+    fuse_eager_attention(gm)       # written-out attention becomes one attention node too
+    unrepeat_kv(gm)                # grouped kv heads cross the all-to-all unrepeated
     return Traced(gm, state_names, state, arg_spec, tensor_leaf_index, out_spec_box[-1])
 
 

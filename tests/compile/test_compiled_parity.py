@@ -86,12 +86,33 @@ def _training(world: int, kernels: str) -> dict:
         out[name]["kernels"] = sorted({r["kernel"] for r in kernel_report(
             next(iter(step._cache.values())).local)})
         models[name].loss = loss.item()
+    if world == 4:     # dp=2 x sp=2, parameters sharded over all four ranks, layers checkpointed
+        out["compiled_mesh"] = _compiled_mesh(ref, ids, labels, loss_ref)
     e, c = models["eager"], models["compiled"]
     out["compiled_vs_eager"] = {
         "loss": abs(c.loss - e.loss) / abs(e.loss),
         "grad": max(((p.grad - q.grad).abs().max() / q.grad.abs().max()).item()
                     for p, q in zip(c.parameters(), e.parameters()))}
     return out
+
+
+def _compiled_mesh(ref, ids, labels, loss_ref) -> dict:
+    from torch.distributed.tensor import DTensor
+
+    import spdsl
+
+    model = copy.deepcopy(ref)
+    model.zero_grad()
+    step = spdsl.sp_shard(model, seq=2, mesh=spdsl.mesh(dp=2, sp=2), shard_state=True,
+                          compile=True, remat="full")
+    loss = step(ids, labels)
+    loss.backward()
+    assert all(isinstance(p, DTensor) for p in model.parameters())
+    grads = [None if p.grad is None else p.grad.full_tensor() for p in model.parameters()]
+    return {"loss": abs(loss.item() - loss_ref.item()) / abs(loss_ref.item()),
+            "grad": max(((g - q.grad).abs().max() / q.grad.abs().max()).item()
+                        for g, q in zip(grads, ref.parameters()) if g is not None),
+            "missing": [n for (n, _), g in zip(model.named_parameters(), grads) if g is None]}
 
 
 def _collective_grads(rank: int, world: int) -> dict:
@@ -146,7 +167,8 @@ def test_compiled_training_matches_eager_and_single_device(results):
     world, per_rank = results
     for r, res in enumerate(per_rank):
         t = res["training"]
-        for name in ("eager", "eager_kernels_on", "compiled", "compiled_recompute"):
+        for name in ("eager", "eager_kernels_on", "compiled", "compiled_recompute",
+                     "compiled_mesh"):
             if name not in t:
                 continue
             assert t[name]["missing"] == [], f"sp{world} rank {r} {name}: no grad"

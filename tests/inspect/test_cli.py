@@ -43,6 +43,7 @@ def test_table_json_html_and_explain(tmp_path, capsys, monkeypatch):
     out, err = capsys.readouterr()
     assert "layers.0-1 (x2)" in out and "bf16[1,64@sp,64]" in out
     assert "because: " in out and "planned in" in err
+    assert f"wrote the HTML plan to {out_html}" in err and f"wrote the JSON plan to {out_json}" in err
     d = json.loads(out_json.read_text())
     assert d["title"] == "models.llama:LlamaConfig.tiny seq=64 sp=4"
     assert d["totals"]["floor_fwd"] == 2 * 4 * 64 * 64 * 2 // 4
@@ -64,3 +65,10 @@ def test_module_entry_point_prints_json(capsys, monkeypatch):
     d = json.loads(capsys.readouterr().out)
     assert d["schema"] == "spdsl.plan" and d["parts"] == 2
     assert any(c["purpose"] == "halo" for c in d["collectives"])   # label shift in the model
+
+
+def test_help_lists_every_subcommand(capsys):
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    out = capsys.readouterr().out
+    assert "plan" in out and "memory" in out

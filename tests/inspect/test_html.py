@@ -48,9 +48,11 @@ def screenshot(html_path: Path, png_path: Path, size: str = "1400,1000") -> None
             check=True, capture_output=True, timeout=120)
 
 
-@pytest.mark.skipif(CHROMIUM is None, reason="no chromium (apt-get install -y chromium)")
+@pytest.mark.skipif(CHROMIUM is None,
+                    reason="needs chromium (apt-get install -y chromium) and Pillow "
+                           "(in the test extra)")
 def test_page_renders_in_a_browser(tiny_plan, tmp_path):
-    image = pytest.importorskip("PIL.Image")
+    image = pytest.importorskip("PIL.Image", reason="needs Pillow (pip install -e '.[test]')")
     html_path, png = tmp_path / "plan.html", tmp_path / "plan.png"
     tiny_plan.to_html(str(html_path))
     screenshot(html_path, png)

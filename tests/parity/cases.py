@@ -147,6 +147,15 @@ def case_meanpool(world: int) -> dict:
     return _run(lambda: MeanPoolClassifier(MeanPoolClassifier.Config()), (ids, cls), world)
 
 
+def case_repeat_kv(world: int) -> dict:
+    """Grouped kv heads repeated the Hugging Face way before SDPA (crossing the all-to-all
+    unrepeated)."""
+    from tests.propagate.test_plan_repeat_kv import Stack
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(2, 8 * world, 64, generator=g)
+    return _run(lambda: Stack(64, 4, 2, 2), (x,), world)
+
+
 def case_einsum_user_model(world: int) -> dict:
     ids = _ids(2, 16)
     return _run(lambda: EinsumNet(), (ids, _uneven_labels(ids)), world)

@@ -62,10 +62,11 @@ def test_functional_form_with_data_axis_specs(results):
 def test_three_adamw_steps_stay_in_parity(results, mesh):
     for out in _get(results, ("adamw_steps", *mesh)):
         assert out["loss"] <= LOSS_RTOL
-        assert out["param"] <= GRAD_RTOL, out
-        # no further from single-device AdamW than AdamW is from itself after one-ulp
-        # different gradients (a failure here is more than rounding)
-        assert out["param"] <= 4 * out["control"] + 1e-6, out
+        # AdamW divides by sqrt(v): gradients near zero amplify rounding (~5e-7 in the
+        # gradients becomes ~5e-5 in the weights after three steps). The yardstick is
+        # single-device AdamW against itself with the batch summed in another order.
+        assert out["control"] > 0
+        assert out["param"] <= max(GRAD_RTOL, 2 * out["control"]), out
         assert out["state_sharded"], "AdamW's moments are DTensor shards"
 
 
@@ -136,3 +137,15 @@ def test_errors(results):
     assert "multiple of 2" in out["batch"]
     assert "[state sharding]" in out["fsdp"] and "fully_shard" in out["fsdp"]
     assert "shard_state=True" in out["fsdp"]
+
+
+def test_plan_text_and_json_show_the_state_collectives(results):
+    import json
+
+    out = _get(results, ("counted", 2, 2, True))[0]
+    assert "[mesh dp=2 x sp=2]" in out["text"]
+    assert "all_gather state" in out["text"] and "reduce_scatter state" in out["text"]
+    assert "sharded state:" in out["text"]
+    kinds = {(c["kind"], c["purpose"], c["axis"]) for c in json.loads(out["json"])["collectives"]}
+    assert {("all_gather", "state", "dp+sp"), ("reduce_scatter", "state", "dp+sp"),
+            ("all_to_all", "ulysses", "sp"), ("all_reduce", "loss", "dp+sp")} <= kinds

@@ -51,18 +51,28 @@ RULES: dict[Any, Rule] = {}
 _RULE_NAMES: dict[Any, str] = {}
 
 
+def _claim(op: Any, fn: Rule, name: str, replace: bool = False) -> None:
+    # one rule per op: a second registration would silently win or lose by import order
+    if op in RULES and RULES[op] is not fn and not replace:
+        raise ValueError(f"{op} already has the rule {_RULE_NAMES[op]!r}; a second one "
+                         f"({name!r}) would override it (register_rule(..., replace=True) "
+                         "to override on purpose)")
+    RULES[op] = fn
+    _RULE_NAMES[op] = name
+
+
 def rule(*ops: Any, name: str | None = None) -> Callable[[Rule], Rule]:
     def deco(fn: Rule) -> Rule:
         for op in ops:
-            RULES[op] = fn
-            _RULE_NAMES[op] = name or fn.__name__.strip("_")
+            _claim(op, fn, name or fn.__name__.strip("_"))
         return fn
     return deco
 
 
-def register_rule(op: Any, fn: Rule) -> None:
+def register_rule(op: Any, fn: Rule, *, replace: bool = False) -> None:
     """Teach the engine an op: ``fn(ctx) -> list[Strategy]``; ``op`` is an aten overload or
-    packet (``torch.ops.mylib.myop``).
+    packet (``torch.ops.mylib.myop``). An op that already has a rule is an error unless
+    ``replace=True``.
 
     Example::
 
@@ -72,8 +82,7 @@ def register_rule(op: Any, fn: Rule) -> None:
         register_rule(torch.ops.mylib.gelu2, lambda ctx: [
             Strategy((ctx.placements[0],), ctx.placements[0], rule="mylib.gelu2")])
     """
-    RULES[op] = fn
-    _RULE_NAMES[op] = getattr(fn, "__name__", str(op))
+    _claim(op, fn, getattr(fn, "__name__", str(op)), replace)
 
 
 def lookup(op: Any) -> Rule | None:
@@ -91,6 +100,7 @@ def lookup(op: Any) -> Rule | None:
 from spdsl.propagate.rules import (  # noqa: F401  (registration side effects)
     attention,
     factory,
+    index,
     loss,
     matmul,
     pointwise,

@@ -9,6 +9,7 @@ import torch
 
 import spdsl.propagate.trace  # noqa: F401  (defines torch.ops.spdsl.*)
 from spdsl.errors import ShardingError
+from spdsl.propagate.heads import UNREPEATED
 from spdsl.propagate.placement import REPLICATE, Replicate, Shard, typed_shape
 from spdsl.propagate.rules import RuleCtx, Strategy, rule
 from spdsl.propagate.source import where
@@ -37,7 +38,7 @@ def check_heads(ctx: RuleCtx, where: str = "") -> None:
             detail=f"Ulysses attention splits the {Hq} query heads over {P} ranks",
             fix=f"use a sequence-parallel degree that divides {Hq} (e.g. "
                 f"{max(d for d in range(1, P + 1) if Hq % d == 0)})")
-    if Hk % P and P % Hk:
+    if Hk % P and P % Hk and not ctx.node.meta.get(UNREPEATED):
         raise ShardingError(
             rule="divisible kv heads", value=typed_shape(k.shape, k.dtype, ctx.placements[1]),
             where=where,

@@ -57,5 +57,5 @@ def pointwise(ctx: RuleCtx) -> list[Strategy]:
 
 rule(aten.clone, aten._to_copy, aten.alias, aten.detach, aten.zeros_like, aten.ones_like,
      aten.full_like, aten.empty_like, aten.masked_fill, aten.where, aten.fill, aten.rand_like,
-     aten.native_dropout, aten.contiguous, aten.type_as, aten.copy, aten.lerp, aten.clamp,
-     aten.tril, aten.triu, name="pointwise")(pointwise)
+     aten.contiguous, aten.type_as, aten.copy, aten.lerp, aten.clamp,
+     name="pointwise")(pointwise)

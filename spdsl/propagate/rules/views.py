@@ -131,9 +131,15 @@ def cat(ctx: RuleCtx) -> list[Strategy]:
     dim %= n
     shards = {p for p in ctx.placements if isinstance(p, Shard)}
     out = []
+    # torch.cat skips 1-d empty operands (a Hugging Face key/value cache before its first
+    # update): they stay whole, the others keep the split
+    empty = [tuple(ctx.meta(i).shape) == (0,) for i in range(len(ctx.inputs))]
     for s in shards:
-        if s.dim != dim and all(len(ctx.meta(i).shape) == n for i in range(len(ctx.inputs))):
-            out.append(Strategy(tuple(s for _ in ctx.inputs), s, None, "cat"))
+        if s.dim != dim and all(e or len(ctx.meta(i).shape) == n for i, e in enumerate(empty)):
+            out.append(Strategy(tuple(REPLICATE if e else s for e in empty), s, None, "cat"))
+    if empty.count(False) == 1:      # cat(empty, x) is x, whatever the dim
+        p = ctx.placements[empty.index(False)]
+        out.append(Strategy(tuple(REPLICATE if e else p for e in empty), p, None, "cat"))
     if all(isinstance(p, Partial) for p in ctx.placements):
         out.append(Strategy(tuple(PARTIAL for _ in ctx.inputs), PARTIAL, None, "cat"))
     out.append(_replicated(ctx, "cat"))

@@ -1,0 +1,317 @@
+"""Attention written out in ops, recognised as attention: ``softmax(q @ k^T * scale + mask) @ v``
+becomes one ``spdsl.attention`` node, so the Ulysses rule applies to it as to SDPA.
+
+Hugging Face's ``attn_implementation="eager"``, ``nn.MultiheadAttention`` with
+``need_weights=True`` and hand-written attention trace to a ``bmm`` of q and k^T, a scale, an
+additive mask, a softmax over the last dim and a ``bmm`` with v. Left as ops, propagation sees
+two matrix products: the cheapest placement of each alone gathers k and v (``P`` times the
+Ulysses bytes for k and v) or moves every tensor separately. As one attention node the
+lowering runs one all-to-all for q, k, v (sequence -> heads), SDPA over the whole sequence for
+``H/P`` heads, and one all-to-all back: the analytic floor of the plan.
+
+Matched, between the two products: views, casts, ``clone``, multiplications or divisions by
+constants (folded into ``scale``), one added mask (after every scale), the softmax (float32 or
+the input dtype), and dropout with ``p == 0``. q, k and v are followed back through views to
+``[B, H, S, D]`` where they exist (else the ``[B*H, S, D]`` operands are viewed as
+``[1, B*H, S, D]``), and k and v back through Hugging Face's ``repeat_kv``
+(``x[:, :, None].expand(...).reshape(...)``) so that grouped kv heads cross the all-to-all
+unrepeated. Not matched (left as ops, still exact): dropout with ``p > 0``, masks applied by
+``where``/``masked_fill``, attention weights used elsewhere (``output_attentions=True``).
+
+Numerics: SDPA's math replaces the written-out ops, a difference of float32 rounding (about
+1e-7 relative), in single-device runs too. ``SPDSL_FUSE_EAGER_ATTENTION=0`` turns it off.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+import os
+
+import torch
+from torch._guards import detect_fake_mode
+
+from spdsl.propagate.heads import UNREPEATED
+
+aten = torch.ops.aten
+_VIEWS = {aten.view.default, aten._unsafe_view.default, aten.reshape.default}
+_PASS = _VIEWS | {aten.clone.default, aten.alias.default, aten.contiguous.default,
+                  aten._to_copy.default, aten.expand.default}
+# scores scaled in place (``scores /= math.sqrt(d)``, Falcon) are the same chain
+_MUL = (aten.mul.Tensor, aten.mul.Scalar, aten.mul_.Tensor, aten.mul_.Scalar)
+_DIV = (aten.div.Tensor, aten.div.Scalar, aten.div_.Tensor, aten.div_.Scalar)
+
+
+def _live(g: torch.fx.Graph) -> set[torch.fx.Node]:
+    """Nodes the output depends on (attention weights a module returns and its caller drops,
+    ``nn.MultiheadAttention``'s averaged weights, are not)."""
+    live: set[torch.fx.Node] = set()
+    for n in reversed(g.nodes):
+        if n.op != "call_function" or any(u in live for u in n.users) or _effect(n):
+            live.add(n)
+    return live
+
+
+def _effect(n: torch.fx.Node) -> bool:
+    """Seeded random ops (the stream must advance as in the user's program) and in-place
+    updates of graph inputs (running statistics) are kept even when nothing reads them; an
+    in-place op on a temporary (Falcon's ``scores /= math.sqrt(d)``) is not."""
+    t = n.target
+    if not isinstance(t, torch._ops.OpOverload):
+        return False
+    if torch.Tag.nondeterministic_seeded in t.tags:
+        return True
+    if not t._schema.is_mutable:
+        return False
+    base = n.args[0] if n.args else None
+    while isinstance(base, torch.fx.Node) and base.op == "call_function" and \
+            isinstance(base.target, torch._ops.OpOverload) and base.target.is_view:
+        base = base.args[0]
+    return not isinstance(base, torch.fx.Node) or base.op != "call_function"
+
+
+def _sweep(g: torch.fx.Graph) -> None:
+    """Erase what no longer reaches the output: the written-out attention's leftovers (its
+    weights, which a module may return and its caller drop)."""
+    live = _live(g)
+    for n in reversed(list(g.nodes)):
+        if n not in live and not n.users:
+            g.erase_node(n)
+
+
+def _only_user(n: torch.fx.Node, live: set) -> torch.fx.Node | None:
+    users = [u for u in n.users if u in live]
+    return users[0] if len(users) == 1 else None
+
+
+def _constant(gm: torch.fx.GraphModule, a) -> float | None:
+    """The value of a scalar operand: a Python number, a 0-d constant tensor or ``full([])``."""
+    if isinstance(a, (int, float)) and not isinstance(a, bool):
+        return float(a)
+    if not isinstance(a, torch.fx.Node):
+        return None
+    if a.op == "get_attr":
+        t = getattr(gm, a.target, None)
+        return float(t) if isinstance(t, torch.Tensor) and t.numel() == 1 else None
+    if a.target in (aten.lift_fresh_copy.default, aten._to_copy.default, aten.clone.default):
+        return _constant(gm, a.args[0])
+    if a.target is aten.full.default and list(a.args[0]) in ([], [1]):
+        return float(a.args[1])
+    if a.target is aten.scalar_tensor.default:
+        return float(a.args[0])
+    return None
+
+
+def _shape(n) -> tuple:
+    return tuple(n.meta["val"].shape)
+
+
+def _back(n: torch.fx.Node) -> list[torch.fx.Node]:
+    """``n`` and the nodes it is a view/copy of, nearest first (stopping at other ops)."""
+    out = [n]
+    while n.target in _PASS and isinstance(n.args[0], torch.fx.Node):
+        n = n.args[0]
+        if n.meta["val"].numel() != out[0].meta["val"].numel() and \
+                n.target is not aten.expand.default and out[-1].target is not aten.expand.default:
+            break
+        out.append(n)
+    return out
+
+
+def _root4(n: torch.fx.Node, N: int, S: int, D: int, transposed: bool) -> torch.fx.Node | None:
+    """A ``[B, H, S, D]`` node (``B*H`` dividing N: kv heads broadcast by ``matmul`` count)
+    that the bmm operand ``n`` is a view of; for k the operand is ``k^T`` and the root is the
+    input of that transpose."""
+    def fits(sh) -> bool:
+        return len(sh) == 4 and sh[2:] == (S, D) and N % (sh[0] * sh[1]) == 0
+
+    found = None
+    for m in _back(n):      # the farthest back: before a broadcast of kv heads
+        if transposed:
+            if m.target is aten.transpose.int and len(_shape(m)) == 4 and \
+                    {a % 4 for a in m.args[1:3]} == {2, 3} and fits(_shape(m.args[0])):
+                return m.args[0]
+            continue
+        if fits(_shape(m)):
+            found = m
+    return found
+
+
+def _unrepeat(k: torch.fx.Node) -> torch.fx.Node:
+    """The kv tensor before Hugging Face's ``repeat_kv``, or ``k`` itself."""
+    chain = _back(k)
+    for i, m in enumerate(chain):
+        if m.target is aten.expand.default and len(_shape(m)) == 5:
+            src = m.args[0]
+            while src.target is aten.slice.Tensor and src.args[2] in (0, None) and \
+                    (len(src.args) < 4 or src.args[3] >= _shape(src.args[0])[src.args[1]]):
+                src = src.args[0]
+            if src.target is aten.unsqueeze.default and src.args[1] % 5 == 2:
+                kv = src.args[0]
+                while kv.target is aten.slice.Tensor and kv.args[2] in (0, None) and \
+                        (len(kv.args) < 4 or kv.args[3] >= _shape(kv.args[0])[kv.args[1]]):
+                    kv = kv.args[0]
+                b, h, s, d = _shape(k)
+                kb, kh, ks, kd = _shape(kv)
+                if (kb, ks, kd) == (b, s, d) and h % kh == 0:
+                    return kv
+            break
+    return k
+
+
+class _Match:
+    def __init__(self, gm: torch.fx.GraphModule, bmm1: torch.fx.Node, live: set) -> None:
+        self.gm, self.bmm1, self.live = gm, bmm1, live
+        self.scale, self.mask, self.bmm2 = 1.0, None, None
+        self.mask_dims, self.scores = 0, ()
+
+    def run(self) -> bool:
+        b1 = self.bmm1
+        if b1.target is aten.baddbmm.default:
+            if b1.kwargs.get("beta", 1) != 1 or b1.kwargs.get("alpha", 1) != 1:
+                return False
+            self.mask, self.mask_dims = b1.args[0], 3
+        n, soft = b1, None
+        while True:
+            u = _only_user(n, self.live)
+            if u is None:
+                return False
+            if u.target is aten.bmm.default and soft is not None and u.args[0] is n:
+                self.bmm2 = u
+                return True
+            if u.target in _PASS and u.args[0] is n:
+                pass
+            elif u.target in _MUL + _DIV and soft is None and self.mask is None:
+                other = u.args[1] if u.args[0] is n else u.args[0]
+                c = _constant(self.gm, other)
+                if c is None or (u.target in _DIV and u.args[0] is not n):
+                    return False
+                self.scale *= c if u.target in _MUL else 1.0 / c
+            elif u.target in (aten.add.Tensor, aten.add_.Tensor) and soft is None and self.mask is None and \
+                    len(u.args) == 2 and not u.kwargs:
+                other = u.args[1] if u.args[0] is n else u.args[0]
+                if not isinstance(other, torch.fx.Node) or other is n:
+                    return False
+                self.mask, self.mask_dims, self.scores = other, len(_shape(n)), _shape(n)
+            elif u.target is aten._softmax.default and soft is None:
+                if u.args[1] % len(_shape(n)) != len(_shape(n)) - 1:
+                    return False
+                soft = u
+            elif u.target is aten.native_dropout.default and soft is not None and \
+                    u.args[1] == 0.0:
+                items = [g for g in u.users if g.target is operator.getitem]
+                first = [g for g in items if g.args[1] == 0]
+                if len(first) != 1 or any(g.args[1] == 1 and g.users for g in items):
+                    return False
+                u = first[0]
+            else:
+                return False
+            n = u
+
+
+def unrepeat_kv(gm: torch.fx.GraphModule) -> int:
+    """Attention (SDPA) whose k and v went through Hugging Face's ``repeat_kv`` reads the kv
+    heads before the repeat instead (``enable_gqa``: the same head mapping, query head ``h``
+    reads kv head ``h // (H_q / H_kv)``), so that the all-to-all moves them unrepeated -- at a
+    Llama-3.1-8B shape 320 MiB per layer per rank instead of 512 at 131,072 tokens on 8 ranks.
+    Returns how many were rewritten."""
+    done = 0
+    for n in [n for n in gm.graph.nodes if n.target is torch.ops.spdsl.attention.default]:
+        q, k, v = n.args[:3]
+        a = list(n.args) + [None] * (8 - len(n.args))
+        if a[7] or not all(isinstance(x, torch.fx.Node) for x in (q, k, v)):
+            continue
+        k0, v0 = _unrepeat(k), _unrepeat(v)
+        h = _shape(q)[1]
+        if k0 is k or v0 is v or _shape(k0)[1] != _shape(v0)[1] or h % _shape(k0)[1]:
+            continue
+        a[1], a[2], a[7] = k0, v0, True
+        n.args = tuple(a)
+        n.meta[UNREPEATED] = True
+        done += 1
+    if done:
+        _sweep(gm.graph)
+        gm.recompile()
+    return done
+
+
+def fuse_eager_attention(gm: torch.fx.GraphModule) -> int:
+    """Replace every matched written-out attention of ``gm`` by one ``spdsl.attention`` node;
+    returns how many were replaced."""
+    if os.environ.get("SPDSL_FUSE_EAGER_ATTENTION", "1") == "0":
+        return 0
+    g = gm.graph
+    done, live = 0, _live(g)
+    for b1 in [n for n in g.nodes if n.target in (aten.bmm.default, aten.baddbmm.default)]:
+        if not b1.users:
+            continue
+        m = _Match(gm, b1, live)
+        if not m.run() or not _rewrite(gm, m):
+            continue
+        done += 1
+    if done:
+        _sweep(g)
+        gm.recompile()
+    return done
+
+
+def _rewrite(gm: torch.fx.GraphModule, m: _Match) -> bool:
+    b1, b2 = m.bmm1, m.bmm2
+    qa, ka = (b1.args[1], b1.args[2]) if b1.target is aten.baddbmm.default else b1.args[:2]
+    N, S, D = _shape(qa)
+    Skv = _shape(ka)[2]
+    if _shape(ka) != (N, D, Skv) or _shape(b2.args[1])[:2] != (N, Skv):
+        return False
+    Dv = _shape(b2.args[1])[2]
+    q4 = _root4(qa, N, S, D, False)
+    k4 = _root4(ka, N, Skv, D, True)
+    v4 = _root4(b2.args[1], N, Skv, Dv, False)
+    g = gm.graph
+    fake = detect_fake_mode([b1.meta["val"]])
+    new: list[torch.fx.Node] = []
+
+    def call(target, *args) -> torch.fx.Node:
+        node = g.call_function(target, args)
+        vals = [a.meta["val"] if isinstance(a, torch.fx.Node) else a for a in args]
+        with fake:
+            node.meta["val"] = target(*vals)
+        new.append(node)
+        return node
+
+    four = q4 is not None and k4 is not None and v4 is not None and \
+        _shape(q4)[0] == _shape(k4)[0] == _shape(v4)[0] and _shape(q4)[0] * _shape(q4)[1] == N
+    with g.inserting_before(b2):
+        if four:
+            B, H = _shape(q4)[:2]
+            k4, v4 = _unrepeat(k4), _unrepeat(v4)
+            if _shape(k4)[1] != _shape(v4)[1] or H % _shape(k4)[1]:
+                return False
+        else:
+            B, H = 1, N
+            q4 = call(aten.reshape.default, qa, [1, N, S, D])
+            k4 = call(aten.reshape.default, call(aten.transpose.int, ka, 1, 2), [1, N, Skv, D])
+            v4 = call(aten.reshape.default, b2.args[1], [1, N, Skv, Dv])
+        mask = m.mask
+        if mask is not None:
+            ms = _shape(mask)
+            if len(ms) > 4:
+                return False
+            if m.mask_dims == 4 and not four and len(ms) >= 3 and math.prod(ms[:-2]) > 1:
+                # added to [B', H', S, S] scores, attended as [1, B'*H', S, S]
+                mask = call(aten.expand.default, mask, list(m.scores))
+                mask = call(aten.reshape.default, mask, [1, N, S, Skv])
+            elif len(ms) == 3 and m.mask_dims == 3 and ms[0] == N and N > 1:
+                mask = call(aten.reshape.default, mask, [B, H, ms[1], ms[2]])
+            elif len(ms) == 3 and m.mask_dims == 3 and ms[0] != 1:
+                return False
+        gqa = _shape(k4)[1] != H
+        att = call(torch.ops.spdsl.attention.default, q4, k4, v4, mask, 0.0, False,
+                   float(m.scale), gqa)
+        if gqa:
+            att.meta[UNREPEATED] = True
+        out = call(aten.reshape.default, att, [N, S, Dv])
+    for n in new:
+        n.meta["stack_trace"] = b1.meta.get("stack_trace")
+        n.meta["spdsl_module"] = b1.meta.get("spdsl_module", "")
+    b2.replace_all_uses_with(out)
+    return True

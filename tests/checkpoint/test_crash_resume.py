@@ -1,0 +1,39 @@
+"""A 4-rank run under ``torchrun --max-restarts=1`` loses a rank to SIGKILL mid-training,
+after a checkpoint; torchrun restarts the group, the run resumes from the last complete
+checkpoint, and its final weights equal an uninterrupted run's bit for bit."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+pytestmark = [pytest.mark.multirank, pytest.mark.slow]
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+SCRIPT = os.path.join(ROOT, "tests", "checkpoint", "train_resume.py")
+
+
+def _torchrun(*args: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4",
+           "--max-restarts=1", "--monitor-interval=0.5", SCRIPT, *args]
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=400, check=False)
+    assert out.returncode == 0, out.stderr[-4000:]
+    return out
+
+
+def test_killed_rank_resumes_to_the_same_weights(tmp_path):
+    ref, crashed = tmp_path / "ref.pt", tmp_path / "crashed.pt"
+    # one launch: the uninterrupted run first, then the run that loses rank 1 after step 5
+    _torchrun("--ckpt", str(tmp_path / "ckpt"), "--out", str(crashed), "--reference-out",
+              str(ref), "--crash-at-step", "5")
+    log = (tmp_path / "crashed.pt.log").read_text().splitlines()
+    assert log == ["attempt 0 resumed from step 0", "attempt 1 resumed from step 4"]
+    want, have = torch.load(ref), torch.load(crashed)
+    assert want.keys() == have.keys()
+    assert [n for n in want if not torch.equal(have[n], want[n])] == []
+    assert sorted(os.listdir(tmp_path / "ckpt")) == [f"step_0000000{s}" for s in (2, 4, 6, 8)]

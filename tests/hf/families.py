@@ -1,0 +1,130 @@
+"""Tiny random Hugging Face causal LMs, one per family, and what each exercises.
+
+Built from configs (no downloads), dropout off, fp32. ``FAMILIES[name]`` gives the config
+class, the model class and the keyword arguments of the tiny config; ``exercises`` says which
+feature of sequence-parallel propagation the family is in the matrix for.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+VOCAB, DIM, LAYERS, HEADS = 128, 64, 2, 4
+
+
+@dataclass(frozen=True)
+class Family:
+    name: str
+    config: str                 # transformers config class name
+    model: str                  # transformers causal-LM class name
+    kwargs: dict = field(default_factory=dict)
+    exercises: str = ""
+
+
+def _llama_like(**kw) -> dict:
+    base = {"vocab_size": VOCAB, "hidden_size": DIM, "intermediate_size": 128,
+                "num_hidden_layers": LAYERS, "num_attention_heads": HEADS, "num_key_value_heads": 2,
+                "max_position_embeddings": 256, "attention_dropout": 0.0}
+    base.update(kw)
+    return base
+
+
+FAMILIES: dict[str, Family] = {f.name: f for f in [
+    Family("llama", "LlamaConfig", "LlamaForCausalLM", _llama_like(),
+           "GQA (4 q / 2 kv heads, repeat_kv), RoPE, RMSNorm, SwiGLU"),
+    Family("qwen2", "Qwen2Config", "Qwen2ForCausalLM", _llama_like(),
+           "GQA, q/k/v biases (the key bias has a zero gradient)"),
+    Family("qwen3", "Qwen3Config", "Qwen3ForCausalLM", _llama_like(head_dim=16),
+           "GQA, q/k RMSNorm per head before RoPE"),
+    Family("mistral", "MistralConfig", "MistralForCausalLM", _llama_like(sliding_window=None),
+           "GQA, Llama layout under another config"),
+    Family("gemma", "GemmaConfig", "GemmaForCausalLM",
+           _llama_like(num_key_value_heads=1, head_dim=16, hidden_activation="gelu_pytorch_tanh"),
+           "MQA (1 kv head, replicated up to the degree), scaled embeddings, tied embeddings"),
+    Family("phi3", "Phi3Config", "Phi3ForCausalLM",
+           _llama_like(resid_pdrop=0.0, embd_pdrop=0.0, pad_token_id=0),
+           "fused qkv projection split after the matmul, fused gate_up"),
+    Family("gpt_neox", "GPTNeoXConfig", "GPTNeoXForCausalLM",
+           {"vocab_size": VOCAB, "hidden_size": DIM, "intermediate_size": 128,
+                "num_hidden_layers": LAYERS, "num_attention_heads": HEADS, "rotary_pct": 0.5,
+                "max_position_embeddings": 256, "use_parallel_residual": True, "attention_dropout": 0.0,
+                "hidden_dropout": 0.0},
+           "partial rotary (half the head dim), fused qkv, parallel attention/MLP residual"),
+    Family("gpt2", "GPT2Config", "GPT2LMHeadModel",
+           {"vocab_size": VOCAB, "n_embd": DIM, "n_layer": LAYERS, "n_head": HEADS, "n_positions": 256,
+                "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0},
+           "learned absolute positions, fused qkv (Conv1D), LayerNorm, tied embeddings"),
+    Family("falcon", "FalconConfig", "FalconForCausalLM",
+           {"vocab_size": VOCAB, "hidden_size": DIM, "num_hidden_layers": LAYERS,
+                "num_attention_heads": HEADS, "multi_query": True, "parallel_attn": True, "bias": False,
+                "new_decoder_architecture": False, "alibi": False, "attention_dropout": 0.0,
+                "hidden_dropout": 0.0, "max_position_embeddings": 256},
+           "MQA with fused qkv, parallel attention/MLP block, RoPE"),
+    Family("gptj", "GPTJConfig", "GPTJForCausalLM",
+           {"vocab_size": VOCAB, "n_embd": DIM, "n_layer": LAYERS, "n_head": HEADS, "rotary_dim": 8,
+                "n_positions": 256, "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0},
+           "interleaved partial rotary (rotary_dim 8 of 16), parallel block"),
+    Family("phi", "PhiConfig", "PhiForCausalLM",
+           {"vocab_size": VOCAB, "hidden_size": DIM, "intermediate_size": 128,
+                "num_hidden_layers": LAYERS, "num_attention_heads": HEADS, "partial_rotary_factor": 0.5,
+                "max_position_embeddings": 256, "resid_pdrop": 0.0, "embd_pdrop": 0.0,
+                "attention_dropout": 0.0},
+           "partial rotary, q/k/v biases, parallel attention/MLP block, LayerNorm"),
+    Family("opt", "OPTConfig", "OPTForCausalLM",
+           {"vocab_size": VOCAB, "hidden_size": DIM, "num_hidden_layers": LAYERS,
+                "num_attention_heads": HEADS, "ffn_dim": 128, "max_position_embeddings": 256,
+                "word_embed_proj_dim": DIM, "dropout": 0.0, "attention_dropout": 0.0,
+                "layerdrop": 0.0},
+           "learned positions from the mask's cumsum; its training-mode layerdrop draw "
+           "(torch.rand([]) < p, Python control flow on data) cannot be traced"),
+]}
+
+
+# families in the tested matrix (OPT is listed for the docs table only), and the attention
+# implementations each supports (GPT-J has no SDPA path in transformers)
+MATRIX = [f for f in FAMILIES if f != "opt"]
+ATTN = {f: ("eager",) if f == "gptj" else ("sdpa", "eager") for f in FAMILIES}
+
+
+def build(name: str, attn: str = "sdpa", seed: int = 0, **overrides) -> torch.nn.Module:
+    """The tiny random model of family ``name`` with ``attn_implementation=attn``."""
+    import transformers
+    fam = FAMILIES[name]
+    cfg = getattr(transformers, fam.config)(**{**fam.kwargs, **overrides})
+    cfg._attn_implementation = attn
+    torch.manual_seed(seed)
+    model = getattr(transformers, fam.model)(cfg)
+    return model.float().train()
+
+
+def batch(b: int = 2, s: int = 32, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(1, VOCAB, (b, s), generator=g)
+    return ids, ids.clone()
+
+
+def padded(b: int = 2, s: int = 32, side: str = "right", seed: int = 1):
+    """ids, labels (-100 on padding) and a 2-D attention mask; row 0 has no padding, row 1
+    a quarter of padding on ``side``."""
+    ids, labels = batch(b, s, seed)
+    mask = torch.ones(b, s, dtype=torch.long)
+    n = s // 4 + 1
+    if side == "right":
+        mask[1, s - n:] = 0
+    else:
+        mask[1, :n] = 0
+    ids = ids.masked_fill(mask == 0, 0)
+    labels = labels.masked_fill(mask == 0, -100)
+    return ids, labels, mask
+
+
+def packed(s: int = 32, docs: tuple[int, ...] = (5, 14, 13), seed: int = 1):
+    """One row of several documents: ids, labels (-100 on each document's first token) and
+    position ids restarting at 0 for each document."""
+    assert sum(docs) == s
+    ids, labels = batch(1, s, seed)
+    pos = torch.cat([torch.arange(n) for n in docs]).unsqueeze(0)
+    labels = labels.masked_fill(pos == 0, -100)
+    return ids, labels, pos

@@ -1,0 +1,91 @@
+"""The planner's per-rank peak with sharded state on a dp x sp mesh against the allocator's
+own count (``spdsl.memory.measure``, which shares no code with the planner): tiny and small
+Llama, dp=2 x sp=2 and dp=1 x sp=4, remat none/auto/full and full with offload, within 10%.
+What is compared is what ``tests/memory/measured.py`` compares: the most bytes held during one
+steady-state step above what was held when it began."""
+
+from __future__ import annotations
+
+import functools
+import gc
+
+import pytest
+import torch
+
+import spdsl
+from models.llama import Llama, LlamaConfig
+from spdsl.memory import plan_memory
+from spdsl.memory.measure import measure_step, track_cpu_allocations
+from tests.dist import spawn
+
+pytestmark = [pytest.mark.multirank, pytest.mark.slow]
+
+TOL = 0.10
+MESHES = [(2, 2), (1, 4)]
+CASES = {"tiny_4x256": (LlamaConfig.tiny(), 4, 256), "small_2x512": (LlamaConfig.small(), 2, 512)}
+
+
+def _modes():
+    return {"none": "none", "auto": "auto", "full": "full",
+            "full+offload": spdsl.Remat("full", offload=True)}
+
+
+def _case(name: str, dp: int, sp: int, mesh) -> dict:
+    cfg, batch, seq = CASES[name]
+    out = {}
+    for label, mode in _modes().items():
+        gc.collect()
+        torch.manual_seed(0)
+        model = Llama(cfg)
+        ids = torch.randint(0, cfg.vocab_size, (batch, seq),
+                            generator=torch.Generator().manual_seed(1))
+        f = spdsl.sp_shard(model, seq=sp, mesh=mesh, shard_state=True, remat=mode)
+        opt = torch.optim.AdamW(model.parameters(), foreach=False)
+
+        def step(f=f, opt=opt, ids=ids):
+            f(ids, ids).backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+        step()                                  # build; AdamW states created
+        m = measure_step(step)
+        plan = plan_memory(f, ids, ids, remat=mode)
+        before = plan.parameters + plan.optimizer + plan.inputs
+        out[label] = {"planned": plan.peak - before, "measured": m.peak, "end": m.end}
+        del f, opt, model
+    return out
+
+
+def _run(rank: int, world: int) -> dict:
+    track_cpu_allocations()
+    res = {}
+    for dp, sp in MESHES:
+        mesh = spdsl.mesh(dp=dp, sp=sp)
+        for name in CASES:
+            res[(name, dp, sp)] = _case(name, dp, sp, mesh)
+    return res
+
+
+@functools.cache
+def _results() -> list[dict]:
+    return spawn(_run, 4, timeout=1500)
+
+
+@pytest.mark.parametrize("mesh", MESHES, ids=[f"dp{d}xsp{s}" for d, s in MESHES])
+def test_planner_within_10pct_of_allocator_with_sharded_state(mesh):
+    rows, bad = [], []
+    for rank, res in enumerate(_results()):
+        for (name, dp, sp), modes in res.items():
+            if (dp, sp) != mesh:
+                continue
+            for mode, o in modes.items():
+                err = o["planned"] / o["measured"] - 1
+                row = (f"dp{dp}xsp{sp} r{rank} {name:12} {mode:12} planned {o['planned']:>11,} "
+                       f"measured {o['measured']:>11,} {err:+.2%}")
+                rows.append(row)
+                if abs(err) > TOL:
+                    bad.append(row)
+                assert o["end"] == 0, row + f" (the step kept {o['end']} B)"
+    print("\n" + "\n".join(rows))
+    assert len(rows) == 4 * len(CASES) * len(_modes())
+    assert not bad, "\n".join(bad)

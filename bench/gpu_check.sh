@@ -1,38 +1,144 @@
 #!/usr/bin/env bash
-# One-command GPU check of spdsl's kernels (about 6 minutes on one H200):
-#   1. the kernel tests on CUDA: every gpu-marked case in bf16/fp16 plus the CPU-only tests;
-#   2. bench/kernel_bench.py: fwd+bwd TFLOP/s or GB/s vs SDPA and torch.compile'd references.
-# Usage, from anywhere:  bash bench/gpu_check.sh   (env: PYTEST_TIMEOUT=240 BENCH_TIMEOUT=330)
-# Nothing heavy is installed: torch must be there; triton is installed only if missing.
+# One-command check of spdsl on one CUDA device (under 8 minutes on one H200). Sections, each in
+# its own process under its own time limit (a failure or a hang in one does not stop the rest):
+#   tests   - pytest tests/kernels on the device: the gpu cases in fp32 (IEEE dots), bf16 and
+#             fp16 against the fp32 references, plus the plain CPU tests (bench/gpu/summarize.py
+#             counts pass/fail per dtype);
+#   parity  - one training step of the small Llama and a 1.1B Llama, kernels on vs off: fp32
+#             loss and gradient errors, bf16 errors and step time (bench/gpu/train_parity.py);
+#   planner - the memory planner's peak vs torch.cuda.max_memory_allocated, small Llama, SP 1,
+#             remat none/auto/full (bench/gpu/planner_check.py);
+#   bench   - fwd+bwd TFLOP/s (GB/s for the memory-bound kernels) of the Triton kernels vs SDPA's
+#             flash backend and torch.compile'd references, bf16 (bench/kernel_bench.py).
+# Results: bench/results/gpu/{kernel_tests.log,train_parity.json,planner.json,
+# kernel_bench.json,gpu_check.json,summary.md}; the summary is printed at the end. The dry run
+# uses LlamaConfig.tiny() models and measures the planner against LiveBytes; its timings mean
+# nothing.
+#
+# Usage, from anywhere:
+#   bash bench/gpu_check.sh                 # on the GPU machine
+#   bash bench/gpu_check.sh --dry-run       # CPU, well under a minute: every section at tiny
+#                                           # shapes, kernels under TRITON_INTERPRET=1, fp32
+#   bash bench/gpu_check.sh --out DIR       # results elsewhere (dry run default: a temp dir)
+# Env: PYTHON=... (default: the first of python, python3 that imports torch);
+#      LIMIT_ENV/LIMIT_TESTS/LIMIT_PARITY/LIMIT_PLANNER/LIMIT_BENCH: seconds per section.
+# Nothing is installed: torch and triton must be there.
 set -u
 cd "$(dirname "$0")/.."
+DRY=0
+OUT=""
+while [ $# -gt 0 ]; do
+    case "$1" in
+        --dry-run) DRY=1 ;;
+        --out) OUT="$2"; shift ;;
+        *) echo "unknown argument $1 (use --dry-run, --out DIR)"; exit 2 ;;
+    esac
+    shift
+done
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-unset TRITON_INTERPRET            # the interpreter would replace the GPU compiler
 export SPDSL_KERNELS=auto
-PY=${PYTHON:-python}
-status=0
-
-echo "== environment"
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
-if ! $PY -c "import triton" 2>/dev/null; then
-    echo "triton missing: pip install triton==3.8.0"
-    $PY -m pip install -q triton==3.8.0 || echo "pip install triton failed"
+if [ $DRY = 1 ]; then
+    export TRITON_INTERPRET=1 CUDA_VISIBLE_DEVICES=""   # the CPU path even where a GPU is
+    OUT=${OUT:-${TMPDIR:-/tmp}/spdsl_gpu_check_dry}
+    TINY=--tiny
+else
+    unset TRITON_INTERPRET            # the interpreter would replace the GPU compiler
+    OUT=${OUT:-bench/results/gpu}
+    TINY=""
 fi
-$PY - <<'PY' || { echo "no usable CUDA torch: stopping"; exit 1; }
-import torch, triton
-print(f"torch {torch.__version__}, triton {triton.__version__}, "
-      f"cuda {torch.version.cuda}, device {torch.cuda.get_device_name()}")
-assert torch.cuda.is_available()
+mkdir -p "$OUT"
+# Section limits only stop a hang: generous on a shared CPU, where the dry run may crawl.
+if [ $DRY = 1 ]; then DEF=(300 300 300 300 300); else DEF=(60 170 130 75 120); fi
+L_ENV=${LIMIT_ENV:-${DEF[0]}} L_TESTS=${LIMIT_TESTS:-${DEF[1]}} L_PARITY=${LIMIT_PARITY:-${DEF[2]}}
+L_PLANNER=${LIMIT_PLANNER:-${DEF[3]}} L_BENCH=${LIMIT_BENCH:-${DEF[4]}}
+rm -f "$OUT"/kernel_tests.log "$OUT"/*.json "$OUT"/summary.md
+
+PY=""
+for c in ${PYTHON:-} python python3 /opt/torch/.venv/bin/python3; do
+    if command -v "$c" >/dev/null 2>&1 && "$c" -c "import torch" 2>/dev/null; then PY=$c; break; fi
+done
+[ -n "$PY" ] || { echo "no python with torch found (set PYTHON=...)"; exit 1; }
+
+SECTIONS=""
+section() {   # section NAME LIMIT_S COMMAND...: run it, record exit status and seconds
+    local name=$1 limit=$2 start rc secs
+    shift 2
+    echo "== $name (limit ${limit}s): $*"
+    start=$(date +%s)
+    timeout -k 10 "$limit" "$@"
+    rc=$?
+    secs=$(( $(date +%s) - start ))
+    [ $rc = 124 ] && echo "== $name: TIMED OUT after ${limit}s"
+    echo "== $name: exit $rc in ${secs}s"
+    SECTIONS="$SECTIONS${SECTIONS:+,}$name:$rc:$secs"
+}
+
+echo "== environment ($(date -u +%FT%TZ), $PY, results in $OUT)"
+[ $DRY = 0 ] && { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true; }
+section env "$L_ENV" "$PY" - <<'PY'
+import os, sys, torch
+print(f"python {sys.version.split()[0]}, torch {torch.__version__}, cuda {torch.version.cuda}, "
+      f"available {torch.cuda.is_available()}")
+try:
+    import triton
+    print(f"triton {triton.__version__}, TRITON_INTERPRET={os.environ.get('TRITON_INTERPRET')}")
+except ImportError as e:
+    print(f"triton missing: {e}")
+import spdsl, spdsl.kernels, models.llama  # noqa: E401 - the imports every section needs
+print("import spdsl: ok")
+if os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
+    assert torch.cuda.is_available(), "no CUDA device: use --dry-run on a CPU machine"
+    print(f"device {torch.cuda.get_device_name()}")
 PY
 
-echo "== kernel tests on CUDA"
-# -m: the gpu cases plus the plain CPU tests; interpreter-only and slow (sm_90 compile-only
-# check, redundant on a real GPU) cases are left out.
-timeout "${PYTEST_TIMEOUT:-240}" $PY -m pytest tests/kernels -m "gpu or not (interpret or slow)" \
-    -q -rs -p no:cacheprovider --durations=10 || { echo "kernel tests: FAILED ($?)"; status=1; }
+# The kernel tests run as parallel pytest processes, one per dtype group (Triton compiles
+# each kernel variant once per dtype: in parallel they take a third of the time), each
+# under the tests limit; their -v logs are joined into kernel_tests.log, which summarize.py
+# counts per dtype (a log survives a timeout; a JUnit file would not).
+if [ $DRY = 1 ]; then
+    # fp32 only (the interpreter has no bf16), one case of each kernel's interpreter test
+    MARK="interpret"
+    TEST_GROUPS=("float32 and (mha-s37 or rms_norm or rope or swiglu or fused_linear_ce)")
+else
+    # gpu cases in every dtype plus the plain CPU tests; the interpreter and the slow sm_90
+    # compile-only check (redundant on a real GPU) are left out
+    MARK="gpu or not (interpret or slow)"
+    TEST_GROUPS=("float32" "bfloat16" "float16 and not bfloat16" "not float32 and not float16")
+fi
+echo "== tests (limit ${L_TESTS}s): ${#TEST_GROUPS[@]} pytest processes, -m '$MARK'"
+start=$(date +%s)
+rm -rf "$OUT/parts" && mkdir -p "$OUT/parts"
+pids=()
+for i in "${!TEST_GROUPS[@]}"; do
+    timeout -k 10 "$L_TESTS" "$PY" -m pytest tests/kernels -m "$MARK" -k "${TEST_GROUPS[$i]}" \
+        -v -rfEs -p no:cacheprovider --durations=5 > "$OUT/parts/kernel_tests_$i.log" 2>&1 &
+    pids+=($!)
+done
+rc=0
+for i in "${!pids[@]}"; do
+    wait "${pids[$i]}"
+    r=$?
+    printf "\n== pytest exit %s\n" "$r" >> "$OUT/parts/kernel_tests_$i.log"
+    echo "   pytest -k '${TEST_GROUPS[$i]}': exit $r"
+    [ $r = 124 ] && echo "   ... TIMED OUT"
+    [ $r != 0 ] && [ $r != 5 ] && rc=1          # 5: nothing selected
+done
+for i in "${!TEST_GROUPS[@]}"; do
+    echo "---- pytest -k '${TEST_GROUPS[$i]}'"
+    cat "$OUT/parts/kernel_tests_$i.log"
+done > "$OUT/kernel_tests.log"
+rm -rf "$OUT/parts"
+grep -E "^(FAILED|ERROR) |passed|failed" "$OUT/kernel_tests.log" | tail -40
+SECTIONS="$SECTIONS${SECTIONS:+,}tests:$rc:$(( $(date +%s) - start ))"
+echo "== tests: exit $rc"
 
-echo "== kernel benchmark (bf16)"
-timeout "${BENCH_TIMEOUT:-330}" $PY bench/kernel_bench.py || { echo "bench: FAILED ($?)"; status=1; }
+section parity "$L_PARITY" "$PY" -m bench.gpu.train_parity $TINY --out "$OUT/train_parity.json"
+section planner "$L_PLANNER" "$PY" -m bench.gpu.planner_check $TINY \
+    ${TINY:+--seq 128} --out "$OUT/planner.json"
+section bench "$L_BENCH" "$PY" bench/kernel_bench.py $TINY --json "$OUT/kernel_bench.json"
 
-echo "== gpu_check exit status $status"
+echo "== summary"
+"$PY" -m bench.gpu.summarize --dir "$OUT" --sections "$SECTIONS"
+status=$?
+echo "== gpu_check exit status $status (results in $OUT)"
 exit $status

@@ -2,12 +2,15 @@
 
 ``plan_memory(sharded_fn, *args)`` simulates one step on fake tensors under the function's
 remat policy; ``max_seq`` searches the longest sequence under a device budget; ``LiveBytes``
-measures the same quantity on real runs.
+runs the planner's own count on real runs; ``measure_step`` reads the allocator's (the
+independent check: ``spdsl/memory/measure.py``).
 """
 
+from spdsl.memory.measure import StepMemory, measure_step, track_cpu_allocations
 from spdsl.memory.planner import plan_memory
 from spdsl.memory.report import MemoryPlan, fmt_bytes
 from spdsl.memory.simulate import simulate
 from spdsl.memory.tracker import LiveBytes
 
-__all__ = ["LiveBytes", "MemoryPlan", "fmt_bytes", "plan_memory", "simulate"]
+__all__ = ["LiveBytes", "MemoryPlan", "StepMemory", "fmt_bytes", "measure_step", "plan_memory",
+           "simulate", "track_cpu_allocations"]

@@ -5,7 +5,9 @@ Every op output's storage is counted once (views share it) and uncounted when it
 ``AsyncCollectiveTensor``) owns no memory and is counted through the tensors it wraps. The
 same mode measures a real step and simulates a fake one, so what the planner predicts and what
 it checks against are the same quantity: bytes of live tensor storages, not process RSS. Kernel-internal scratch (allocated below the Python
-dispatcher) is invisible to it, as it is to ``torch.distributed._tools.mem_tracker.MemTracker``.
+dispatcher) is invisible to it, as it is to ``torch.distributed._tools.mem_tracker.MemTracker``;
+``LiveBytes(workspace=True)`` adds the scratch of the kernels ``spdsl.memory.workspace`` knows,
+while each runs (the planner does; the allocator's own count is ``spdsl.memory.measure``).
 
 Categories, decided when a storage is first seen: ``parameter``, ``optimizer`` and ``input``
 (registered by the caller), ``gradient`` (re-tagged when autograd accumulates it into a
@@ -23,6 +25,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_flatten
 
+from spdsl.memory.workspace import workspace_bytes
 from spdsl.remat.offload import allocating_on_host
 
 _WAIT = torch.ops._c10d_functional.wait_tensor.default
@@ -47,8 +50,9 @@ class LiveBytes(TorchDispatchMode):
         tracker.peak, tracker.at_peak["activation"]
     """
 
-    def __init__(self) -> None:
+    def __init__(self, workspace: bool = False) -> None:
         super().__init__()
+        self.workspace = workspace
         self.live: dict[int, list] = {}          # key -> [bytes, category]
         self._refs: dict[int, weakref.ref] = {}
         self.sums: dict[str, int] = defaultdict(int)
@@ -85,12 +89,20 @@ class LiveBytes(TorchDispatchMode):
         self.sums[category] += n
         self.current += n
         self._refs[key] = weakref.ref(st, lambda _r, k=key: self._free(k))
-        if self.current > self.peak:
-            self.peak = self.current
+        self._check_peak()
+
+    def _check_peak(self, scratch: int = 0) -> None:
+        """A new peak, with ``scratch`` bytes a running kernel holds (counted as transient)."""
+        now = self.current + scratch
+        if now > self.peak:
+            self.peak = now
             self.at_peak = dict(self.sums)
+            self.at_peak["transient"] = self.at_peak.get("transient", 0) + scratch
             self.peak_phase = self.phase
-        if self.current > sum(self.phase_peaks.get(self.phase, {}).values()):
-            self.phase_peaks[self.phase] = dict(self.sums)
+        if now > sum(self.phase_peaks.get(self.phase, {}).values()):
+            at = dict(self.sums)
+            at["transient"] = at.get("transient", 0) + scratch
+            self.phase_peaks[self.phase] = at
 
     def _free(self, key: int) -> None:
         entry = self.live.pop(key, None)
@@ -147,6 +159,10 @@ class LiveBytes(TorchDispatchMode):
             # fake tensors report their fake device (cpu/cuda); real meta ones hold nothing
             if isinstance(t, torch.Tensor) and t.device.type != "meta":
                 self._add(t, category)
+        if self.workspace:
+            scratch = workspace_bytes(func, args, kwargs)
+            if scratch:
+                self._check_peak(scratch)
         return out
 
 

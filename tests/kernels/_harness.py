@@ -17,7 +17,7 @@ from spdsl.kernels import kernel_backend
 from tests._util import assert_close
 
 INTERP_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-GPU_DTYPES = (torch.bfloat16, torch.float16)
+GPU_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 BF16_REASON = ("bf16 is not supported by the Triton interpreter (TRITON_INTERPRET=1); "
                "the gpu-marked test covers it")
 

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import re
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -140,3 +143,19 @@ def test_flash_attn_rejects_bad_shapes(shapes, seg, match):
     segment_ids = torch.zeros(seg, dtype=torch.long) if seg else None
     with pytest.raises(ValueError, match=match):
         flash_attn(q, k, k, segment_ids=segment_ids)
+
+
+def test_every_dot_states_its_precision():
+    """fp32 dots default to TF32 on a GPU and the interpreter cannot tell: every ``tl.dot`` in
+    the attention kernels must pass the launcher's precision ("ieee" for fp32 inputs)."""
+    root = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(
+        os.path.abspath(__file__)))), "spdsl", "kernels", "_triton")
+    for name in ("flash_fwd.py", "flash_bwd.py"):
+        with open(os.path.join(root, name)) as f:
+            src = f.read()
+        dots = re.findall(r"tl\.dot\((.*)", src)
+        assert dots, name
+        bad = [d for d in dots if "input_precision=DOT_PRECISION" not in d]
+        assert not bad, f"{name}: tl.dot without input_precision: {bad}"
+        assert "DOT_PRECISION=dot_precision(q.dtype)" in src or \
+            '"DOT_PRECISION": dot_precision(q.dtype)' in src, name

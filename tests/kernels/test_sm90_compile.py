@@ -1,4 +1,5 @@
-"""Every Triton kernel, with its GPU tile sizes, compiles to an sm_90 cubin (no GPU needed)."""
+"""Every Triton kernel, with its GPU tile sizes, compiles to an sm_90 cubin (no GPU needed);
+flash attention in bf16 and in fp32 (IEEE dots, smaller tiles)."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ def test_kernels_compile_for_sm90():
     # A fresh process: kernels defined under TRITON_INTERPRET=1 cannot be compiled.
     code = ("import sys, torch\n"
             "from tests.kernels.sm90_compile import compile_recorded, record_all_launches\n"
-            "lines = compile_recorded(record_all_launches((torch.bfloat16,)))\n"
+            "lines = compile_recorded(record_all_launches((torch.bfloat16, torch.float32)))\n"
             "print('\\n'.join(lines))\n")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = ROOT

@@ -1,5 +1,10 @@
-"""The planner's predicted peak (fake tensors) matches the peak tensor memory measured on real
-runs within 10%: tiny and small Llamas, several lengths, every remat mode, SP 1, 2 and 4."""
+"""The planner's simulation (fake tensors) matches the same tracker run on real tensors within
+10%: tiny and small Llamas, several lengths, every remat mode, SP 1, 2 and 4.
+
+Both sides are ``LiveBytes`` (dispatch level, with the same kernel-scratch model): this checks
+that fake kernels, collectives and the checkpoint machinery behave as the real ones, not the
+planner's accounting. The independent check, against the allocator's own count, is
+``tests/memory/test_measured.py``."""
 
 from __future__ import annotations
 

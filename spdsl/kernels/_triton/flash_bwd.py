@@ -13,7 +13,13 @@ import torch
 import triton
 import triton.language as tl
 
-from spdsl.kernels._triton.flash_fwd import LOG2E, block_d, last_dim_contiguous, strides3
+from spdsl.kernels._triton.flash_fwd import (
+    LOG2E,
+    block_d,
+    dot_precision,
+    last_dim_contiguous,
+    strides3,
+)
 from spdsl.kernels.backend import interpreting
 
 
@@ -64,6 +70,7 @@ def _flash_bwd_dkdv_kernel(
     H, GROUPS, S_Q, S_K, D, scale, qk_scale,
     CAUSAL: tl.constexpr, HAS_SEG: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_bhk = tl.program_id(1)
@@ -96,13 +103,14 @@ def _flash_bwd_dkdv_kernel(
             do = tl.load(do_base + rows[:, None] * sdos + offs_d[None, :], mask=q_mask, other=0.0)
             lse = tl.load(LSE + row_base + rows, mask=rows < S_Q, other=0.0) * 1.4426950408889634
             delta = tl.load(DELTA + row_base + rows, mask=rows < S_Q, other=0.0)
-            s_t = tl.dot(k, tl.trans(q)) * qk_scale  # [BLOCK_N, BLOCK_M]: keys x queries
+            # [BLOCK_N, BLOCK_M]: keys x queries
+            s_t = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION) * qk_scale
             keep = _keep_mask(rows, offs_n, SEG, b * s_seg, S_Q, S_K, CAUSAL, HAS_SEG, True)
             p_t = tl.where(keep, tl.exp2(s_t - lse[None, :]), 0.0)
-            dv += tl.dot(p_t.to(do.dtype), do)
-            dp_t = tl.dot(v, tl.trans(do))
+            dv += tl.dot(p_t.to(do.dtype), do, input_precision=DOT_PRECISION)
+            dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
             ds_t = p_t * (dp_t - delta[None, :])
-            dk += tl.dot(ds_t.to(q.dtype), q)
+            dk += tl.dot(ds_t.to(q.dtype), q, input_precision=DOT_PRECISION)
     out = b * (h_kv * S_K * D) + hk * (S_K * D) + offs_n[:, None] * D + offs_d[None, :]
     tl.store(DK + out, (dk * scale).to(DK.dtype.element_ty), mask=kv_mask)
     tl.store(DV + out, dv.to(DV.dtype.element_ty), mask=kv_mask)
@@ -115,6 +123,7 @@ def _flash_bwd_dq_kernel(
     H, GROUPS, S_Q, S_K, D, scale, qk_scale,
     CAUSAL: tl.constexpr, HAS_SEG: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -146,20 +155,22 @@ def _flash_bwd_dq_kernel(
         kv_mask = (cols < S_K)[:, None] & (offs_d < D)[None, :]
         k = tl.load(k_base + cols[:, None] * sks + offs_d[None, :], mask=kv_mask, other=0.0)
         v = tl.load(v_base + cols[:, None] * svs + offs_d[None, :], mask=kv_mask, other=0.0)
-        s = tl.dot(q, tl.trans(k)) * qk_scale
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
         keep = _keep_mask(rows, cols, SEG, b * s_seg, S_Q, S_K, CAUSAL, HAS_SEG, False)
         p = tl.where(keep, tl.exp2(s - lse[:, None]), 0.0)
-        dp = tl.dot(do, tl.trans(v))
+        dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
         ds = p * (dp - delta[:, None])
-        dq += tl.dot(ds.to(k.dtype), k)
+        dq += tl.dot(ds.to(k.dtype), k, input_precision=DOT_PRECISION)
     tl.store(DQ + pid_bh.to(tl.int64) * (S_Q * D) + rows[:, None] * D + offs_d[None, :],
              (dq * scale).to(DQ.dtype.element_ty), mask=q_mask)
 
 
-def bwd_config(d: int) -> dict[str, int]:
+def bwd_config(d: int, dtype: torch.dtype = torch.bfloat16) -> dict[str, int]:
     """Tile sizes for both backward kernels; tiny tiles under the interpreter."""
     if interpreting():
         return {"BLOCK_M": 16, "BLOCK_N": 16, "num_warps": 4, "num_stages": 1}
+    if dtype == torch.float32:  # IEEE dots on FMA units; see fwd_config
+        return {"BLOCK_M": 32, "BLOCK_N": 32, "num_warps": 4, "num_stages": 1}
     if d <= 64:
         return {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2}
     if d <= 128:
@@ -177,7 +188,7 @@ def flash_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Ten
     out, dout = out.contiguous(), dout.contiguous()
     b, h, s_q, d = q.shape
     h_kv, s_k = k.shape[1], k.shape[2]
-    cfg = bwd_config(d)
+    cfg = bwd_config(d, q.dtype)
     bd = block_d(d)
     lse = lse.contiguous()
     delta = torch.empty_like(lse)
@@ -193,7 +204,8 @@ def flash_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Ten
     common = (*strides3(q), *strides3(k), *strides3(v), *strides3(dout),
               seg.stride(0) if segment_ids is not None else 0,
               h, h // h_kv, s_q, s_k, d, scale, scale * LOG2E)
-    flags = {"CAUSAL": causal, "HAS_SEG": segment_ids is not None, "BLOCK_D": bd, **cfg}
+    flags = {"CAUSAL": causal, "HAS_SEG": segment_ids is not None, "BLOCK_D": bd,
+             "DOT_PRECISION": dot_precision(q.dtype), **cfg}
     _flash_bwd_dkdv_kernel[(triton.cdiv(s_k, cfg["BLOCK_N"]), b * h_kv)](
         q, k, v, dout, lse, delta, seg, dk, dv, *common, **flags)
     _flash_bwd_dq_kernel[(triton.cdiv(s_q, cfg["BLOCK_M"]), b * h)](

@@ -24,6 +24,7 @@ def _flash_fwd_kernel(
     H, GROUPS, S_Q, S_K, D, qk_scale,
     CAUSAL: tl.constexpr, HAS_SEG: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -59,7 +60,7 @@ def _flash_fwd_kernel(
         n_ok = cols < S_K
         kv_mask = n_ok[:, None] & d_ok[None, :]
         k = tl.load(k_base + cols[:, None] * sks + offs_d[None, :], mask=kv_mask, other=0.0)
-        s = tl.dot(q, tl.trans(k)) * qk_scale
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
         keep = n_ok[None, :]
         if CAUSAL:
             keep = keep & (cols[None, :] <= offs_m[:, None])
@@ -75,7 +76,7 @@ def _flash_fwd_kernel(
         alpha = tl.exp2(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(v_base + cols[:, None] * svs + offs_d[None, :], mask=kv_mask, other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
 
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
@@ -92,10 +93,26 @@ def block_d(d: int) -> int:
     return max(16, triton.next_power_of_2(d))
 
 
-def fwd_config(d: int) -> dict[str, int]:
+def dot_precision(dtype: torch.dtype) -> str:
+    """``tl.dot``'s ``input_precision`` for inputs of ``dtype``.
+
+    Triton's default for fp32 operands is TF32 (10-bit mantissa, about 1e-3 relative error per
+    product), which would make an fp32 run silently inexact; "ieee" keeps full fp32 products.
+    fp16/bf16 operands ignore the setting, so they keep the default. The interpreter computes
+    every dot in numpy at full precision whatever is asked: only a GPU run tells them apart.
+    """
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def fwd_config(d: int, dtype: torch.dtype = torch.bfloat16) -> dict[str, int]:
     """Tile sizes for the forward; tiny tiles under the interpreter to exercise block edges."""
     if interpreting():
         return {"BLOCK_M": 16, "BLOCK_N": 16, "num_warps": 4, "num_stages": 1}
+    if dtype == torch.float32:
+        # IEEE fp32 dots run on FMA units, not tensor cores, and fp32 tiles take twice the
+        # shared memory: smaller tiles keep both registers and shared memory in bounds.
+        return {"BLOCK_M": 64 if d <= 128 else 32, "BLOCK_N": 32, "num_warps": 4,
+                "num_stages": 2 if d <= 128 else 1}
     if d <= 64:
         return {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3}
     if d <= 128:
@@ -120,13 +137,14 @@ def flash_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segment_ids: to
     out = torch.empty((b, h, s_q, d), dtype=q.dtype, device=q.device)
     lse = torch.empty((b, h, s_q), dtype=torch.float32, device=q.device)
     seg = segment_ids.contiguous() if segment_ids is not None else lse
-    cfg = fwd_config(d)
+    cfg = fwd_config(d, q.dtype)
     grid = (triton.cdiv(s_q, cfg["BLOCK_M"]), b * h)
     _flash_fwd_kernel[grid](
         q, k, v, seg, out, lse,
         *strides3(q), *strides3(k), *strides3(v), *strides3(out),
         seg.stride(0) if segment_ids is not None else 0,
         h, h // k.shape[1], s_q, s_k, d, scale * LOG2E,
-        CAUSAL=causal, HAS_SEG=segment_ids is not None, BLOCK_D=block_d(d), **cfg,
+        CAUSAL=causal, HAS_SEG=segment_ids is not None, BLOCK_D=block_d(d),
+        DOT_PRECISION=dot_precision(q.dtype), **cfg,
     )
     return out, lse

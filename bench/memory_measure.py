@@ -1,0 +1,65 @@
+"""The planner against the allocator's own count, per rank: the table in bench/MEMORY.md.
+
+    python bench/memory_measure.py                  # SP 1, 2 (with compiled), 4: ~12 min
+    python bench/memory_measure.py --worlds 2       # one degree, merged into the JSON
+
+One launch of gloo ranks per SP degree (``tests/memory/measured.py``: the cases and what is
+compared). Prints a markdown table, writes ``bench/memory_measure.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+LABEL = {"tiny_1024": "tiny, 1x1024", "tiny_2x256": "tiny, 2x256", "small_512": "small, 1x512"}
+
+
+def table(results: dict) -> str:
+    """One row per SP degree, case, execution and mode: rank 0's bytes, every rank's ratios."""
+    lines = [("| SP | model, BxS | exec | remat | planned (rank 0) | measured (rank 0) "
+              "| planned / measured, all ranks | absolute: planned / measured (rank 0) |"),
+             "| --- | --- | --- | --- | ---: | ---: | ---: | ---: |"]
+    for world in sorted(results, key=int):
+        ranks = results[world]
+        for key, modes in ranks[0].items():
+            case, how = key.split("/")
+            for mode, o in modes.items():
+                ratios = [r[key][mode]["planned"] / r[key][mode]["measured"] for r in ranks]
+                span = f"{min(ratios):.4f}" if max(ratios) - min(ratios) < 5e-5 else \
+                    f"{min(ratios):.4f} - {max(ratios):.4f}"
+                lines.append(
+                    f"| {world} | {LABEL[case]} | {how} | `{mode}` | {o['planned']:,} | "
+                    f"{o['measured']:,} | {span} | "
+                    f"{o['planned_abs']:,} / {o['measured_abs']:,} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--worlds", type=int, nargs="+", default=[1, 2, 4])
+    p.add_argument("--out", default=os.path.join(ROOT, "bench", "memory_measure.json"))
+    a = p.parse_args(argv)
+    from tests.memory.measured import PLAN, launch
+
+    results = {}
+    if a.worlds != [1, 2, 4] and os.path.exists(a.out):
+        with open(a.out) as fh:
+            results = json.load(fh)                # the other degrees from an earlier run
+    for w in a.worlds:
+        t = time.time()
+        results[str(w)] = launch(w, PLAN[w])
+        print(f"SP {w}: {time.time() - t:.0f} s", file=sys.stderr)
+    with open(a.out, "w") as fh:
+        json.dump(results, fh, indent=1)
+    print(table(results))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,71 @@
+"""``bench/gpu_check.sh``: its log counting, and its CPU dry run end to end (every section's
+plumbing at tiny shapes, Triton under the interpreter)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+
+import pytest
+
+from bench.gpu.summarize import kernel_tests, markdown
+from spdsl.kernels.backend import triton_available
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+LOG = """---- pytest -k 'float32'
+tests/kernels/test_flash_attn.py::test_flash_attn_matches_reference_gpu[torch.float32-1kv-s777-d64] PASSED [ 10%]
+tests/kernels/test_rope.py::test_rope_matches_reference_gpu[torch.float32-odd] FAILED [ 20%]
+== pytest exit 1
+---- pytest -k 'bfloat16'
+tests/kernels/test_rope.py::test_rope_matches_reference_gpu[torch.bfloat16-odd] PASSED [ 50%]
+tests/kernels/test_backend.py::test_modes SKIPPED (needs a CUDA device) [ 60%]
+tests/kernels/test_rope.py::test_reference_matches_hf PASSED [ 70%]
+== pytest exit 124
+"""
+
+
+def test_kernel_test_log_counted_per_dtype(tmp_path):
+    path = tmp_path / "kernel_tests.log"
+    path.write_text(LOG)
+    got = kernel_tests(str(path))
+    assert got["counts"] == {
+        "bf16 (gpu)": {"passed": 1, "failed": 0, "skipped": 0},
+        "fp32 (gpu)": {"passed": 1, "failed": 1, "skipped": 0},
+        "no dtype (cpu)": {"passed": 1, "failed": 0, "skipped": 1},
+    }
+    assert got["failed"] == [
+        "tests/kernels/test_rope.py::test_rope_matches_reference_gpu[torch.float32-odd] FAILED"]
+    assert got["groups"] == [{"k": "float32", "exit": 1}, {"k": "bfloat16", "exit": 124}]
+    text = markdown({"sections": [], "kernel_tests": got})
+    assert "| fp32 (gpu) | 1 | 1 | 0 |" in text and "(TIMED OUT)" in text
+
+
+@pytest.mark.slow
+def test_dry_run_writes_every_result(tmp_path):
+    if not triton_available():
+        pytest.skip("triton is not installed: the dry run runs the kernels under its interpreter")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run(["bash", "bench/gpu_check.sh", "--dry-run", "--out", str(tmp_path)],
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800,
+                         check=False)
+    assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-2000:]
+    for name in ("kernel_tests.log", "kernel_bench.json", "train_parity.json", "planner.json",
+                 "gpu_check.json", "summary.md"):
+        assert (tmp_path / name).is_file(), name
+    data = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert [s["name"] for s in data["sections"]] == ["env", "tests", "parity", "planner",
+                                                     "bench"]
+    assert all(s["rc"] == 0 for s in data["sections"]), data["sections"]
+    counts = data["kernel_tests"]["counts"]["fp32 (cpu)"]
+    assert counts["passed"] >= 5 and counts["failed"] == 0, counts
+    assert {r["impl"] for r in data["kernel_bench"]["rows"]} >= {"spdsl triton", "torch sdpa"}
+    models = data["train_parity"]["models"]
+    assert [m["model"] for m in models] == ["small", "1b"]
+    assert all(m["fp32"]["pass"] for m in models), models
+    assert all("flash_attn (triton)" in m["swaps"] for m in models)
+    rows = data["planner"]["rows"]
+    assert [r["remat"] for r in rows] == ["none", "auto", "full"]
+    assert all(0.5 < r["ratio"] < 2 for r in rows), rows
+    assert "## Memory planner" in (tmp_path / "summary.md").read_text()

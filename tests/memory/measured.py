@@ -1,0 +1,78 @@
+"""Per-rank work of one launch: the planner's peak beside the allocator's, for one training step.
+
+Shared by ``tests/memory/test_measured.py`` and ``bench/memory_measure.py``. What is compared,
+on both sides the same quantity: the most bytes held during one steady-state step (forward,
+backward, ``AdamW.step``, ``zero_grad(set_to_none=True)``) **above what was held when the step
+began** — parameters, AdamW states, the global input ids and whatever else lives across steps.
+
+- planned: ``plan.peak - plan.parameters - plan.optimizer - plan.inputs`` (what the plan says
+  exists before the step and lives through it);
+- measured: ``spdsl.memory.measure.measure_step(step).peak`` (c10's CPU allocator, see there).
+
+Absolute figures travel too (``plan.peak`` and ``before + peak``), for the table.
+"""
+
+from __future__ import annotations
+
+import gc
+
+import torch
+
+import spdsl
+from models.llama import Llama, LlamaConfig
+from spdsl.memory import plan_memory
+from spdsl.memory.measure import measure_step, track_cpu_allocations
+
+# (name, config, batch, global sequence length): 1024 tokens reach the CPU flash-attention
+# kernels' large blocks (q_len >= 768 after the all-to-all gathers the sequence)
+CASES = {"tiny_1024": (LlamaConfig.tiny(), 1, 1024), "tiny_2x256": (LlamaConfig.tiny(), 2, 256),
+         "small_512": (LlamaConfig.small(), 1, 512)}
+MODES = ("none", "auto", "full")
+# what each SP degree runs, one launch each: (case, compiled); compiled costs minutes, so SP 2 only
+PLAN = {1: [("tiny_1024", False), ("small_512", False)],
+        2: [("tiny_1024", False), ("small_512", False), ("tiny_2x256", True)],
+        4: [("tiny_1024", False), ("small_512", False)]}
+
+
+def run_case(name: str, world: int, rank: int, modes=MODES, compile: bool = False) -> dict:
+    cfg, batch, seq = CASES[name]
+    gc.collect()       # the previous case's model lives on in reference cycles until collected
+    torch.manual_seed(0)
+    model = Llama(cfg)
+    ids = torch.randint(0, cfg.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(1))
+    out = {}
+    for mode in modes:
+        f = spdsl.sp_shard(seq=world, remat=mode, compile=compile)(model)
+        step = _step(f, torch.optim.AdamW(model.parameters(), foreach=False), ids)
+        step()                                   # build (and compile), AdamW states created
+        m = measure_step(step)
+        plan = plan_memory(f, ids, ids, remat=mode, rank=rank)
+        before = plan.parameters + plan.optimizer + plan.inputs
+        out[mode] = {"planned": plan.peak - before, "measured": m.peak,
+                     "planned_abs": plan.peak, "measured_abs": m.before + m.peak,
+                     "end": m.end, "phase": plan.peak_phase}
+    return out
+
+
+def _step(f, opt, ids):
+    def step():
+        loss = f(ids, ids)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return step
+
+
+def run_all(rank: int, world: int, plan: list[tuple[str, bool]]) -> dict:
+    """``plan``: (case, compile) pairs; every rank returns ``{case/eager|compiled: {mode: ..}}``."""
+    track_cpu_allocations()                      # before anything is allocated: absolute counts
+    results = {}
+    for name, compile in plan:
+        results[f"{name}/{'compiled' if compile else 'eager'}"] = run_case(
+            name, world, rank, compile=compile)
+    return results
+
+
+def launch(world: int, plan: list[tuple[str, bool]]) -> list[dict]:
+    from tests.dist import spawn
+    return spawn(run_all, world, plan, timeout=1200)

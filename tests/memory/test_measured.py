@@ -1,0 +1,60 @@
+"""The planner's peak against the allocator's own count (``spdsl.memory.measure``), per rank:
+tiny and small Llama, remat none/auto/full, SP 1/2/4 eager within 10%; SP 2 compiled reported.
+
+The measurement shares no code with the planner: c10's CPU allocator's running total, read
+from the profiler's memory events (``tests/memory/measured.py`` says what is compared).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+
+from tests.memory.measured import PLAN, launch
+
+pytestmark = [pytest.mark.multirank, pytest.mark.slow]
+
+TOL = 0.10
+
+
+@functools.cache
+def _results(world: int) -> list[dict]:
+    return launch(world, PLAN[world])          # one launch per degree, eager and compiled
+
+
+def _rows(world: int, how: str) -> tuple[list[str], list[str]]:
+    rows, bad = [], []
+    for rank, res in enumerate(_results(world)):
+        for case, modes in res.items():
+            if not case.endswith(how):
+                continue
+            for mode, out in modes.items():
+                err = out["planned"] / out["measured"] - 1
+                row = (f"sp{world} r{rank} {case:22} {mode:5} planned {out['planned']:>11,} "
+                       f"measured {out['measured']:>11,} {err:+.2%}")
+                rows.append(row)
+                if abs(err) > TOL:
+                    bad.append(row)
+                # a steady-state step gives back all it took, or the count is not to be trusted
+                assert out["end"] == 0, row + f" (the step kept {out['end']} B)"
+    print("\n" + "\n".join(rows))              # the table, with pytest -s
+    return rows, bad
+
+
+@pytest.mark.parametrize("world", [1, pytest.param(2, marks=pytest.mark.compile), 4],
+                         ids=lambda w: f"sp{w}")
+def test_planner_within_10pct_of_allocator_eager(world):
+    rows, bad = _rows(world, "/eager")
+    n_cases = sum(1 for _, compiled in PLAN[world] if not compiled)
+    assert len(rows) == world * n_cases * 3
+    assert not bad, "\n".join(bad)
+
+
+@pytest.mark.compile
+@pytest.mark.xfail(strict=True, reason="the planner simulates the eager step; Inductor's "
+                   "partitioning and fusion are not modelled (bench/MEMORY.md: -18% to +30%)")
+def test_planner_within_10pct_of_allocator_compiled():
+    rows, bad = _rows(2, "/compiled")
+    assert len(rows) == 2 * 3
+    assert not bad, "\n".join(bad)

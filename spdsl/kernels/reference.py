@@ -139,17 +139,23 @@ def swiglu(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return (F.silu(_f32(a)) * _f32(b)).to(a.dtype)
 
 
+MAX_CHUNK_LOGITS = 256 * 2 ** 20     # bytes of one fp32 logits chunk, at most
+
+
 def default_chunk_size(n: int, vocab: int, hidden: int) -> int:
-    """Rows per chunk: logits chunk about as large as ``hidden`` itself (Liger-Kernel's rule).
+    """Rows per chunk: logits chunk about as large as ``hidden`` itself (Liger-Kernel's rule),
+    and at most ``MAX_CHUNK_LOGITS`` in fp32: at long context ``hidden`` is large (512K tokens
+    of Llama-3.1-8B on one rank: 4 GiB), and a chunk that size would be a second copy of it.
 
     Example::
 
-        >>> default_chunk_size(4096, 128256, 4096)
-        128
+        >>> default_chunk_size(4096, 128256, 4096), default_chunk_size(2 ** 19, 128256, 4096)
+        (128, 512)
     """
     chunks = max(1, -(-vocab // hidden))
     rows = max(1, -(-n // chunks))
-    return 1 << (rows - 1).bit_length()
+    cap = 1 << max(0, (MAX_CHUNK_LOGITS // (4 * vocab)).bit_length() - 1)
+    return min(1 << (rows - 1).bit_length(), cap)
 
 
 def _chunk_loss(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor,

@@ -31,7 +31,9 @@ class MemoryPlan:
     bytes of each kind live at the peak instant. ``activations`` were allocated in forward and
     are still held (saved for backward); ``transient`` were allocated in backward or the
     optimizer step (recomputed layers, gradients of activations, temporaries).
-    ``saved_activations`` is everything forward left for backward (at the end of forward).
+    ``saved_activations`` is everything forward left for backward on the device (at the end
+    of forward). ``host`` is the peak of host memory the step holds per rank: what activation
+    offload (``Remat(offload=True)``) moved there; it is not part of ``peak``.
 
     Example::
 
@@ -53,6 +55,7 @@ class MemoryPlan:
     label: str = ""
     # per phase (forward/backward/optimizer): bytes per category at that phase's own peak
     phases: dict = field(default_factory=dict, compare=False)
+    host: int = 0
 
     @staticmethod
     def from_tracker(tracker, *, saved: int, tokens: int | None, label: str) -> MemoryPlan:
@@ -60,12 +63,16 @@ class MemoryPlan:
         phases = {k: {c: v.get(c, 0) for c in CATEGORIES} for k, v in tracker.phase_peaks.items()}
         return MemoryPlan(tracker.peak, at["parameter"], at["gradient"], at["optimizer"],
                           at["input"], at["activation"], at["transient"], saved,
-                          tracker.peak_phase, tokens, label, phases)
+                          tracker.peak_phase, tokens, label, phases,
+                          getattr(tracker, "host_peak", 0))
 
-    def with_state_shards(self, n: int) -> MemoryPlan:
+    def with_state_shards(self, n: int, gathered: tuple[int, int] = (0, 0)) -> MemoryPlan:
         """The same step with parameters, gradients and optimizer state split ``n`` ways
-        (ZeRO-3/FSDP-like; the gathered layer weights FSDP adds transiently are not counted).
-        The optimizer's per-parameter temporaries shrink with them."""
+        (ZeRO-3 over every rank, as ``spdsl.state`` shards them). The optimizer's per-parameter
+        temporaries shrink with them. ``gathered``: bytes of whole parameters (and whole
+        gradients) that exist for a moment, (forward, backward): the weights of the layer in
+        flight all-gathered in forward; in backward the regathered weights plus the layer's
+        whole gradients before their reduce-scatter. Added at each phase's peak."""
         if n <= 1:
             return self
         phases = {}
@@ -75,12 +82,31 @@ class MemoryPlan:
                 at[c] = at[c] // n
             if phase == "optimizer":
                 at["transient"] //= n
+            at["gathered"] = {"forward": gathered[0], "backward": gathered[1]}.get(phase, 0)
             phases[phase] = at
         top = max(phases, key=lambda k: sum(phases[k].values()))
         b = phases[top]
         return MemoryPlan(sum(b.values()), b["parameter"], b["gradient"], b["optimizer"],
-                          b["input"], b["activation"], b["transient"], self.saved_activations,
-                          top, self.tokens, f"{self.label}, state / {n}", phases)
+                          b["input"], b["activation"], b["transient"] + b["gathered"],
+                          self.saved_activations, top, self.tokens,
+                          f"{self.label}, state / {n}", phases, self.host)
+
+    def with_extra(self, extra: dict[str, int], note: str) -> MemoryPlan:
+        """The same step with ``extra[phase]`` more transient bytes at that phase's peak: memory
+        a kernel allocates inside one op, which no dispatcher-level tracker sees."""
+        if not self.phases or not any(extra.values()):
+            return self
+        phases = {k: dict(v) for k, v in self.phases.items()}
+        for phase, n in extra.items():
+            if phase in phases:
+                phases[phase]["transient"] = phases[phase].get("transient", 0) + n
+        top = max(phases, key=lambda k: sum(phases[k].values()))
+        b = phases[top]
+        return MemoryPlan(sum(b.values()), b["parameter"], b["gradient"], b["optimizer"],
+                          b["input"], b["activation"],
+                          sum(v for k, v in b.items() if k in ("transient", "gathered")),
+                          self.saved_activations, top, self.tokens, f"{self.label}, {note}",
+                          phases, self.host)
 
     @property
     def saved_per_token(self) -> float | None:
@@ -101,6 +127,9 @@ class MemoryPlan:
                 ("saved activations", self.activations), ("transient", self.transient)]
         lines = [head] + [f"  {k:18} {fmt_bytes(v):>12}  {100 * v / max(1, self.peak):5.1f}%"
                           for k, v in rows]
+        if self.host:
+            lines.append(f"  host (offloaded)   {fmt_bytes(self.host):>12}  per rank, not in the "
+                         "device peak")
         extra = f"  forward leaves {fmt_bytes(self.saved_activations)} for backward"
         if self.tokens:
             extra += f" ({self.saved_activations / self.tokens:.0f} B per local token)"

@@ -11,6 +11,8 @@ full-depth model is then simulated once at the answer (``verify=True``).
 
 from __future__ import annotations
 
+import contextlib
+import os
 from dataclasses import dataclass
 
 import torch
@@ -18,15 +20,22 @@ import torch
 from spdsl.memory.planner import plan_memory
 from spdsl.memory.report import MemoryPlan
 from spdsl.remat import Remat
+from spdsl.remat.segments import layer_of
 
 
 def llama_plan(cfg, seq: int, sp: int, remat, *, dtype: torch.dtype = torch.bfloat16,
-               batch: int = 1, optimizer: str = "adamw", state_shards: int = 1) -> MemoryPlan:
+               batch: int = 1, optimizer: str = "adamw", state_shards: int = 1,
+               kernels: str = "auto") -> MemoryPlan:
     """Planned memory of one step of ``Llama(cfg)`` (meta device) at global length ``seq``.
+
+    ``kernels="triton"`` plans the step a GPU runs: spdsl's Triton kernels (flash attention,
+    RMSNorm, RoPE, fused linear cross-entropy) swapped in, each allocating what its kernel
+    allocates (their fake implementations), where the CPU references would materialise fp32
+    norm temporaries or (attention) ``[S, S]`` scores. ``"auto"``: what runs here (CPU: none).
 
     Example::
 
-        plan = llama_plan(LlamaConfig.llama3_8b(), 131072, 8, "full")
+        plan = llama_plan(LlamaConfig.llama3_8b(), 131072, 8, "full", kernels="triton")
         print(plan)
     """
     import spdsl
@@ -35,9 +44,62 @@ def llama_plan(cfg, seq: int, sp: int, remat, *, dtype: torch.dtype = torch.bflo
     with torch.device("meta"):
         model = Llama(cfg).to(dtype)
     ids = torch.empty(batch, seq, dtype=torch.long, device="meta")
-    plan = plan_memory(spdsl.sp_shard(seq=sp, remat=remat)(model), ids, ids,
-                       optimizer=optimizer)
-    return plan.with_state_shards(state_shards)
+    with _kernels(kernels) as choice:
+        plan = plan_memory(spdsl.sp_shard(seq=sp, remat=remat, kernels=choice)(model), ids,
+                           ids, optimizer=optimizer)
+    plan = plan.with_state_shards(state_shards, gathered_bytes(model))
+    if kernels == "triton":
+        plan = plan.with_extra(kernel_workspace(cfg, batch * seq // sp, sp, dtype),
+                               "kernel workspace")
+    return plan
+
+
+def kernel_workspace(cfg, tokens: int, sp: int, dtype: torch.dtype) -> dict[str, int]:
+    """Bytes spdsl's Triton kernels allocate inside their op (invisible to a dispatcher-level
+    tracker), per phase: the fused cross-entropy's logits chunk and, in bf16/fp16, one
+    ``[V, E]`` product before it is added to the fp32 weight gradient (forward: the loss
+    computes its gradients there); flash attention's backward ``delta`` (fp32, one per query
+    row and local head)."""
+    from spdsl.kernels.reference import default_chunk_size
+
+    item = torch.empty((), dtype=dtype).element_size()
+    v, e = cfg.vocab_size, cfg.dim
+    rows = min(tokens, default_chunk_size(tokens, v, e))
+    loss = rows * v * item + (v * e * item if item < 4 else 0)
+    delta = tokens * sp * max(1, cfg.n_heads // sp) * 4
+    return {"forward": loss, "backward": delta}
+
+
+@contextlib.contextmanager
+def _kernels(kernels: str):
+    if kernels != "triton":
+        yield kernels
+        return
+    from spdsl.kernels.backend import kernel_backend
+    # fake tensors never launch a kernel: the interpreter flag only lets the backend choose
+    # Triton (and so the custom ops' fake kernels) for CPU-device fakes
+    old = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1"
+    try:
+        with kernel_backend("triton"):
+            yield "on"
+    finally:
+        if old is None:
+            os.environ.pop("TRITON_INTERPRET")
+        else:
+            os.environ["TRITON_INTERPRET"] = old
+
+
+def gathered_bytes(model: torch.nn.Module) -> tuple[int, int]:
+    """Whole-parameter bytes a state-sharded step holds for a moment, (forward, backward):
+    the largest unit (a numbered layer, the embedding, the head) gathered in forward; in
+    backward its weights gathered again plus its whole gradients before the reduce-scatter."""
+    units: dict[str, int] = {}
+    for name, p in model.named_parameters():
+        unit = layer_of(name) or name.split(".")[0]
+        units[unit] = units.get(unit, 0) + p.numel() * p.element_size()
+    big = max(units.values(), default=0)
+    return big, 2 * big
 
 
 def _phase_totals(plan: MemoryPlan) -> dict[str, int]:
@@ -46,7 +108,8 @@ def _phase_totals(plan: MemoryPlan) -> dict[str, int]:
 
 @dataclass
 class Estimator:
-    """Per-phase peak of a ``layers``-deep model, from 1- and 2-layer simulations."""
+    """Per-phase device peak (and host peak) of a ``layers``-deep model, from 1- and 2-layer
+    simulations (2 and 3 with offload)."""
 
     cfg: object
     sp: int
@@ -55,26 +118,56 @@ class Estimator:
     batch: int = 1
     optimizer: str = "adamw"
     state_shards: int = 1
+    kernels: str = "auto"
+
+    def _kw(self) -> dict:
+        return {"dtype": self.dtype, "batch": self.batch, "optimizer": self.optimizer,
+                "state_shards": self.state_shards, "kernels": self.kernels}
+
+    @property
+    def depths(self) -> tuple[int, int]:
+        # offload fetches one layer ahead in backward: a 1-layer model has no layer to fetch,
+        # so the line starts at 2 layers (from there each layer adds the same)
+        return (2, 3) if Remat.of(self.remat).offload else (1, 2)
+
+    def plans(self, seq: int) -> tuple[MemoryPlan, MemoryPlan]:
+        cache = self.__dict__.setdefault("_cache", {})
+        if seq not in cache:
+            cache[seq] = tuple(llama_plan(self.cfg.replace(n_layers=n), seq, self.sp,
+                                          self.remat, **self._kw()) for n in self.depths)
+        return cache[seq]
 
     def phases(self, seq: int) -> dict[str, int]:
-        kw = {"dtype": self.dtype, "batch": self.batch, "optimizer": self.optimizer,
-              "state_shards": self.state_shards}
-        one = _phase_totals(llama_plan(self.cfg.replace(n_layers=1), seq, self.sp,
-                                       self.remat, **kw))
-        two = _phase_totals(llama_plan(self.cfg.replace(n_layers=2), seq, self.sp,
-                                       self.remat, **kw))
-        n = self.cfg.n_layers
-        return {k: one[k] + (n - 1) * (two.get(k, 0) - one[k]) for k in one}
+        """Device bytes per phase at the phase's peak; ``"host"``: offloaded bytes."""
+        one, two = self.plans(seq)
+        n = self.cfg.n_layers - self.depths[0]
+        a, b = _phase_totals(one), _phase_totals(two)
+        out = {k: a[k] + n * (b.get(k, 0) - a[k]) for k in a}
+        out["host"] = one.host + n * (two.host - one.host)
+        return out
 
     def peak(self, seq: int) -> int:
-        return max(self.phases(seq).values())
+        return max(v for k, v in self.phases(seq).items() if k != "host")
+
+
+def _over(p: dict[str, int], budget: int, host_budget: int | None) -> float:
+    dev = max(v for k, v in p.items() if k != "host") - budget
+    if host_budget is None:
+        return dev
+    return max(dev, p.get("host", 0) - host_budget)
 
 
 def max_seq(est: Estimator, budget: int, *, granularity: int = 1024,
-            probes: tuple[int, int] = (32768, 131072), verify: bool = False
-            ) -> tuple[int, MemoryPlan | None]:
-    """Longest global sequence (multiple of ``granularity``) whose peak fits ``budget``;
-    with ``verify``, also the full-depth plan at that length.
+            probes: tuple[int, int] = (32768, 131072), verify: bool = False,
+            host_budget: int | None = None) -> tuple[int, MemoryPlan | None]:
+    """Longest global sequence (multiple of ``granularity``) whose device peak fits ``budget``
+    (and whose offloaded bytes fit ``host_budget``, when given); with ``verify``, also the
+    full-depth plan at that length.
+
+    Each phase's peak is affine in the sequence only while the same moment stays its peak: at
+    short lengths backward peaks at the loss (the head's weight gradients), at long ones in a
+    layer's recompute. So the lines are fitted again through (answer / 2, answer) until the
+    answer holds still, then checked and stepped down on a miss.
 
     Example::
 
@@ -83,35 +176,60 @@ def max_seq(est: Estimator, budget: int, *, granularity: int = 1024,
     """
     gran = max(granularity, est.sp)
     gran -= gran % est.sp
-    s1, s2 = (max(gran, p - p % gran) for p in probes)
-    p1, p2 = est.phases(s1), est.phases(s2)
-    best, steepest = None, 0.0
-    for k in p1:
-        slope = (p2.get(k, p1[k]) - p1[k]) / (s2 - s1)
-        steepest = max(steepest, slope)
-        if slope <= 0:
-            if p1[k] > budget:
-                return 0, None
-            continue
-        fit = s1 + (budget - p1[k]) / slope
-        best = fit if best is None else min(best, fit)
-    seq = int(best // gran) * gran if best is not None else s2
-    for _ in range(4):           # the lines are nearly exact: step down only on a small miss
+
+    def snap(x: float) -> int:
+        return max(gran, int(x // gran) * gran)
+
+    def fit(s1: int, s2: int) -> tuple[float | None, float]:
+        p1, p2 = est.phases(s1), est.phases(s2)
+        best, steepest = None, 0.0
+        for k in p1:
+            cap = budget if k != "host" else host_budget
+            if cap is None:
+                continue
+            slope = (p2.get(k, p1[k]) - p1[k]) / (s2 - s1)
+            steepest = max(steepest, slope)
+            if slope <= 0:
+                if p2[k] > cap:
+                    return 0.0, steepest
+                continue
+            f = s2 + (cap - p2[k]) / slope
+            best = f if best is None else min(best, f)
+        return best, steepest
+
+    s1, s2 = (snap(p) for p in probes)
+    found, steepest = fit(s1, s2)
+    for _ in range(3):
+        if found is None:
+            found = s2          # nothing grows with the sequence: the longest probe
+            break
+        if found <= 0:
+            return 0, None
+        if abs(found - s2) <= max(gran, 0.02 * found):
+            break
+        s1, s2 = snap(found / 2), snap(found)
+        if s1 == s2:
+            break
+        found, steepest = fit(s1, s2)
+    seq = snap(found) if found else 0
+    for _ in range(8):
         if seq <= 0:
             return 0, None
-        over = est.peak(seq) - budget
+        over = _over(est.phases(seq), budget, host_budget)
         if over <= 0:
             break
         seq -= gran * max(1, -(-int(over / max(steepest, 1e-9)) // gran))
+    else:
+        return 0, None
     plan = None
     if verify:
-        plan = llama_plan(est.cfg, seq, est.sp, est.remat, dtype=est.dtype, batch=est.batch,
-                          optimizer=est.optimizer, state_shards=est.state_shards)
+        plan = llama_plan(est.cfg, seq, est.sp, est.remat, **est._kw())
     return seq, plan
 
 
 def bytes_per_token_per_layer(cfg, sp: int, remat, *, seq: int = 65536,
-                              dtype: torch.dtype = torch.bfloat16) -> float:
+                              dtype: torch.dtype = torch.bfloat16, kernels: str = "auto",
+                              host: bool = False) -> float:
     """Activation bytes one layer keeps from forward to backward, per token a rank holds:
     the difference between 2- and 1-layer models, so embedding and loss cancel out.
 
@@ -119,6 +237,10 @@ def bytes_per_token_per_layer(cfg, sp: int, remat, *, seq: int = 65536,
 
         bytes_per_token_per_layer(LlamaConfig.llama3_8b(), 8, "none") / 4096   # in units of h
     """
-    one = llama_plan(cfg.replace(n_layers=1), seq, sp, remat, dtype=dtype, optimizer="none")
-    two = llama_plan(cfg.replace(n_layers=2), seq, sp, remat, dtype=dtype, optimizer="none")
+    one = llama_plan(cfg.replace(n_layers=1), seq, sp, remat, dtype=dtype, optimizer="none",
+                     kernels=kernels)
+    two = llama_plan(cfg.replace(n_layers=2), seq, sp, remat, dtype=dtype, optimizer="none",
+                     kernels=kernels)
+    if host:        # what a layer holds on the host (offload)
+        return (two.host - one.host) / (seq // sp)
     return (two.saved_activations - one.saved_activations) / (seq // sp)

@@ -12,6 +12,8 @@ while each runs (the planner does; the allocator's own count is ``spdsl.memory.m
 Categories, decided when a storage is first seen: ``parameter``, ``optimizer`` and ``input``
 (registered by the caller), ``gradient`` (re-tagged when autograd accumulates it into a
 parameter), ``activation`` (allocated during forward), ``transient`` (allocated later).
+Host copies made by activation offload (``spdsl.remat.offload``) are counted apart: ``host``,
+``host_peak``; ``current``, ``peak`` and the categories are device bytes only.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper
 from torch.utils._pytree import tree_flatten
 
 from spdsl.memory.workspace import workspace_bytes
+from spdsl.remat.offload import allocating_on_host
 
 _WAIT = torch.ops._c10d_functional.wait_tensor.default
 CATEGORIES = ("parameter", "gradient", "optimizer", "input", "activation", "transient")
@@ -60,6 +63,8 @@ class LiveBytes(TorchDispatchMode):
         self.phase = "forward"
         self.marks: dict[str, dict[str, int]] = {}
         self.phase_peaks: dict[str, dict[str, int]] = {}   # phase -> categories at its peak
+        self.host = 0                                    # offloaded bytes held on the host
+        self.host_peak = 0
 
     # -- bookkeeping ----------------------------------------------------------------------
     def _add(self, t: torch.Tensor, category: str) -> None:
@@ -74,6 +79,12 @@ class LiveBytes(TorchDispatchMode):
         if key in self.live:
             return
         n = st.nbytes()
+        if category == "host":
+            self.live[key] = [n, category]
+            self.host += n
+            self.host_peak = max(self.host_peak, self.host)
+            self._refs[key] = weakref.ref(st, lambda _r, k=key: self._free(k))
+            return
         self.live[key] = [n, category]
         self.sums[category] += n
         self.current += n
@@ -96,7 +107,9 @@ class LiveBytes(TorchDispatchMode):
     def _free(self, key: int) -> None:
         entry = self.live.pop(key, None)
         self._refs.pop(key, None)
-        if entry is not None:
+        if entry is not None and entry[1] == "host":
+            self.host -= entry[0]
+        elif entry is not None:
             self.sums[entry[1]] -= entry[0]
             self.current -= entry[0]
 
@@ -140,6 +153,8 @@ class LiveBytes(TorchDispatchMode):
             return args[0]
         out = func(*args, **(kwargs or {}))
         category = "activation" if self.phase == "forward" else "transient"
+        if allocating_on_host():
+            category = "host"
         for t in tree_flatten(out)[0]:
             # fake tensors report their fake device (cpu/cuda); real meta ones hold nothing
             if isinstance(t, torch.Tensor) and t.device.type != "meta":

@@ -62,6 +62,12 @@ class Remat:
       instead of keeping their outputs: ``"full"`` then keeps only each layer's input (the
       analytic 2*h bytes per token per layer in bf16) for a second set of forward all-to-alls
       per step.
+    - ``offload``: what checkpointed layers keep (their inputs, and what the SAC policy saves:
+      the all-to-all outputs unless ``recompute_collectives``, under ``"auto"`` also attention
+      and the saved matmuls) lives in host memory from forward to backward, copied back one
+      layer ahead in backward (``spdsl.remat.offload``). On CUDA the copies overlap compute
+      (side stream, pinned memory); on CPU they are real copies that gain nothing. Not
+      available with ``compile=True``.
 
     Example::
 
@@ -76,11 +82,16 @@ class Remat:
     tile_bytes: int = 256 * 2 ** 20
     optimizer: str = "adamw"
     recompute_collectives: bool = False
+    offload: bool = False
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise ValueError(f"remat={self.mode!r}: use one of {MODES}, a byte budget "
                              "(int or '40GiB') or a fraction of device memory (0.8)")
+        if self.offload and self.mode == "none":
+            raise ValueError("Remat('none', offload=True): offload moves what checkpointed "
+                             "layers keep, and 'none' checkpoints nothing: use "
+                             "Remat('full', offload=True) or Remat('auto', offload=True)")
 
     @staticmethod
     def of(value: str | float | Remat | None) -> Remat:
@@ -110,4 +121,5 @@ class Remat:
         extra += [f"{k}={getattr(self, k)}" for k in ("tile_mlp", "tile_loss", "mlp_chunks")
                   if getattr(self, k) is not None]
         extra += ["recompute_collectives"] if self.recompute_collectives else []
+        extra += ["offload"] if self.offload else []
         return self.mode + (f"({', '.join(extra)})" if extra else "")

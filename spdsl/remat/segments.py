@@ -19,6 +19,9 @@ import torch
 from torch.fx.passes.split_module import split_module
 from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
 
+from spdsl.remat.offload import Offloader
+from spdsl.remat.policy import SavePolicy
+
 _LAYER = re.compile(r"^((?:[^.]+\.)*?\d+)(?:\.|$)")
 
 
@@ -54,23 +57,31 @@ def layer_partition(gm: torch.fx.GraphModule) -> dict[torch.fx.Node, int]:
 
 
 class Checkpointed(torch.nn.Module):
-    """One layer's submodule run under checkpoint, with an optional SAC policy."""
+    """One layer's submodule run under checkpoint, with an optional SAC policy; with an
+    ``offload`` (:class:`~spdsl.remat.offload.Offloader`), what it keeps lives on the host."""
 
-    def __init__(self, inner: torch.nn.Module, policy=None) -> None:
+    def __init__(self, inner: torch.nn.Module, policy=None, offload=None, index: int = 0) -> None:
         super().__init__()
-        self.inner, self.policy = inner, policy
+        self.inner, self.policy, self.offload, self.index = inner, policy, offload, index
 
     def forward(self, *args):
         if not torch.is_grad_enabled():
             return self.inner(*args)
+        if self.offload is not None:
+            ctx = functools.partial(self.offload.sac_contexts, self.policy or SavePolicy(),
+                                    self.index)
+            with self.offload.layer(self.index):
+                return checkpoint(self.inner, *args, use_reentrant=False, context_fn=ctx)
         if self.policy is None:
             return checkpoint(self.inner, *args, use_reentrant=False)
         ctx = functools.partial(create_selective_checkpoint_contexts, self.policy)
         return checkpoint(self.inner, *args, use_reentrant=False, context_fn=ctx)
 
 
-def checkpoint_layers(gm: torch.fx.GraphModule, policy) -> torch.fx.GraphModule:
-    """``gm`` with each numbered layer run under ``checkpoint`` (``policy``: a SAC policy).
+def checkpoint_layers(gm: torch.fx.GraphModule, policy, offload: bool = False
+                      ) -> torch.fx.GraphModule:
+    """``gm`` with each numbered layer run under ``checkpoint`` (``policy``: a SAC policy;
+    ``offload``: what the layers keep lives on the host, see ``spdsl.remat.offload``).
 
     Example::
 
@@ -85,10 +96,12 @@ def checkpoint_layers(gm: torch.fx.GraphModule, policy) -> torch.fx.GraphModule:
         return parts.get(node, 0)
 
     split = split_module(gm, gm, which, keep_original_order=True)
+    off = Offloader() if offload else None
     for name, sub in list(split.named_children()):
         idx = int(name.rsplit("_", 1)[-1])
         if 0 < idx < last or (idx == last and _has_layer(sub)):
-            setattr(split, name, Checkpointed(sub, policy))
+            setattr(split, name, Checkpointed(sub, policy, off, idx))
+    split.spdsl_offload = off
     return split
 
 

@@ -7,7 +7,8 @@ Order of the rewrites on one rank's local graph:
 2. per-layer checkpoint regions with a SAC policy: ``"full"`` saves only collectives,
    ``"auto"`` saves the op signatures worth their bytes; with a budget, as many of those as
    the memory planner says fit (fewest-FLOPs-per-byte dropped first), tiling the MLP first
-   when even the leanest policy does not fit.
+   when even the leanest policy does not fit;
+3. with ``offload``, what those regions keep held in host memory (``spdsl.remat.offload``).
 """
 
 from __future__ import annotations
@@ -84,11 +85,11 @@ def apply_remat(gm: torch.fx.GraphModule, remat, state: list[TensorSpec],
         gm.spdsl_remat = report
         return gm
     if r.mode == "full":
-        out = checkpoint_layers(gm, _policy(r))
+        out = checkpoint_layers(gm, _policy(r), r.offload)
     elif r.budget is None:
         keep = candidates(classes)
         report.saved = [c.name for c in keep]
-        out = checkpoint_layers(gm, _policy(r, keep))
+        out = checkpoint_layers(gm, _policy(r, keep), r.offload)
     else:
         out = _fit_budget(gm, r, report, classes, state, inputs)
     out.spdsl_remat = report
@@ -136,7 +137,7 @@ def _fit_budget(gm, r: Remat, report: RematReport, classes: list[OpClass],
         [c for c in cands if c.kind != "attention"]
 
     def build(k: int):
-        return checkpoint_layers(gm, _policy(r, cands[:k]))
+        return checkpoint_layers(gm, _policy(r, cands[:k]), r.offload)
 
     def peak(k: int) -> int:
         return simulate(build(k), state, inputs, optimizer=r.optimizer).peak

@@ -45,13 +45,13 @@ class CompiledLocal:
 
 def compile_local(gm: torch.nn.Module, **options: Any) -> CompiledLocal:
     """Compile one rank's local program as a single graph (see :class:`CompiledLocal`)."""
-    report = getattr(gm, "spdsl_remat", None)
-    if report is not None and getattr(report.remat, "offload", False):
+    remat = getattr(getattr(gm, "spdsl_remat", None), "remat", None)
+    if getattr(remat, "offload", False):
         # offload works through saved-tensor hooks and SAC's cache, which run between autograd
         # and the kernels; a compiled graph saves its tensors inside one fused autograd node,
         # unpacked all at once at the start of its backward, so nothing would be gained
         raise ShardingError(
-            rule="offload under compile", value=f"remat={report.remat.describe()}",
+            rule="offload under compile", value=f"remat={remat.describe()}",
             detail="activation offload runs in eager execution only",
             fix="drop compile=True, or drop offload (Remat(mode, offload=False)); "
                 "recompute_collectives=True keeps the least on the device under compile")

@@ -33,7 +33,9 @@ class MemoryPlan:
     optimizer step (recomputed layers, gradients of activations, temporaries).
     ``saved_activations`` is everything forward left for backward on the device (at the end
     of forward). ``host`` is the peak of host memory the step holds per rank: what activation
-    offload (``Remat(offload=True)``) moved there; it is not part of ``peak``.
+    offload (``Remat(offload=True)``) moved there; it is not part of ``peak``. ``one_pool`` is
+    the peak of device and host bytes together at one instant: what one allocator holding both
+    (a CPU run, where the "host" copies are ordinary CPU tensors) reaches.
 
     Example::
 
@@ -56,6 +58,7 @@ class MemoryPlan:
     # per phase (forward/backward/optimizer): bytes per category at that phase's own peak
     phases: dict = field(default_factory=dict, compare=False)
     host: int = 0
+    one_pool: int = 0
 
     @staticmethod
     def from_tracker(tracker, *, saved: int, tokens: int | None, label: str) -> MemoryPlan:
@@ -64,7 +67,8 @@ class MemoryPlan:
         return MemoryPlan(tracker.peak, at["parameter"], at["gradient"], at["optimizer"],
                           at["input"], at["activation"], at["transient"], saved,
                           tracker.peak_phase, tokens, label, phases,
-                          getattr(tracker, "host_peak", 0))
+                          getattr(tracker, "host_peak", 0),
+                          max(tracker.peak, getattr(tracker, "one_pool_peak", 0)))
 
     def with_state_shards(self, n: int, gathered: tuple[int, int] = (0, 0)) -> MemoryPlan:
         """The same step with parameters, gradients and optimizer state split ``n`` ways

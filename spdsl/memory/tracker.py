@@ -65,6 +65,7 @@ class LiveBytes(TorchDispatchMode):
         self.phase_peaks: dict[str, dict[str, int]] = {}   # phase -> categories at its peak
         self.host = 0                                    # offloaded bytes held on the host
         self.host_peak = 0
+        self.one_pool_peak = 0          # device + host at one instant (a CPU run: one memory)
 
     # -- bookkeeping ----------------------------------------------------------------------
     def _add(self, t: torch.Tensor, category: str) -> None:
@@ -83,6 +84,7 @@ class LiveBytes(TorchDispatchMode):
             self.live[key] = [n, category]
             self.host += n
             self.host_peak = max(self.host_peak, self.host)
+            self.one_pool_peak = max(self.one_pool_peak, self.current + self.host)
             self._refs[key] = weakref.ref(st, lambda _r, k=key: self._free(k))
             return
         self.live[key] = [n, category]
@@ -94,6 +96,7 @@ class LiveBytes(TorchDispatchMode):
     def _check_peak(self, scratch: int = 0) -> None:
         """A new peak, with ``scratch`` bytes a running kernel holds (counted as transient)."""
         now = self.current + scratch
+        self.one_pool_peak = max(self.one_pool_peak, now + self.host)
         if now > self.peak:
             self.peak = now
             self.at_peak = dict(self.sums)

@@ -18,18 +18,21 @@ from spdsl import P
 
 
 def _errs(model: nn.Module, ref: nn.Module, loss, loss_ref) -> dict:
+    """Loss and per-parameter gradient errors; sharded gradients (DTensor) are gathered."""
+    from torch.distributed.tensor import DTensor
     out = {"loss": abs(loss.item() - loss_ref.item()) / abs(loss_ref.item()),
            "loss_value": loss.item(), "grad": 0.0, "n_grads": 0, "missing": [], "extra": []}
     for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        g = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
         if q.grad is None:
-            if p.grad is not None:
+            if g is not None:
                 out["extra"].append(name)
             continue
-        if p.grad is None:
+        if g is None:
             out["missing"].append(name)
             continue
         scale = q.grad.abs().max().item() or 1.0
-        out["grad"] = max(out["grad"], (p.grad - q.grad).abs().max().item() / scale)
+        out["grad"] = max(out["grad"], (g - q.grad).abs().max().item() / scale)
         out["n_grads"] += 1
     return out
 

@@ -9,20 +9,15 @@ import copy
 
 import torch
 import torch.distributed as dist
-from torch import nn
 from torch.distributed.tensor import DTensor
 
 import spdsl
 from models.llama import Llama, LlamaConfig
 from models.toys import EinopsNet, GPT2Like, MeanPoolClassifier
 from spdsl import P
+from tests.parity.cases import _errs, _ids, _pair
 
 MESHES = [(2, 2), (1, 4), (4, 1)]
-
-
-def _ids(b: int, s: int, vocab: int = 256, seed: int = 1) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(0, vocab, (b, s), generator=g)
 
 
 def _labels_uneven_over_dp(ids: torch.Tensor) -> torch.Tensor:
@@ -53,30 +48,6 @@ MODELS = {
 
 def _full(t: torch.Tensor | None) -> torch.Tensor | None:
     return t.full_tensor() if isinstance(t, DTensor) else t
-
-
-def _errs(model: nn.Module, ref: nn.Module, loss, loss_ref) -> dict:
-    out = {"loss": abs(loss.item() - loss_ref.item()) / abs(loss_ref.item()), "grad": 0.0,
-           "n_grads": 0, "missing": [], "extra": []}
-    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
-        g = _full(p.grad)
-        if q.grad is None:
-            if g is not None:
-                out["extra"].append(name)
-            continue
-        if g is None:
-            out["missing"].append(name)
-            continue
-        scale = q.grad.abs().max().item() or 1.0
-        out["grad"] = max(out["grad"], (g - q.grad).abs().max().item() / scale)
-        out["n_grads"] += 1
-    return out
-
-
-def _pair(make):
-    torch.manual_seed(0)
-    ref = make()
-    return ref, copy.deepcopy(ref)
 
 
 def parity(name: str, dp: int, sp: int, shard_state: bool, **kw) -> dict:

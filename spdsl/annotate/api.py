@@ -73,6 +73,9 @@ class _Compiled:
     data_in: list[Placement] = field(default_factory=list)
     data_out: list[Placement] = field(default_factory=list)
     input_shapes: list = field(default_factory=list)    # what this rank's inputs look like
+    sharded: list = field(default_factory=list)    # spdsl.lower.state.ShardedInput per parameter
+    rank: int = 0
+    data_rank: int = 0
 
     def stale(self) -> bool:
         """A parameter was frozen or unfrozen since the trace: which gradients exist, and so
@@ -378,8 +381,7 @@ class Sharded:
         plan._memory = functools.cache(functools.partial(_plan_memory, self, args, kwargs))
         entry = _Compiled(traced, prop, [p for p, _ in placements], outs, plan,
                           state_requires=tuple(t.requires_grad for t in traced.state),
-                          data=dprop, data_in=data_in, data_out=data_out)
-        entry.sharded = sharded
+                          data=dprop, data_in=data_in, data_out=data_out, sharded=sharded)
         self._cache[key] = entry
         return entry
 

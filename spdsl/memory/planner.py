@@ -39,7 +39,7 @@ def plan_memory(fn, *args, remat=None, rank: int = 0, optimizer: str = "adamw",
         raise TypeError("plan_memory needs a function wrapped by spdsl.sp_shard or spdsl.shard")
     r = Remat.of(remat) if remat is not None else fn.remat
     entry = fn.build(args, kwargs)
-    if entry.data is not None or getattr(entry, "sharded", None):
+    if entry.data is not None or entry.sharded:
         # a dp axis or sharded state needs the job's process groups: this rank's own lowering
         local = _off_meta(fn.lowered(entry, args, kwargs))
         state, ins = local_specs(entry, args, kwargs, fn.parts, entry.rank)

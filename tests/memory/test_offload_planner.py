@@ -18,14 +18,17 @@ LEAN = Remat("full", recompute_collectives=True, offload=True)
 
 
 def test_full_offload_holds_the_layer_inputs_on_the_host():
-    """full + recomputed all-to-alls + offload: a layer keeps nothing on the device and its
-    input on the host, the analytic 2*h bytes per token per layer in bf16 (4*h in fp32)."""
+    """full + recomputed all-to-alls + offload: a layer keeps no activation on the device and
+    its input on the host, the analytic 2*h bytes per token per layer in bf16 (4*h in fp32).
+    On the device only the CPU RNG state ``torch.utils.checkpoint`` stores per layer remains
+    (a constant, not per token: here over the 1024 tokens a rank holds)."""
     cfg = LlamaConfig.tiny()
+    rng = torch.get_rng_state().numel()
     for dtype in (torch.float32, torch.bfloat16):
         item = torch.empty((), dtype=dtype).element_size()
         host = bytes_per_token_per_layer(cfg, 2, LEAN, seq=2048, dtype=dtype, host=True)
         dev = bytes_per_token_per_layer(cfg, 2, LEAN, seq=2048, dtype=dtype)
-        assert host == item * cfg.dim and dev == 0, (dtype, host, dev)
+        assert host == item * cfg.dim and dev == rng / (2048 // 2), (dtype, host, dev)
 
 
 def test_host_bytes_are_every_layer_input():

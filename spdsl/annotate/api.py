@@ -337,11 +337,8 @@ class Sharded:
             return self._cache[key]
         specs = self._specs_for(args, kwargs, leaves)
         placements = self._leaf_placements(leaves, specs)
-        tensor_specs = [specs[i] if specs is not None else None
-                        for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
-        data_in = [self._data_placement_of(x, sp, i) for i, (x, sp) in enumerate(
-            (x, sp) for x, sp in zip(leaves, specs or [None] * len(leaves))
-            if isinstance(x, torch.Tensor))]
+        data_in = [self._data_placement_of(x, specs[i] if specs is not None else None, i)
+                   for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
         targs, tkwargs = self._global_args(args, kwargs, leaves, data_in)
         traced = trace(self.fn, targs, tkwargs)
         gm = traced.graph
@@ -367,9 +364,8 @@ class Sharded:
         prop.run(inputs)
         outs = self._out_placements(traced, prop)
         dprop, data_out = None, []
-        data_in = [data_in[i] for i in range(len(traced.tensor_leaf_index))]
         if self.data_parts > 1:
-            dprop, data_out = self._propagate_data(traced, phs, data_in, tensor_specs)
+            dprop, data_out = self._propagate_data(traced, phs, data_in)
         sharded = self._check_state_sharded(traced)
         reduced = self._state_reduced(traced, prop, dprop, outs, data_out, sharded)
         plan = build_plan(prop, requires, outs, frozenset(
@@ -401,7 +397,7 @@ class Sharded:
                     new[i] = torch.empty(shape, dtype=x.dtype, device=x.device)
         return tree_unflatten(new, tree_flatten((args, kwargs))[1])
 
-    def _propagate_data(self, traced: Traced, phs, data_in, tensor_specs):
+    def _propagate_data(self, traced: Traced, phs, data_in):
         """The same rules over the same graph for the data axis: where batch rows meet."""
         gm = traced.graph
         n_state = len(traced.state)

@@ -34,7 +34,7 @@ class Collective:
     axis: str
     bytes: int
     bytes_bwd: int
-    purpose: str         # ulysses | loss | gradient | reshard | halo | output
+    purpose: str         # ulysses | loss | gradient | reshard | halo | output | input
     values: tuple[str, ...]
     source: str
     module: str
@@ -175,7 +175,9 @@ def _needs_grad(prop: Propagator, requires: dict[torch.fx.Node, bool]) -> dict:
         val = node.meta.get("val")
         floating = any(isinstance(v, torch.Tensor) and v.is_floating_point()
                        for v in (val if isinstance(val, (tuple, list)) else (val,)))
-        out[node] = floating and any(out.get(a, False) for a in node.all_input_nodes)
+        # no gradient flows through detach(): a parameter read only so keeps none
+        out[node] = floating and node.target is not torch.ops.aten.detach.default and \
+            any(out.get(a, False) for a in node.all_input_nodes)
     return out
 
 
@@ -284,35 +286,27 @@ def build_plan(prop: Propagator, requires: dict[torch.fx.Node, bool],
                 isinstance(x, torch.Tensor) for x in val):
             plan.values.append(_value(prop, node, d))
         if node.op == "placeholder":
+            # a global input split on entry: its (whole) gradient is gathered in backward
+            if isinstance(d.output, Shard) and grad.get(node, False) and \
+                    not d.origin.startswith(("parameter ", "DTensor")):
+                add("all_gather", 0, nbytes(val) // P, "input", node, [prop.typed(node)])
             continue
         ins = tensor_inputs(node)
         site = _attention(node, prop, ins)
         if site is not None:
             plan.attention.append(site)
-        fused = [(i, ins[i]) for i, (src, dst) in d.redistribute.items()
-                 if isinstance(src, Shard) and isinstance(dst, Shard) and src != dst]
-        if len(fused) > 1:
-            b = sum(nbytes(a.meta["val"]) // P for _, a in fused)
-            g = any(grad.get(a, False) for _, a in fused)
-            add("all_to_all", b, b if g else 0, "ulysses", node, [prop.typed(a) for _, a in fused])
-        fused_idx = {i for i, _ in fused} if len(fused) > 1 else set()
-        for i, (src, dst) in d.redistribute.items():
-            if i in fused_idx:
+        if d.fused:
+            b = sum(d.moves[i].local for i in d.fused)
+            g = any(grad.get(ins[i], False) for i in d.fused)
+            add("all_to_all", b, b if g else 0, "ulysses", node,
+                [prop.typed(ins[i]) for i in d.fused])
+        for i, m in d.moves.items():
+            if i in d.fused:
                 continue
-            a = ins[i]
-            meta = a.meta["val"]
-            local = nbytes(meta) // P
-            typed = prop.typed(a)
-            g = grad.get(a, False)
-            if isinstance(src, Partial):
-                add("all_reduce", nbytes(meta), 0, "reshard", node, [typed])
-            elif isinstance(src, Replicate) and isinstance(dst, Shard):
-                add("all_gather", 0, local if g else 0, "reshard", node, [typed])
-            elif isinstance(src, Shard) and isinstance(dst, Replicate):
-                add("all_gather", local, 0, "reshard", node, [typed])
-            elif isinstance(src, Shard) and isinstance(dst, Shard):
-                purpose = "ulysses" if src.dim != dst.dim or src.outer != dst.outer else "reshard"
-                add("all_to_all", local, local if g else 0, purpose, node, [typed])
+            purpose = "ulysses" if m.kind == "all_to_all" and (
+                m.src.dim != m.dst.dim or m.src.outer != m.dst.outer) else "reshard"
+            for kind, b, b_bwd in m.collectives(grad.get(ins[i], False)):
+                add(kind, b, b_bwd, purpose, node, [prop.typed(ins[i])])
         for i in d.grad_reduce:
             a = ins[i]
             key = (node, i) if i in d.redistribute else a

@@ -20,8 +20,8 @@ from spdsl import collectives as C
 from spdsl.lower import ops
 from spdsl.lower.factories import VAL as REPLICATED_VAL
 from spdsl.lower.factories import split_factories
-from spdsl.propagate.eager_attention import WRITTEN_OUT
 from spdsl.propagate.engine import Propagator, tensor_inputs
+from spdsl.propagate.forms import form_of
 from spdsl.propagate.moves import kind_of
 from spdsl.propagate.placement import (
     REPLICATE,
@@ -380,8 +380,11 @@ class Lowering:
 
 
 def written_out(node: torch.fx.Node) -> dict:
-    """Attention the user wrote out in ops is computed the same way on each rank."""
-    return {"written_out": True} if node.meta.get(WRITTEN_OUT) else {}
+    """How each rank computes its heads, by the node's attention form: with the user's own
+    ops (attention written out), or with the kernel the user called."""
+    form = form_of(node)
+    return {**({"written_out": True} if form.written_out else {}),
+            **({"kernel": True} if form.runs_kernel else {})}
 
 
 GRAD_BUCKET_BYTES = 32 * 2 ** 20

@@ -32,10 +32,10 @@ import os
 import torch
 from torch._guards import detect_fake_mode
 
+from spdsl.propagate.forms import FORM
 from spdsl.propagate.heads import UNREPEATED
 
 aten = torch.ops.aten
-WRITTEN_OUT = "spdsl_written_out"    # on the attention node: the lowering computes it in ops too
 _VIEWS = {aten.view.default, aten._unsafe_view.default, aten.reshape.default}
 _PASS = _VIEWS | {aten.clone.default, aten.alias.default, aten.contiguous.default,
                   aten._to_copy.default, aten.expand.default}
@@ -312,9 +312,53 @@ def _rewrite(gm: torch.fx.GraphModule, m: _Match) -> bool:
         if gqa:
             att.meta[UNREPEATED] = True
         out = call(aten.reshape.default, att, [N, S, Dv])
-    att.meta[WRITTEN_OUT] = True
+    att.meta[FORM] = "written_out"
     for n in new:
         n.meta["stack_trace"] = b1.meta.get("stack_trace")
         n.meta["spdsl_module"] = b1.meta.get("spdsl_module", "")
     b2.replace_all_uses_with(out)
     return True
+
+
+def capture_flash_kernel(gm: torch.fx.GraphModule) -> int:
+    """``spdsl.kernels.flash_attn`` called in the model (``spdsl.flash_attn`` returning
+    ``(out, lse)``) becomes one ``spdsl.attention`` node whose lowering runs the same kernel
+    on each rank's heads. Calls with ``segment_ids`` or whose ``lse`` is read stay as they
+    are. Returns how many were captured."""
+    g = gm.graph
+    done = 0
+    for n in [n for n in g.nodes if n.target is torch.ops.spdsl.flash_attn.default]:
+        q, k, v, seg, causal, scale = (list(n.args) + [None] * 6)[:6]
+        users = list(n.users)
+        if seg is not None or any(u.target is not operator.getitem or u.args[1] != 0 and
+                                  not _unread(u) for u in users):
+            continue
+        for u in [u for u in users if u.args[1] != 0]:     # the lse nothing reads
+            _erase_unread(g, u)
+        users = [u for u in users if u.args[1] == 0]
+        with g.inserting_before(n):
+            att = g.call_function(torch.ops.spdsl.attention.default,
+                                  (q, k, v, None, 0.0, bool(causal), scale,
+                                   _shape(k)[1] != _shape(q)[1]))
+        att.meta.update(val=users[0].meta["val"] if users else None, **{
+            key: n.meta[key] for key in ("stack_trace", "spdsl_module") if key in n.meta})
+        att.meta[FORM] = "flash_kernel"
+        for u in users:
+            u.replace_all_uses_with(att)
+            g.erase_node(u)
+        g.erase_node(n)
+        done += 1
+    if done:
+        gm.recompile()
+    return done
+
+
+def _unread(n: torch.fx.Node) -> bool:
+    """Nothing reads ``n`` but detaches nothing reads (what autograd's saving leaves)."""
+    return all(u.target is aten.detach.default and _unread(u) for u in n.users)
+
+
+def _erase_unread(g: torch.fx.Graph, n: torch.fx.Node) -> None:
+    for u in list(n.users):
+        _erase_unread(g, u)
+    g.erase_node(n)

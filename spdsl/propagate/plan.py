@@ -16,6 +16,7 @@ import torch
 
 from spdsl.collectives import window_plan
 from spdsl.propagate.engine import Decision, Propagator, nbytes, tensor_inputs
+from spdsl.propagate.forms import form_of
 from spdsl.propagate.heads import kv_repeat
 from spdsl.propagate.placement import Partial, Replicate, Shard, typed_shape
 from spdsl.propagate.source import module_of, source_of
@@ -68,7 +69,9 @@ class Attention:
     the axis counted as repeated up to it)."""
 
     name: str
-    kind: str            # sdpa | eager (q @ k^T; v and the output assumed shaped like k and q)
+    kind: str            # the attention form (spdsl.propagate.forms: sdpa, written_out,
+    #                      flash_kernel), or eager: q @ k^T left as ops (v and the output
+    #                      assumed shaped like k and q)
     module: str
     source: str
     floor: int
@@ -247,7 +250,8 @@ def _attention(node: torch.fx.Node, prop: Propagator, ins: list) -> Attention | 
             return None
         rep = kv_repeat(q.shape[1], k.shape[1], P)    # kv heads repeated up to the degree
         floor = (nbytes(q) + (nbytes(k) + nbytes(v)) * rep + nbytes(node.meta["val"])) / P
-        return Attention(node.name, "sdpa", module_of(node), source_of(node), int(floor))
+        return Attention(node.name, form_of(node).name, module_of(node), source_of(node),
+                         int(floor))
     if node.target is torch.ops.aten.bmm.default and len(ins) == 2:
         a, b = (prop.placement(x) if not isinstance(prop.decisions[x].output, tuple)
                 else None for x in ins)

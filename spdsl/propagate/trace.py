@@ -31,7 +31,8 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from spdsl.errors import ShardingError
-from spdsl.propagate.eager_attention import fuse_eager_attention, unrepeat_kv
+from spdsl.propagate.eager_attention import unrepeat_kv
+from spdsl.propagate.forms import captured, find_all
 from spdsl.propagate.replay import LayerReplay
 from spdsl.propagate.source import user_frame
 
@@ -69,7 +70,8 @@ def tracing() -> bool:
 _SDPA = F.scaled_dot_product_attention
 
 
-def _keep_sdpa(*args, **kwargs):
+def keep_sdpa(*args, **kwargs):
+    """``F.scaled_dot_product_attention``'s arguments -> one ``spdsl.attention`` node."""
     sig = _SDPA_SIG.bind(*args, **kwargs)
     sig.apply_defaults()
     a = sig.arguments
@@ -79,14 +81,22 @@ def _keep_sdpa(*args, **kwargs):
 
 
 class _KeepAttention(TorchFunctionMode):
+    """While tracing, the functions attention forms capture (``spdsl.propagate.forms``)
+    become one ``spdsl.attention`` node each."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.captured = captured()
+
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func is _SDPA:
-            return _keep_sdpa(*args, **kwargs)
+        to_node = self.captured.get(func)
+        if to_node is not None:
+            return to_node(*args, **kwargs)
         if func is F.multi_head_attention_forward:
             # nn.MultiheadAttention calls SDPA from inside this function, where the mode is
             # off: route that call (a module global of torch.nn.functional) for its duration
-            F.scaled_dot_product_attention = _keep_sdpa
+            F.scaled_dot_product_attention = keep_sdpa
             try:
                 return func(*args, **kwargs)
             finally:
@@ -217,7 +227,7 @@ def trace(fn: Callable, args: tuple, kwargs: dict) -> Traced:
         h1.remove()
         h2.remove()
     _assign_module_paths(gm, events)
-    fuse_eager_attention(gm)       # written-out attention becomes one attention node too
+    find_all(gm)                   # attention written out in ops becomes one node too (forms)
     unrepeat_kv(gm)                # grouped kv heads cross the all-to-all unrepeated
     return Traced(gm, state_names, state, arg_spec, tensor_leaf_index, out_spec_box[-1])
 

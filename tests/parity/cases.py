@@ -247,6 +247,31 @@ def case_input_gradient(world: int) -> dict:
     return out
 
 
+class FlashKernelNet(nn.Module):
+    """A model that calls spdsl's flash kernel itself (causal, GQA): the kernel form."""
+
+    def __init__(self, dim: int = 32, hq: int = 4, hkv: int = 2) -> None:
+        super().__init__()
+        self.hq, self.hkv, self.d = hq, hkv, dim // hq
+        self.q = nn.Linear(dim, dim)
+        self.kv = nn.Linear(dim, 2 * hkv * self.d)
+        self.o = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from spdsl.kernels import flash_attn
+        B, S, _ = x.shape
+        q = self.q(x).view(B, S, self.hq, self.d).transpose(1, 2)
+        k, v = self.kv(x).view(B, S, 2, self.hkv, self.d).permute(2, 0, 3, 1, 4)
+        y = flash_attn(q, k, v, causal=True).transpose(1, 2).reshape(B, S, -1)
+        return self.o(y).pow(2).mean()
+
+
+def case_flash_kernel(world: int) -> dict:
+    g = torch.Generator().manual_seed(9)
+    x = torch.randn(2, 8 * world, 32, generator=g)
+    return _run(FlashKernelNet, (x,), world)
+
+
 def case_einsum_user_model(world: int) -> dict:
     ids = _ids(2, 16)
     return _run(lambda: EinsumNet(), (ids, _uneven_labels(ids)), world)

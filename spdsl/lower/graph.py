@@ -20,6 +20,7 @@ from spdsl import collectives as C
 from spdsl.lower import ops
 from spdsl.lower.factories import VAL as REPLICATED_VAL
 from spdsl.lower.factories import split_factories
+from spdsl.propagate.eager_attention import COMPUTE_DTYPE, OUT_DTYPE
 from spdsl.propagate.engine import Propagator, tensor_inputs
 from spdsl.propagate.forms import form_of
 from spdsl.propagate.moves import kind_of
@@ -384,7 +385,9 @@ def written_out(node: torch.fx.Node) -> dict:
     ops (attention written out), or with the kernel the user called."""
     form = form_of(node)
     return {**({"written_out": True} if form.written_out else {}),
-            **({"kernel": True} if form.runs_kernel else {})}
+            **({"kernel": True} if form.runs_kernel else {}),
+            **{k: node.meta[m] for k, m in (("compute_dtype", COMPUTE_DTYPE),
+                                            ("out_dtype", OUT_DTYPE)) if m in node.meta}}
 
 
 GRAD_BUCKET_BYTES = 32 * 2 ** 20

@@ -237,6 +237,57 @@ def unrepeat_kv(gm: torch.fx.GraphModule) -> int:
     return done
 
 
+COMPUTE_DTYPE = "spdsl_compute_dtype"   # on an attention node: cast q, k, v after the exchange
+OUT_DTYPE = "spdsl_out_dtype"           # ... and the output before the exchange back
+
+
+def _upcast_of(x) -> torch.fx.Node | None:
+    """The narrower floating value ``x`` is a plain upcast of (``x = y.float()``), or None."""
+    if not isinstance(x, torch.fx.Node) or x.target is not aten._to_copy.default or \
+            set(x.kwargs) - {"dtype"} or not isinstance(x.args[0], torch.fx.Node):
+        return None
+    y, val = x.args[0], x.meta["val"]
+    src = y.meta.get("val")
+    if not isinstance(src, torch.Tensor) or not src.is_floating_point() or \
+            not val.is_floating_point() or src.element_size() >= val.element_size():
+        return None
+    return y
+
+
+def uncast_attention(gm: torch.fx.GraphModule) -> int:
+    """Attention whose q, k and v were all upcast right before it (``q.float()`` of bf16
+    values, a common way to attend in float32) reads them before the cast, and each rank casts
+    after the all-to-all: the exchange moves the narrow dtype. An output whose only use is a
+    downcast is cast before the exchange back. Each rank computes in the same dtypes as the
+    user's program. Returns how many attention nodes changed."""
+    done = 0
+    for n in [n for n in gm.graph.nodes if n.target is torch.ops.spdsl.attention.default]:
+        changed = False
+        src = [_upcast_of(x) for x in n.args[:3]]
+        if all(y is not None for y in src) and \
+                len({y.meta["val"].dtype for y in src}) == 1 and \
+                len({x.meta["val"].dtype for x in n.args[:3]}) == 1:
+            n.meta[COMPUTE_DTYPE] = n.args[0].meta["val"].dtype
+            n.args = tuple(src) + tuple(n.args[3:])
+            changed = True
+        users = list(n.users)
+        if len(users) == 1 and users[0].target is aten._to_copy.default and \
+                users[0].args[0] is n and not set(users[0].kwargs) - {"dtype"} and \
+                users[0].meta["val"].is_floating_point() and \
+                users[0].meta["val"].element_size() < n.meta["val"].element_size():
+            down = users[0]
+            n.meta[OUT_DTYPE] = down.meta["val"].dtype
+            n.meta["val"] = down.meta["val"]
+            down.replace_all_uses_with(n)
+            gm.graph.erase_node(down)
+            changed = True
+        done += changed
+    if done:
+        _sweep(gm.graph)
+        gm.recompile()
+    return done
+
+
 def fuse_eager_attention(gm: torch.fx.GraphModule) -> int:
     """Replace every matched written-out attention of ``gm`` by one ``spdsl.attention`` node;
     returns how many were replaced."""

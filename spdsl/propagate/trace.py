@@ -31,7 +31,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from spdsl.errors import ShardingError
-from spdsl.propagate.eager_attention import unrepeat_kv
+from spdsl.propagate.eager_attention import uncast_attention, unrepeat_kv
 from spdsl.propagate.forms import captured, find_all
 from spdsl.propagate.replay import LayerReplay
 from spdsl.propagate.source import user_frame
@@ -229,6 +229,7 @@ def trace(fn: Callable, args: tuple, kwargs: dict) -> Traced:
     _assign_module_paths(gm, events)
     find_all(gm)                   # attention written out in ops becomes one node too (forms)
     unrepeat_kv(gm)                # grouped kv heads cross the all-to-all unrepeated
+    uncast_attention(gm)           # and in their narrow dtype, where upcast just before
     return Traced(gm, state_names, state, arg_spec, tensor_leaf_index, out_spec_box[-1])
 
 

@@ -272,6 +272,16 @@ def case_flash_kernel(world: int) -> dict:
     return _run(FlashKernelNet, (x,), world)
 
 
+def case_upcast_attention(world: int) -> dict:
+    """q, k, v upcast to float64 right before attention, the output cast back: the exchanges
+    move float32, each rank attends in float64."""
+    from tests.propagate.test_plan_casts import UpcastAttention
+    g = torch.Generator().manual_seed(10)
+    x = torch.randn(2, 8 * world, 64, generator=g)
+    return _run(lambda: UpcastAttention(torch.float32, torch.float64, heads=4 * world, kv=world),
+                (x,), world)
+
+
 def case_einsum_user_model(world: int) -> dict:
     ids = _ids(2, 16)
     return _run(lambda: EinsumNet(), (ids, _uneven_labels(ids)), world)

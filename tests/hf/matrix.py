@@ -2,7 +2,7 @@
 checkpointed runs) to ``docs/hf.md``: each cell is ``exact`` with the worst relative error of
 the loss and every gradient, or the error the run raised.
 
-    python -m tests.hf.matrix            # about 20 minutes on 2 busy CPU cores
+    python -m tests.hf.matrix            # 48 min on 2 CPU cores at a load average of 10-14
 
 One launch of gloo ranks per SP degree runs every case of that degree (``tests.hf.cases``).
 """

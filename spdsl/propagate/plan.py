@@ -313,7 +313,9 @@ def build_plan(prop: Propagator, requires: dict[torch.fx.Node, bool],
                 add(kind, b, b_bwd, purpose, node, [prop.typed(ins[i])])
         for i in d.grad_reduce:
             a = ins[i]
-            key = (node, i) if i in d.redistribute else a
+            # one reduction per parameter however often it is read (a tied embedding's
+            # weight and its transpose): the lowering folds them into one bucket entry
+            key = (node, i) if i in d.redistribute else _root(a)
             if key not in marked and grad.get(a, False) and \
                     _root(a).name not in state_reduced:
                 marked.add(key)

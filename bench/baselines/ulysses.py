@@ -55,12 +55,12 @@ def _ulysses_attend(group):
 
 
 class UlyssesTrainer:
-    def __init__(self, cfg: RunConfig, compiled: bool) -> None:
+    def __init__(self, cfg: RunConfig, compiled: bool, checkpoint: bool = False) -> None:
         self.cfg = cfg
         self.group = dist.group.WORLD
         self.llama = build_llama(cfg.model, cfg.seed)
         attend = repeated_kv(_ulysses_attend(self.group), kv_repeat(self.llama.cfg, cfg.world))
-        self.module = PositionalLoss(self.llama, attend, reduction="sum")
+        self.module = PositionalLoss(self.llama, attend, reduction="sum", checkpoint=checkpoint)
         self.fn = torch.compile(self.module) if compiled else self.module
         self.opt = torch.optim.AdamW(self.llama.parameters(), lr=cfg.lr)
 
@@ -93,7 +93,9 @@ class UlyssesTrainer:
         self.opt.step()
 
 
-def build(cfg: RunConfig, compiled: bool) -> UlyssesTrainer:
+def build(cfg: RunConfig, compiled: bool, checkpoint: bool = False) -> UlyssesTrainer:
+    """``checkpoint``: every layer under ``torch.utils.checkpoint`` (what a hand-written
+    long-context setup adds when activations do not fit; its all-to-alls run again)."""
     try:
         import deepspeed.comm
         import deepspeed.sequence.layer
@@ -101,4 +103,4 @@ def build(cfg: RunConfig, compiled: bool) -> UlyssesTrainer:
         raise Unavailable(f"deepspeed is not installed ({e}); pip install the bench extra")
     # deepspeed.comm wraps the gloo group torch.distributed already has (it asserts otherwise).
     deepspeed.comm.init_distributed(dist_backend="gloo")
-    return UlyssesTrainer(cfg, compiled)
+    return UlyssesTrainer(cfg, compiled, checkpoint)

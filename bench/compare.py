@@ -46,7 +46,7 @@ from bench.baselines.analytic import ulysses_floor
 from bench.baselines.data import make_batches
 from bench.baselines.model import CONFIGS
 from bench.baselines.runner import Workload, run_all
-from bench.baselines.systems import RunConfig, select
+from bench.baselines.systems import HF_SYSTEMS, SYSTEMS, RunConfig, select
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -77,6 +77,17 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "the named ones) via torchrun, then rewrite its tables")
     p.add_argument("--render", action="store_true",
                    help="plain python: rewrite RESULTS.md tables and plot from saved JSON")
+    p.add_argument("--hf", action="store_true",
+                   help="the Hugging Face comparison: a tiny random LlamaForCausalLM of the same "
+                        "shape under the HF reference, spdsl and ALST (UlyssesSPAttentionHF)")
+    p.add_argument("--order", choices=("fixed", "alternate"), default="fixed",
+                   help="timed rounds in the same system order, or every other one reversed")
+    p.add_argument("--abab", default=None, metavar="NAME",
+                   help="plain python: --launches torchrun launches of these arguments with "
+                        "--order alternate; bench/results/abab/NAME*.json, then the summary "
+                        "(median and spread of per-launch medians, ratios) and RESULTS.md")
+    p.add_argument("--launches", type=int, default=3, help="with --abab (3)")
+    p.add_argument("--nproc", type=int, default=4, help="with --abab: ranks per launch (4)")
     args = p.parse_args(argv)
     defaults = ([256], 1, 0) if args.smoke else ([4096], 5, 2)
     for name, value in zip(("seq", "steps", "warmup"), defaults):
@@ -86,10 +97,17 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def source_revision() -> str:
-    """The repository revision measured (spdsl changes fast: results must say which one)."""
+    """The repository revision measured (spdsl changes fast: results must say which one).
+
+    ``-dirty`` when code differs from the commit; documents and result files (``*.md``,
+    ``bench/results``), which change while a suite runs, do not count.
+    """
     try:
-        return subprocess.run(["git", "describe", "--always", "--dirty"], cwd=ROOT, check=True,
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, check=True,
                               capture_output=True, text=True).stdout.strip()
+        clean = subprocess.run(["git", "diff", "--quiet", "HEAD", "--", ".", ":!*.md",
+                                ":!bench/results", ":!*.png"], cwd=ROOT, check=False).returncode
+        return head + ("" if clean == 0 else "-dirty")
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
 
@@ -107,16 +125,18 @@ def run(args: argparse.Namespace) -> list[dict] | None:
     workloads = []
     for i, seq in enumerate(args.seq):
         batches = make_batches(args.warmup + args.steps + 1, args.batch, seq, vocab,
-                               args.seed + 1 + i, args.ignore_prefix, args.labels == "window")
+                               args.seed + 1 + i, args.ignore_prefix, args.labels == "window",
+                               hf=args.hf)
         workloads.append(Workload(seq, batches[:-1], batches[-1]))
-    rows = run_all(select(args.systems), cfg, workloads, args.warmup, args.top,
-                   log=lambda line: print(line, flush=True))
+    systems = select(args.systems, HF_SYSTEMS if args.hf else SYSTEMS)
+    rows = run_all(systems, cfg, workloads, args.warmup, args.top,
+                   log=lambda line: print(line, flush=True), order=args.order)
     dist.barrier()
     dist.destroy_process_group()
     if rank != 0:
         return None
     config = {k: getattr(args, k) for k in ("model", "batch", "steps", "warmup", "seed", "lr",
-                                            "labels", "ignore_prefix")}
+                                            "labels", "ignore_prefix", "hf", "order")}
     config.update(world=world, torch=torch.__version__, threads=torch.get_num_threads(),
                   cpus=os.cpu_count(), loadavg_1min=[load_before, os.getloadavg()[0]],
                   revision=revision)
@@ -136,6 +156,10 @@ def parity_failures(result: dict, bound: float) -> list[str]:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.abab is not None:
+        from bench.baselines import abab
+        return abab.run(args.abab, sys.argv[1:] if argv is None else argv, args.launches,
+                        args.nproc)
     if args.suite is not None or args.render:
         from bench.baselines import suite
         return suite.run_suite(args.suite) if args.suite is not None else suite.render() or 0

@@ -11,7 +11,7 @@ import torch
 
 
 def make_batches(steps: int, batch: int, seq: int, vocab: int, seed: int,
-                 ignore_prefix: float = 0.0, window: bool = False
+                 ignore_prefix: float = 0.0, window: bool = False, hf: bool = False
                  ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """``steps`` pairs of global ``(input_ids, labels)`` int64 [batch, seq].
 
@@ -21,13 +21,17 @@ def make_batches(steps: int, batch: int, seq: int, vocab: int, seed: int,
     ``labels = tokens[:, 1:]`` (Megatron-style windows): every label valid, equal counts per
     shard. ``ignore_prefix`` masks that fraction of each sequence's first labels with -100 (an
     SFT prompt): very unequal counts, the case where a mean of per-shard means is far off.
+    ``hf``: Hugging Face labels instead, ``labels = input_ids`` (the model shifts them); the
+    same tokens as the default.
     """
     gen = torch.Generator().manual_seed(seed)
     out = []
     for _ in range(steps):
         tokens = torch.randint(0, vocab, (batch, seq + 1), generator=gen)
         ids = tokens[:, :seq].clone()
-        if window:
+        if hf:
+            labels = ids.clone()
+        elif window:
             labels = tokens[:, 1:].clone()
         else:
             labels = torch.full_like(ids, -100)

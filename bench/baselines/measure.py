@@ -25,6 +25,16 @@ broadcast_, send                     tensor bytes
 
 Every group in this benchmark spans all ranks (SP degree = world size), so P = world size: the
 profiler does not record which process group an op ran on.
+
+Where the ``c10d`` record cannot say the bytes, the backend's does: for an op taking a tensor
+*list* (``allgather_``, ``allreduce_``, ``allgather_into_tensor_coalesced_``, ...) the profiler
+records the dtype as ``TensorList``, and a 0-dim tensor in a list with an empty shape, so an
+int64 list was read as 4-byte elements and a scalar as 0 bytes. The gloo backend's own event
+(``gloo:all_gather``, ``gloo:all_reduce``, ``gloo:broadcast``: one per operation, on its worker
+thread) lists every input tensor's shape and dtype. So all-gather, all-reduce and broadcast
+bytes are summed from those events when the step has them (a gloo process group), and from the
+``c10d`` ops otherwise; call counts always come from the ``c10d`` ops. All-to-all stays on
+``c10d::alltoall_base_``, which also records the split sizes.
 """
 
 from __future__ import annotations
@@ -57,6 +67,11 @@ _COLLECTIVES = {
     "c10d::broadcast_": ("broadcast", 0),
     "c10d::send": ("send", 0),
 }
+
+
+# gloo backend event -> kind whose bytes it gives (one event per operation, inputs listed)
+_GLOO = {"gloo:all_gather": "all_gather", "gloo:all_reduce": "all_reduce",
+         "gloo:broadcast": "broadcast"}
 
 
 @dataclass
@@ -132,14 +147,29 @@ def _input_shapes(event, index: int):
     return []
 
 
+def _gloo_input_bytes(event) -> int:
+    """Bytes of every input tensor a gloo backend event lists (a 0-dim tensor: 1 element)."""
+    total = 0
+    for shape, dtype in zip(event.shapes(), event.dtypes()):
+        total += _numel(shape) * _DTYPE_BYTES.get(dtype, 4)
+    return total
+
+
 def summarize(events, world: int, rank: int) -> StepMeasure:
     """Turn the profiler's kinetic events into bytes per collective kind and peak memory."""
     out = StepMeasure()
     memory = []
+    gloo: dict[str, float] = {}
     for ev in events:
         name = ev.name()
         if name == "[memory]":
             memory.append((ev.start_ns(), ev.nbytes()))
+            continue
+        if name in _GLOO:
+            kind = _GLOO[name]
+            op = {"all_gather": "allgather", "all_reduce": "allreduce"}.get(kind, kind)
+            gloo[kind] = gloo.get(kind, 0.0) + _sent_bytes(op, _gloo_input_bytes(ev), [],
+                                                           world, rank)
             continue
         spec = _COLLECTIVES.get(name)
         if spec is None:
@@ -152,6 +182,9 @@ def summarize(events, world: int, rank: int) -> StepMeasure:
         out.comm_bytes[kind] = out.comm_bytes.get(kind, 0.0) + _sent_bytes(
             name, nbytes, splits, world, rank)
         out.comm_calls[kind] = out.comm_calls.get(kind, 0) + 1
+    for kind, nbytes in gloo.items():
+        if kind in out.comm_calls:        # the backend's count of what the c10d ops sent
+            out.comm_bytes[kind] = nbytes
     live = peak = 0
     for _, nbytes in sorted(memory):
         live += nbytes

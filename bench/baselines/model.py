@@ -25,6 +25,7 @@ from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from torch import nn
 
 from models.llama import Llama, LlamaConfig, apply_rotary
@@ -114,9 +115,15 @@ def _attention(attn, x: torch.Tensor, cos, sin, attend: Attend) -> torch.Tensor:
 class PositionalLoss(nn.Module):
     """``forward(input_ids, labels, position_ids) -> loss``, mirroring ``Llama.forward``."""
 
-    def __init__(self, llama: Llama, attend: Attend, reduction: str = "mean") -> None:
+    def __init__(self, llama: Llama, attend: Attend, reduction: str = "mean",
+                 checkpoint: bool = False) -> None:
         super().__init__()
         self.llama, self.attend, self.reduction = llama, attend, reduction
+        self.checkpoint = checkpoint   # full activation checkpointing of every layer
+
+    def _layer(self, block, h, cos, sin):
+        h = h + _attention(block.attention, block.attention_norm(h), cos, sin, self.attend)
+        return h + block.feed_forward(block.ffn_norm(h))
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor,
                 position_ids: torch.Tensor) -> torch.Tensor:
@@ -124,6 +131,9 @@ class PositionalLoss(nn.Module):
         cos, sin = rope_tables(m.rope.inv_freq, position_ids)
         h = m.tok_embeddings(input_ids)
         for block in m.layers:
-            h = h + _attention(block.attention, block.attention_norm(h), cos, sin, self.attend)
-            h = h + block.feed_forward(block.ffn_norm(h))
+            if self.checkpoint:    # keeps the layer input; the layer (its all-to-alls too)
+                h = torch.utils.checkpoint.checkpoint(          # runs again in backward
+                    self._layer, block, h, cos, sin, use_reentrant=False)
+            else:
+                h = self._layer(block, h, cos, sin)
         return token_loss(m.lm_head(m.norm(h)), labels, self.reduction)

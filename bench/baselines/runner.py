@@ -7,6 +7,7 @@ for each sequence length in turn:
 2. timed steps, round-robin: step ``j`` of every system before step ``j+1`` of any, so a burst
    of load from other processes on this shared machine hits every system alike instead of
    whichever happened to be running (a step's time is the slowest rank's, from a barrier);
+   with ``order="alternate"`` every other round runs the systems in reverse order (ABBA...);
 3. one extra *profiled* step per system (not timed): collective bytes and peak memory.
 
 Every system sees the same batches in the same order, so loss trajectories stay comparable step
@@ -95,9 +96,17 @@ def _build(slot: Slot, cfg: RunConfig) -> None:
     slot.trainer = slot.system.build(cfg)
 
 
+def _prepare(trainer: Trainer, batch: tuple) -> tuple:
+    """The arguments of ``forward_backward``: a trainer's own data loading (ALST's adapter) runs
+    here, before the barrier and outside the timed region, like every system's batch."""
+    prepare = getattr(trainer, "prepare", None)
+    return prepare(*batch) if prepare is not None else batch
+
+
 def _step(slot: Slot, batch: tuple, keep_grads: bool) -> None:
     trainer = slot.trainer
     trainer.zero_grad()
+    batch = _prepare(trainer, batch)
     if not slot.solo:
         dist.barrier()
     t0 = time.perf_counter()
@@ -113,6 +122,7 @@ def _step(slot: Slot, batch: tuple, keep_grads: bool) -> None:
 def _profile(slot: Slot, batch: tuple, world: int, rank: int, top: int) -> None:
     trainer = slot.trainer
     trainer.zero_grad()
+    batch = _prepare(trainer, batch)
     if not slot.solo:
         dist.barrier()
 
@@ -155,11 +165,15 @@ def _row(slot: Slot, seq: int, warmup: int, reference: Slot | None) -> dict:
         row["loss_rel_err"] = max(abs(a - b) / abs(b)
                                   for a, b in zip(slot.losses, reference.losses))
         row["grad_rel_err"] = _rel_err(slot.grads, reference.grads)
+        scale = getattr(slot.trainer, "grad_scale", None)
+        if scale:   # a system whose gradient is a known multiple of the true one (ALST)
+            row["grad_scale"] = scale
+            row["grad_rel_err_rescaled"] = _rel_err(slot.grads / scale, reference.grads)
     return row
 
 
 def run_all(systems: list[System], cfg: RunConfig, workloads: list[Workload], warmup: int,
-            top: int = 0, log: Callable[[str], None] = print) -> list[dict]:
+            top: int = 0, log: Callable[[str], None] = print, order: str = "fixed") -> list[dict]:
     """Every system at every workload; rank 0 gets one row per (system, workload)."""
     slots = [Slot(s) for s in systems]
     for slot in slots:
@@ -173,7 +187,10 @@ def run_all(systems: list[System], cfg: RunConfig, workloads: list[Workload], wa
             for j in range(min(warmup, n)):
                 _guarded(slot, cfg.rank, functools.partial(_step, slot, work.batches[j], j == 0))
         for j in range(warmup, n):
-            for slot in slots:
+            # "alternate": A B, then B A, ...: no system always runs right after another one
+            # (or after the reference, while the other ranks sat idle at the barrier).
+            turn = slots[::-1] if order == "alternate" and (j - warmup) % 2 else slots
+            for slot in turn:
                 _guarded(slot, cfg.rank, functools.partial(_step, slot, work.batches[j], j == 0))
         for slot in slots:
             _guarded(slot, cfg.rank, functools.partial(_profile, slot, work.profile_batch,

@@ -32,10 +32,12 @@ def _sp_shard():
 
 
 class SpdslTrainer:
-    def __init__(self, cfg: RunConfig, compiled: bool) -> None:
+    def __init__(self, cfg: RunConfig, compiled: bool, remat: str | None = None) -> None:
         sp_shard = _sp_shard()
         self.llama = build_llama(cfg.model, cfg.seed)
         kwargs = {"compile": True} if compiled else {}
+        if remat is not None:       # else spdsl's default ("auto")
+            kwargs["remat"] = remat
         self.fn = sp_shard(seq=cfg.world, **kwargs)(ShiftedLoss(self.llama))
         self.opt = torch.optim.AdamW(self.llama.parameters(), lr=cfg.lr)
 

@@ -47,6 +47,7 @@ class System:
     mode: str                          # "eager" or "compiled"
     module: str                        # bench.baselines.<module> holding build(cfg, compiled)
     single_process: bool = False       # the reference: rank 0 alone, the others wait
+    builder: str = "build"             # the function of ``module`` that builds the trainer
 
     @property
     def label(self) -> str:
@@ -59,7 +60,7 @@ class System:
     def build(self, cfg: RunConfig) -> Trainer:
         # Imported lazily: deepspeed and spdsl are optional, and importing either is slow.
         mod = importlib.import_module(f"bench.baselines.{self.module}")
-        build: Callable[[RunConfig, bool], Trainer] = mod.build
+        build: Callable[[RunConfig, bool], Trainer] = getattr(mod, self.builder)
         return build(cfg, self.compiled)
 
 
@@ -73,21 +74,27 @@ SYSTEMS = [
     System("autosp", "compiled", "autosp"),
 ]
 
+# The Hugging Face comparison (``bench/hf_compare.py``): one tiny random HF LlamaForCausalLM.
+HF_SYSTEMS = [
+    System("reference", "eager", "hf_model", single_process=True, builder="build_reference"),
+    System("spdsl", "eager", "hf_model", builder="build_spdsl"),
+    System("alst", "eager", "alst_hf"),
+]
+
 # The hand-written baseline each system's time is divided by (same mode; AutoSP is compiled).
 BASELINE = {"eager": ("ulysses", "eager"), "compiled": ("ulysses", "compiled")}
 
 
-def select(names: list[str] | None) -> list[System]:
+def select(names: list[str] | None, systems: list[System] = SYSTEMS) -> list[System]:
     """Systems by name (``ulysses``) or label (``ulysses-compiled``); all when ``names`` is None.
 
     The reference always runs: parity is measured against it.
     """
     if not names:
-        return list(SYSTEMS)
+        return list(systems)
     wanted = set(names) | {"reference"}
-    picked = [s for s in SYSTEMS if s.name in wanted or f"{s.name}-{s.mode}" in wanted]
-    unknown = wanted - {s.name for s in SYSTEMS} - {f"{s.name}-{s.mode}" for s in SYSTEMS}
-    if unknown:
-        raise SystemExit(f"unknown systems {sorted(unknown)}; choose from "
-                         f"{sorted({s.name for s in SYSTEMS} | {f'{s.name}-{s.mode}' for s in SYSTEMS})}")
+    picked = [s for s in systems if s.name in wanted or f"{s.name}-{s.mode}" in wanted]
+    known = {s.name for s in systems} | {f"{s.name}-{s.mode}" for s in systems}
+    if wanted - known:
+        raise SystemExit(f"unknown systems {sorted(wanted - known)}; choose from {sorted(known)}")
     return picked

@@ -7,9 +7,14 @@ What a user writes today without an automatic tool:
 - ``deepspeed.sequence.layer.DistributedAttention`` does the four all-to-alls (q, k, v:
   sequence -> heads; o: heads -> sequence) around a local causal SDPA; kv heads are replicated
   first when there are fewer of them than ranks (``model.kv_repeat``), which DeepSpeed requires;
-- the exact global loss is ``sum of token losses / global count of valid labels`` (the count
-  all-reduced first), so each rank's backward yields a partial gradient, and one flat
-  all-reduce (SUM) of all gradients makes it the single-device gradient on every rank.
+- the exact global loss is ``sum of token losses / global count of valid labels``. The rank's
+  (loss sum, valid count) pair is all-reduced **once**, after the forward (as spdsl's
+  ``nll_mean`` lowering does); the rank then backpropagates its local sum divided by the global
+  count, a partial gradient, and one flat all-reduce (SUM) of all gradients makes it the
+  single-device gradient on every rank. The reported loss is the global sum over the global
+  count from that same all-reduce: nothing else synchronises the ranks inside a step (2
+  collectives besides the all-to-alls: the pair and the gradient bucket, as for spdsl; an
+  earlier version also all-reduced the count before the forward and the loss after backward).
 
 ``compiled`` wraps the whole loss module in ``torch.compile`` (Dynamo traces DeepSpeed's
 ``_SeqAllToAll`` autograd function); the optimizer and the gradient all-reduce stay eager, as
@@ -50,12 +55,12 @@ def _ulysses_attend(group):
 
 
 class UlyssesTrainer:
-    def __init__(self, cfg: RunConfig, compiled: bool) -> None:
+    def __init__(self, cfg: RunConfig, compiled: bool, checkpoint: bool = False) -> None:
         self.cfg = cfg
         self.group = dist.group.WORLD
         self.llama = build_llama(cfg.model, cfg.seed)
         attend = repeated_kv(_ulysses_attend(self.group), kv_repeat(self.llama.cfg, cfg.world))
-        self.module = PositionalLoss(self.llama, attend, reduction="sum")
+        self.module = PositionalLoss(self.llama, attend, reduction="sum", checkpoint=checkpoint)
         self.fn = torch.compile(self.module) if compiled else self.module
         self.opt = torch.optim.AdamW(self.llama.parameters(), lr=cfg.lr)
 
@@ -67,15 +72,14 @@ class UlyssesTrainer:
         ids, lab = shard(input_ids, r, p), shard(labels, r, p)
         start = r * ids.shape[1]
         pos = torch.arange(start, start + ids.shape[1]).expand(ids.shape[0], -1)
-        # Ranks hold different numbers of valid labels: divide by the *global* count.
-        count = (lab != -100).sum().to(torch.float32)
-        dist.all_reduce(count, group=self.group)
-        loss = self.fn(ids, lab, pos) / count
-        loss.backward()
+        local_sum = self.fn(ids, lab, pos)
+        # Ranks hold different numbers of valid labels: divide by the *global* count. One
+        # all-reduce of (sum, count) gives both the divisor and the reported global loss.
+        both = torch.stack([local_sum.detach(), (lab != -100).sum().to(local_sum.dtype)])
+        dist.all_reduce(both, group=self.group)
+        (local_sum / both[1]).backward()
         self._all_reduce_grads()
-        total = loss.detach().clone()
-        dist.all_reduce(total, group=self.group)
-        return total.item()
+        return (both[0] / both[1]).item()     # a local read: the pair is already global
 
     def _all_reduce_grads(self) -> None:
         # One flat bucket, as DDP would: the partial sums of every replicated weight.
@@ -89,7 +93,9 @@ class UlyssesTrainer:
         self.opt.step()
 
 
-def build(cfg: RunConfig, compiled: bool) -> UlyssesTrainer:
+def build(cfg: RunConfig, compiled: bool, checkpoint: bool = False) -> UlyssesTrainer:
+    """``checkpoint``: every layer under ``torch.utils.checkpoint`` (what a hand-written
+    long-context setup adds when activations do not fit; its all-to-alls run again)."""
     try:
         import deepspeed.comm
         import deepspeed.sequence.layer
@@ -97,4 +103,4 @@ def build(cfg: RunConfig, compiled: bool) -> UlyssesTrainer:
         raise Unavailable(f"deepspeed is not installed ({e}); pip install the bench extra")
     # deepspeed.comm wraps the gloo group torch.distributed already has (it asserts otherwise).
     deepspeed.comm.init_distributed(dist_backend="gloo")
-    return UlyssesTrainer(cfg, compiled)
+    return UlyssesTrainer(cfg, compiled, checkpoint)

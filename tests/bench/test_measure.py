@@ -57,3 +57,20 @@ def test_peak_memory_follows_allocation_order_not_event_order():
     events = [_Event("[memory]", start=3, nbytes=-100), _Event("[memory]", start=1, nbytes=100),
               _Event("[memory]", start=2, nbytes=50), _Event("[memory]", start=4, nbytes=30)]
     assert summarize(events, world=1, rank=0).peak_bytes == 150
+
+
+def test_tensor_list_bytes_come_from_the_gloo_backend_events():
+    # the c10d records of list ops carry dtype "TensorList" and empty shapes for scalars: an
+    # int64 [1, 1024] list all-gather and a 0-dim float one; gloo's events have the truth
+    events = [
+        _Event("c10d::allgather_", [[], [], []], ["", "TensorList", ""]),
+        _Event("gloo:all_gather", [[1, 1024]], ["long int"]),
+        _Event("c10d::allgather_", [[], [], []], ["", "TensorList", ""]),
+        _Event("gloo:all_gather", [[]], ["float"]),
+        _Event("c10d::allreduce_", [[[64]]], ["TensorList"]),
+        _Event("gloo:all_reduce", [[64]], ["double"]),
+    ]
+    m = summarize(events, world=4, rank=0)
+    assert m.comm_bytes["all_gather"] == 3 * (1024 * 8 + 4)
+    assert m.comm_bytes["all_reduce"] == 2 * 64 * 8 * 3 / 4
+    assert m.comm_calls == {"all_gather": 2, "all_reduce": 1}

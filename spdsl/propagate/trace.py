@@ -104,6 +104,76 @@ class _KeepAttention(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
+class _HFPackedCheck:
+    """Hugging Face decides whether ``position_ids`` mark packed documents by looking at their
+    values (``find_packed_sequence_indices``); on a traced (fake) tensor it cannot look, so it
+    builds a full ``[S, S]`` document mask even for positions it made itself from ``arange``.
+    While spdsl traces, position ids that depend on no input of the function are computed for
+    real (they are constants of the shapes) and HF's check runs on them: unpacked positions
+    give no mask (SDPA's ``is_causal``), as they do outside a trace. Position ids the caller
+    passes (packed batches) keep the traced mask."""
+
+    def __init__(self) -> None:
+        self.module = None
+
+    def __enter__(self):
+        import sys
+        mu = sys.modules.get("transformers.masking_utils")
+        fn = getattr(mu, "find_packed_sequence_indices", None)
+        if fn is None:
+            return self
+        self.module, self.orig = mu, fn
+
+        def check(position_ids):
+            from torch.utils._python_dispatch import _disable_current_modes
+            real = _constant_value(position_ids)
+            if real is not None:
+                with _disable_current_modes():     # HF's check on the real values
+                    if fn(real) is None:
+                        return None
+            return fn(position_ids)
+        mu.find_packed_sequence_indices = check
+        return self
+
+    def __exit__(self, *exc):
+        if self.module is not None:
+            self.module.find_packed_sequence_indices = self.orig
+            self.module = None
+
+
+def _constant_value(t: torch.Tensor) -> torch.Tensor | None:
+    """The real value of a traced tensor computed from factories alone (no graph input), by
+    running the ops that made it on real tensors; None if it depends on an input."""
+    from torch.fx.experimental.proxy_tensor import get_proxy_slot
+    from torch.utils._python_dispatch import _disable_current_modes
+    mode = get_proxy_mode()
+    if mode is None or not isinstance(t, torch.Tensor):
+        return None
+    try:
+        node = get_proxy_slot(t, mode.tracer).proxy.node
+    except (KeyError, AttributeError):
+        return None
+    order, seen, stack = [], set(), [node]
+    while stack:                                   # the ancestors, each once
+        n = stack.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        if n.op != "call_function":
+            return None                            # a graph input (or a constant tensor)
+        order.append(n)
+        stack.extend(n.all_input_nodes)
+    index = {n: i for i, n in enumerate(node.graph.nodes)}
+    order.sort(key=index.__getitem__)
+    env: dict = {}
+    with _disable_current_modes():                 # real tensors, nothing traced
+        for n in order:
+            args, kwargs = torch.fx.node.map_arg((n.args, n.kwargs), env.__getitem__)
+            env[n] = n.target(*args, **kwargs)
+    out = env[node]
+    return out if isinstance(out, torch.Tensor) else None
+
+
 def _sdpa_ref(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
               enable_gqa=False):  # pragma: no cover - signature only
     ...
@@ -187,6 +257,7 @@ def trace(fn: Callable, args: tuple, kwargs: dict) -> Traced:
                 stack.enter_context(_reparametrize_module(
                     root, {n: st[i] for n, i in names.items()}, tie_weights=True, strict=False))
             stack.enter_context(_KeepAttention())
+            stack.enter_context(_HFPackedCheck())
             out = fn(*a, **kw)
         flat_out, spec = tree_flatten(out)
         out_spec_box.append(spec)

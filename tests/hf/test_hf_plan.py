@@ -8,6 +8,8 @@ import pytest
 
 pytest.importorskip("transformers")
 
+import torch
+
 import spdsl
 from tests.hf.families import LAYERS, build, padded
 
@@ -34,3 +36,27 @@ def test_llama_padded_plan_is_two_all_to_alls_per_layer_at_the_floor(attn):
     assert gathers == []
     assert any(c.kind == "all_gather" and c.values[0].startswith("bool[2,64@sp]")
                for c in plan.collectives)
+
+
+def test_unpacked_batch_attends_with_is_causal_not_a_full_mask():
+    """HF checks position ids for packed documents by their values; on the traced (fake)
+    tensors it would build a full [S, S] mask. Positions HF makes itself are evaluated for real
+    while spdsl traces: no mask, SDPA's is_causal, nothing of size S x S. Packed position ids
+    passed by the caller keep their document mask."""
+    from tests.hf.families import packed
+    model = build("llama", "sdpa")
+    S = 256
+    ids = torch.randint(1, 128, (1, S))
+
+    def loss_fn(i, l):
+        return model(input_ids=i, labels=l, use_cache=False).loss
+
+    plan = spdsl.plan(spdsl.sp_shard(seq=4)(loss_fn), ids, ids)
+    assert not [v.typed for v in plan.values if f"{S},{S}]" in v.typed or f"{S}@sp,{S}]" in
+                v.typed], "a value of size S x S"
+    assert len(plan.attention) == LAYERS
+    ids, labels, pos = packed()
+    plan = spdsl.plan(spdsl.sp_shard(seq=4)(
+        lambda i, l, p: model(input_ids=i, labels=l, position_ids=p, use_cache=False).loss),
+        ids, labels, pos)
+    assert any(v.typed.startswith("bool[1,1,32,32") for v in plan.values)

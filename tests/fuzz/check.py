@@ -15,6 +15,9 @@ and an fp64 run of the same program (how much rounding alone moves the value).
 
 from __future__ import annotations
 
+import json
+import os
+import tempfile
 import time
 import traceback
 from collections import Counter
@@ -30,7 +33,7 @@ OUT_RTOL = 1e-5
 GRAD_RTOL = 1e-4
 GRAD_FLOOR = 1e-2
 NOISE = 10.0
-GLOO_TIMEOUT = timedelta(seconds=90)
+GLOO_TIMEOUT = timedelta(seconds=30)   # a rank stuck in a collective fails, not hangs
 
 
 @dataclass
@@ -79,17 +82,25 @@ def _backward(outs, cots) -> None:
         torch.autograd.backward([o for o, _ in pairs], [c for _, c in pairs])
 
 
-def sharded(source: str, mesh, rank: int, world: int) -> dict:
-    """The same under ``spdsl.shard`` (the inputs split as ``SPECS`` say): full outputs, and
-    full gradients (split inputs' gradients summed over the ranks)."""
-    from torch.distributed.tensor import DTensor
-
+def prepare(source: str, mesh):
+    """``spdsl.shard`` of the program with its inputs split as ``SPECS`` says, built for this
+    rank (traced, propagated, lowered) but not run."""
     import spdsl
-    from spdsl.propagate.placement import chunk_bounds
     f, inputs, specs = build(source)
-    names = list(f.__code__.co_varnames[:f.__code__.co_argcount])
     args = list(inputs())
     step = spdsl.shard(f, mesh=mesh, in_specs=tuple(specs))
+    step.prepare(*args)
+    return f, step, args, specs
+
+
+def run_sharded(prepared, source: str, rank: int, world: int) -> dict:
+    """Run a prepared program: full outputs, and full gradients (split inputs' gradients
+    summed over the ranks: each rank's holds its own piece)."""
+    from torch.distributed.tensor import DTensor
+
+    from spdsl.propagate.placement import chunk_bounds
+    f, step, args, specs = prepared
+    names = list(f.__code__.co_varnames[:f.__code__.co_argcount])
     outs = list(step(*args))
     cots = cotangents([o.full_tensor() if isinstance(o, DTensor) else o for o in outs],
                       _seed_of(source))
@@ -97,24 +108,22 @@ def sharded(source: str, mesh, rank: int, world: int) -> dict:
     for o, c in zip(outs, cots):
         if isinstance(o, DTensor):
             full.append(o.full_tensor().detach().double())
-            x, c2 = o.to_local(), c
-            for d, p in enumerate(o.placements):
+            for p in o.placements:
                 if p.is_shard():
                     lo, hi = chunk_bounds(o.shape[p.dim], world, rank)
-                    c2 = c2.narrow(p.dim, lo, hi - lo)
-            local.append(x)
-            local_cots.append(c2)
+                    c = c.narrow(p.dim, lo, hi - lo)
+            local.append(o.to_local())
         else:
             full.append(o.detach().double())
             local.append(o)
-            local_cots.append(c)
+        local_cots.append(c)
     _backward(local, local_cots)
     grads = {}
     for n, a, sp in zip(names, args, specs):
         if not a.requires_grad:
             continue
         g = a.grad
-        if sp is not None:              # each rank holds the gradient of its own piece
+        if sp is not None:
             g = torch.zeros_like(a) if g is None else g.clone()
             dist.all_reduce(g)
         grads[n] = g.double() if g is not None else None
@@ -158,22 +167,32 @@ def compare(got: dict, want: dict, want64: dict) -> list[str]:
     return [b for b in bad if b]
 
 
-def check_local(source: str, mesh, rank: int, world: int) -> Verdict:
-    """This rank's verdict on one program."""
+def check_local(source: str, mesh, rank: int, world: int, group=None) -> Verdict:
+    """This rank's verdict on one program; with ``group``, the ranks agree once the program
+    is built, before it runs a collective (a rank that fails to build would leave the others
+    waiting in one)."""
     from spdsl.errors import ShardingError
     try:
         want = reference(source)
         want64 = reference(source, torch.float64)
     except Exception as e:  # noqa: BLE001 - the program itself is broken
         return Verdict("invalid", f"single device: {type(e).__name__}: {e}", "invalid")
-    try:
-        got = sharded(source, mesh, rank, world)
-    except ShardingError as e:
-        return Verdict("sharding_error", str(e), f"ShardingError[{e.rule}]")
-    except Exception as e:  # noqa: BLE001 - any other exception is a failure
-        tb = traceback.format_exc()
-        return Verdict("fail", f"{type(e).__name__} at SP {world}:\n{_tail(tb)}",
-                       f"error:{type(e).__name__}")
+
+    def attempt(fn):
+        try:
+            return fn(), Verdict("ok")
+        except ShardingError as e:
+            return None, Verdict("sharding_error", str(e), f"ShardingError[{e.rule}]")
+        except Exception as e:  # noqa: BLE001 - any other exception is a failure
+            return None, Verdict("fail", f"{type(e).__name__} at SP {world}:\n"
+                                 f"{_tail(traceback.format_exc())}", f"error:{type(e).__name__}")
+    prepared, v = attempt(lambda: prepare(source, mesh))
+    v = agree(v, group, rank)
+    if v.status != "ok":
+        return v
+    got, v = attempt(lambda: run_sharded(prepared, source, rank, world))
+    if v.status != "ok":
+        return v
     bad = compare(got, want, want64)
     if bad:
         return Verdict("fail", f"wrong result at SP {world}:\n  " + "\n  ".join(bad),
@@ -200,7 +219,8 @@ def agree(v: Verdict, group, rank: int) -> Verdict:
     if len(statuses) > 1 and "fail" not in statuses:
         return Verdict("fail", f"ranks disagree: {[e[0] for e in every]}; rank {worst}: {m}",
                        "disagree")
-    return Verdict(s, f"rank {worst}: {m}" if s != "ok" else m, sig)
+    return Verdict(s, f"rank {worst}: {m}" if s != "ok" and not m.startswith("rank ") else m,
+                   sig)
 
 
 class Checker:
@@ -219,12 +239,12 @@ class Checker:
 
     def check(self, source: str) -> Verdict:
         self.checked += 1
-        return agree(check_local(source, self.mesh, self.rank, self.world), self.group,
-                     self.rank)
+        return agree(check_local(source, self.mesh, self.rank, self.world, self.group),
+                     self.group, self.rank)
 
 
 def fuzz_many(rank: int, world: int, seeds: list[int], shrink: bool = True,
-              max_failures: int = 5, shrink_checks: int = 150) -> dict:
+              max_failures: int = 5, shrink_checks: int = 150, progress: str = "") -> dict:
     """Run on every rank of a launch (``spawn(fuzz_many, world, seeds)``): generate, check
     and, on a failure, shrink each program. Returns counts, ShardingError rules seen, and
     the failures (seed, message, shrunk source, original source)."""
@@ -234,12 +254,21 @@ def fuzz_many(rank: int, world: int, seeds: list[int], shrink: bool = True,
     checker = Checker(rank, world)
     counts: Counter = Counter()
     rules: Counter = Counter()
-    failures = []
+    failures: list[dict] = []
     t0 = time.time()
+
+    def result() -> dict:
+        return {"counts": dict(counts), "rules": dict(rules), "failures": failures,
+                "seconds": time.time() - t0, "programs": sum(counts.values())}
     for seed in seeds:
+        if progress:            # what a launch that dies at this program had found
+            with open(f"{progress}.{rank}", "w") as fh:
+                json.dump({"at": seed, **result()}, fh)
         prog = generate(seed)
         source = render(prog)
         v = checker.check(source)
+        if v.failed and _broken(v.message):
+            raise RuntimeError(f"collectives broke at seed {seed}: {v.message}")
         counts[v.status] += 1
         if v.status == "sharding_error":
             rules[v.signature] += 1
@@ -255,8 +284,64 @@ def fuzz_many(rank: int, world: int, seeds: list[int], shrink: bool = True,
                          "signature": v.signature})
         if len(failures) >= max_failures:
             break
-    return {"counts": dict(counts), "rules": dict(rules), "failures": failures,
-            "seconds": time.time() - t0, "programs": sum(counts.values())}
+    return result()
+
+
+def _broken(message: str) -> bool:
+    """A failure inside a collective (a timeout, a closed connection) leaves the process
+    group unusable: the launch ends and the next one resumes after this program."""
+    return any(s in message for s in ("Timed out", "timed out", "Connection closed",
+                                      "Connection reset", "gloo/transport"))
+
+
+def launch(world: int, seeds: list[int], shrink: bool = True, max_failures: int = 5,
+           shrink_checks: int = 150) -> dict:
+    """``fuzz_many`` over ``seeds`` on ``world`` ranks, in one launch unless a rank crashes or
+    a collective breaks: then the program it was at is a failure (not shrunk: shrinking runs
+    inside a launch) and a new launch goes on after it."""
+    from tests.dist import spawn
+    from tests.fuzz.generate import generate
+    from tests.fuzz.programs import render
+    total = {"counts": Counter(), "rules": Counter(), "failures": [], "seconds": 0.0,
+             "programs": 0}
+    todo = list(seeds)
+
+    def add(res: dict) -> None:
+        total["counts"].update(res["counts"])
+        total["rules"].update(res["rules"])
+        total["failures"] += res["failures"]
+        total["seconds"] += res["seconds"]
+        total["programs"] += res["programs"]
+    with tempfile.TemporaryDirectory() as d:
+        progress = os.path.join(d, "progress")
+        while todo and len(total["failures"]) < max_failures:
+            try:
+                add(spawn(fuzz_many, world, todo, shrink, max_failures - len(total["failures"]),
+                          shrink_checks, progress)[0])
+                break
+            except (RuntimeError, TimeoutError) as e:
+                states = []
+                for r in range(world):
+                    try:
+                        with open(f"{progress}.{r}") as fh:
+                            states.append(json.load(fh))
+                    except (OSError, ValueError):
+                        pass
+                if not states:
+                    raise
+                state = max(states, key=lambda s: todo.index(s["at"]))
+                at = state["at"]
+                add(state)
+                total["counts"]["fail"] += 1
+                src = render(generate(at))
+                total["failures"].append({
+                    "seed": at, "world": world, "source": src, "original": src,
+                    "signature": "crash",
+                    "message": f"the launch died at this program (SP {world}):\n"
+                               f"{_tail(str(e), 8)}"})
+                todo = todo[todo.index(at) + 1:]
+    total["counts"], total["rules"] = dict(total["counts"]), dict(total["rules"])
+    return total
 
 
 def _same(v: Verdict, first: Verdict) -> bool:

@@ -21,7 +21,7 @@ def _follow(ctx: RuleCtx, out_shard: Shard) -> tuple | None:
     for i in range(len(ctx.inputs)):
         shape = ctx.meta(i).shape
         d = out_shard.dim - (len(out_shape) - len(shape))
-        if d < 0 or shape[d] == 1:
+        if d < 0 or shape[d] == 1 != out_shape[out_shard.dim]:
             req.append(REPLICATE)           # broadcast along the split dim: used whole
         elif shape[d] == out_shape[out_shard.dim]:
             req.append(Shard(d, out_shard.outer, out_shard.size))

@@ -135,6 +135,11 @@ class Lowering:
         if isinstance(src, Shard) and isinstance(dst, Replicate):
             return self.call(C.gather, x, (src.dim, src.outer, src.size, src.inner(shape)),
                              parts, rank, group)
+        if isinstance(src, Shard) and isinstance(dst, Shard) and src.dim == dst.dim:
+            # one dim split two ways ([heads*seq] split inside vs as a whole): the packing
+            # of all_to_all assumes two dims, one gathered and one split
+            return self.call(C.rechunk, x, src.dim, (src.outer, src.size, src.inner(shape)),
+                             (dst.outer, dst.size, dst.inner(shape)), parts, rank, group)
         if isinstance(src, Shard) and isinstance(dst, Shard):
             return self.call(C.all_to_all, x, (src.dim, src.outer), (dst.dim, dst.outer), parts,
                              group)
@@ -219,7 +224,8 @@ class Lowering:
         """Several operands of one op changing split dims (q and k of a score) share one
         all-to-all."""
         moves = {i: sd for i, sd in d.redistribute.items()
-                 if isinstance(sd[0], Shard) and isinstance(sd[1], Shard) and sd[0] != sd[1]}
+                 if isinstance(sd[0], Shard) and isinstance(sd[1], Shard)
+                 and sd[0].dim != sd[1].dim}
         if len(moves) < 2 or self.parts == 1:
             return {}
         idx = sorted(moves)

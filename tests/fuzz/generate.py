@@ -143,7 +143,7 @@ class Generator:
 
     def run(self) -> Program:
         self.first_input()
-        n_steps = self.rng.randint(2, 9)
+        n_steps = self.rng.randint(2, 12)
         tries = 0
         while len(self.steps) < n_steps and tries < 60:
             tries += 1
@@ -664,9 +664,83 @@ def op_loss_term(g: Generator) -> None:
     g.step("{0} + 0.1 * {1}", (w.name, loss.name), w.dims)
 
 
+def op_combine(g: Generator) -> None:
+    """Two values of the same shape (often split differently: one came through a transpose)."""
+    a = g.pick(_float)
+    shape = tuple(a.t.shape)
+    same = [b for b in g.vals.values() if b is not a and b.float and tuple(b.t.shape) == shape]
+    swapped = [(b, i, j) for b in g.vals.values() if b is not a and b.float and b.nd == a.nd
+               for i in range(a.nd) for j in range(i + 1, a.nd)
+               if tuple(b.t.transpose(i, j).shape) == shape and b.dims[i] != b.dims[j]]
+    if swapped and (not same or g.rng.random() < 0.5):
+        b, i, j = g.rng.choice(swapped)
+        g.step(f"{{0}} * {{1}}.transpose({i}, {j})", (a.name, b.name), a.dims)
+    elif same:
+        b = g.rng.choice(same)
+        g.step(g.rng.choice(["{0} + {1}", "{0} * {1}", "torch.maximum({0}, {1})"]),
+               (a.name, b.name), a.dims)
+    else:
+        raise _Skip
+
+
+def _seq_or_any(g: Generator, v: Val) -> int:
+    seq = [d for d in range(v.nd) if "S" in " ".join(v.dims[d])]
+    return g.rng.choice(seq) if seq and g.rng.random() < 0.7 else g.rng.randrange(v.nd)
+
+
+def op_center(g: Generator) -> None:
+    """A statistic over a dim broadcast back against the value (a partial sum meets a split)."""
+    v = g.pick(_float)
+    d = _seq_or_any(g, v)
+    expr = g.rng.choice([f"{{0}} - {{0}}.mean({d}, keepdim=True)",
+                         f"{{0}} / (1 + {{0}}.abs().sum({d}, keepdim=True))",
+                         f"{{0}}.exp() / {{0}}.exp().sum({d}, keepdim=True)",
+                         f"{{0}} - {{0}}.amax({d}, keepdim=True)"])
+    g.step(expr, (v.name,), v.dims)
+
+
+def op_neighbours(g: Generator) -> None:
+    """Each position against the next (a halo across every shard boundary)."""
+    v = g.pick(_float)
+    d = _seq_or_any(g, v)
+    k = g.rng.choice([1, 1, 2])
+    if g.size_of(v.dims[d]) <= k:
+        raise _Skip
+    e = dim_expr(v.dims[d])
+    expr = f"{{0}}{_index(v.nd, d, f'{k}:')} - {{0}}{_index(v.nd, d, f':-{k}')}"
+    g.step(expr, (v.name,), v.dims[:d] + [(f"{e} - {k}",)] + v.dims[d + 1:])
+
+
+def op_contract(g: Generator) -> None:
+    """``a^T @ a``: the product contracts the second-to-last dim (often the sequence)."""
+    a = g.pick(lambda v: v.float and v.nd >= 2 and v.t.dtype == torch.float32)
+    g.step("{0}.transpose(-2, -1) @ {0} / 4", (a.name,), a.dims[:-2] + [a.dims[-1], a.dims[-1]])
+
+
+def op_padding_mask(g: Generator) -> None:
+    """A [B, S] boolean input (split like the sequence) masking a [B, S, ...] value."""
+    v = g.pick(lambda v: v.float and v.nd >= 2 and v.dims[:2] == [("B",), ("S",)])
+    m = next((u for u in g.vals.values() if u.name.startswith("mask")), None) or \
+        g.add_input("mask", [("B",), ("S",)], "b", split=1)
+    tail = "[:, :" + ", None" * (v.nd - 2) + "]" if v.nd > 2 else ""
+    expr = g.rng.choice([f"{{0}}.masked_fill(~{{1}}{tail}, 0.0)",
+                         f"torch.where({{1}}{tail}, {{0}}, -{{0}})",
+                         f"{{0}} * {{1}}{tail}.to({{0}}.dtype)"])
+    g.step(expr, (v.name, m.name), v.dims)
+
+
+def op_bool_index(g: Generator) -> None:
+    """``x[mask]``: a data-dependent shape, which spdsl refuses with a ShardingError."""
+    v = g.pick(lambda v: v.float and v.nd >= 2 and v.dims[:2] == [("B",), ("S",)])
+    m = next((u for u in g.vals.values() if u.name.startswith("mask")), None) or \
+        g.add_input("mask", [("B",), ("S",)], "b", split=1)
+    g.step("{0}[{1}].sum(0)", (v.name, m.name), v.dims[2:])
+
+
 OPS = [(op_unary, 3), (op_binary, 3), (op_cast, 1), (op_split_dim, 3), (op_merge_dims, 3),
        (op_permute, 2), (op_expand, 1), (op_squeeze, 1), (op_slice, 3), (op_select, 1),
        (op_cat, 2), (op_stack, 1), (op_chunk, 2), (op_index, 2), (op_cumsum, 1),
        (op_reduce, 3), (op_softmax, 2), (op_linear, 3), (op_scores, 1), (op_norm, 1),
        (op_positions, 1), (op_mask, 1), (op_data_move, 1), (op_attention, 3),
-       (op_loss_term, 1)]
+       (op_loss_term, 1), (op_combine, 2), (op_center, 2), (op_neighbours, 2),
+       (op_contract, 1), (op_padding_mask, 1), (op_bool_index, 0.2)]

@@ -23,8 +23,8 @@ MIN_EXACT = 0.7                   # most programs must run, not be refused
 
 
 def _seeds(world: int) -> list[int]:
-    n = int(os.environ.get("SPDSL_FUZZ_COUNT", COUNT[world]))
-    first = int(os.environ.get("SPDSL_FUZZ_SEED", 0))
+    n = int(os.environ.get("SPDSL_FUZZ_COUNT", str(COUNT[world])))
+    first = int(os.environ.get("SPDSL_FUZZ_SEED", "0"))
     return list(range(first, first + n))
 
 

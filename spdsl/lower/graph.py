@@ -472,8 +472,11 @@ def _marker_on_input(graph: torch.fx.Graph, n: torch.fx.Node) -> torch.fx.Node |
     """The gradient marker ``n`` moved onto the graph input it derives from (see above), or
     None where it derives from data or its chain has other users."""
     chain, a = [], n.args[0]
+    # a collective's backward differs by rank (a gather's slices the rank's rows): the sum
+    # must be taken after it, where autograd meets it first
     while a.op == "call_function" and len(a.users) == 1 and len(a.all_input_nodes) == 1 \
-            and a.target is not torch.ops.spdsl.gather_param.default:   # a shard's rows differ
+            and a.target is not torch.ops.spdsl.gather_param.default \
+            and getattr(a.target, "__module__", None) != C.__name__:
         chain.append(a)
         a = a.all_input_nodes[0]
     if a.op != "placeholder" or not n.users:

@@ -108,11 +108,68 @@ def inputs():
 SPECS = (P(None, "sp", None), P(None, "sp"))
 '''
 
+# A sum over the sequence is a partial sum on each rank; adding a number to it is not
+# linear, but the pointwise rule let add/sub with a scalar operand keep the partial sum, so
+# the number was added once per rank (output off by 14%). Fixed in
+# spdsl/propagate/rules/pointwise.py (a partial sum passes add/sub only with two tensors).
+SCALAR_PLUS_PARTIAL = '''
+import torch
+import torch.nn.functional as F
+
+from spdsl import P
+
+B, S = 1, 4
+
+
+def f(x):
+    v3 = x / (1 + x.abs().sum(1, keepdim=True))
+    return v3,
+
+
+def inputs():
+    g = torch.Generator().manual_seed(473)
+    x = torch.randn((B, S), generator=g)
+    return x,
+
+
+SPECS = (P(None, "sp"),)
+'''
+
+# ``x^T @ x`` contracting the sequence: the rows of x^T move to the ranks (an all-to-all)
+# and x is gathered whole, its gradient a partial sum to all-reduce. The lowering moved that
+# all-reduce from after the gather to the input before it (a shortcut meant for parameters),
+# so each rank summed the other ranks' slices of the wrong rows (gradient of x off by 60%).
+# Fixed in spdsl/lower/graph.py (a gradient all-reduce never moves across a collective).
+GRAD_REDUCE_ACROSS_GATHER = '''
+import torch
+import torch.nn.functional as F
+
+from spdsl import P
+
+B, S, H, Dh = 1, 4, 1, 4
+
+
+def f(x):
+    v0 = x.transpose(-2, -1) @ x / 4
+    return v0,
+
+
+def inputs():
+    g = torch.Generator().manual_seed(508)
+    x = torch.randn((B, S, H * Dh), generator=g).requires_grad_()
+    return x,
+
+
+SPECS = (P(None, "sp", None),)
+'''
+
 # name -> (source, expected verdict: "ok", or the ShardingError rule that must refuse it)
 REGRESSIONS = {
     "size1_split_broadcast": (SIZE1_SPLIT, "ok"),
     "heads_times_seq_rechunk": (HEADS_TIMES_SEQ, "ok"),
     "bool_mask_index_refused": (BOOL_MASK_INDEX, "data-dependent shape"),
+    "scalar_plus_partial_sum": (SCALAR_PLUS_PARTIAL, "ok"),
+    "grad_reduce_across_gather": (GRAD_REDUCE_ACROSS_GATHER, "ok"),
 }
 XFAIL: dict[str, str] = {}        # name -> why it is not fixed yet
 

@@ -110,7 +110,7 @@ SPECS = (P(None, "sp", None), P(None, "sp"))
 
 # A sum over the sequence is a partial sum on each rank; adding a number to it is not
 # linear, but the pointwise rule let add/sub with a scalar operand keep the partial sum, so
-# the number was added once per rank (output off by 14%). Fixed in
+# the number was added once per rank (output off by 18%). Fixed in
 # spdsl/propagate/rules/pointwise.py (a partial sum passes add/sub only with two tensors).
 SCALAR_PLUS_PARTIAL = '''
 import torch

@@ -51,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
         res = launch(w, seeds, shrink=not a.no_shrink, max_failures=a.max_failures)
         print(f"SP {w}: {res['programs']} programs in {time.time() - t:.0f} s: {res['counts']}")
         for rule, n in sorted(res["rules"].items(), key=lambda x: -x[1]):
-            print(f"    {n:5d}  {rule}")
+            print(f"    {n:5d}  {rule}  (first: seed {res['examples'].get(rule)})")
         for f in res["failures"]:
             failed += 1
             print("=" * 78)

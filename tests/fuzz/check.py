@@ -254,11 +254,13 @@ def fuzz_many(rank: int, world: int, seeds: list[int], shrink: bool = True,
     checker = Checker(rank, world)
     counts: Counter = Counter()
     rules: Counter = Counter()
+    examples: dict[str, int] = {}       # the first seed each ShardingError rule refused
     failures: list[dict] = []
     t0 = time.time()
 
     def result() -> dict:
-        return {"counts": dict(counts), "rules": dict(rules), "failures": failures,
+        return {"counts": dict(counts), "rules": dict(rules), "examples": examples,
+                "failures": failures,
                 "seconds": time.time() - t0, "programs": sum(counts.values())}
     for seed in seeds:
         if progress:            # what a launch that dies at this program had found
@@ -272,6 +274,7 @@ def fuzz_many(rank: int, world: int, seeds: list[int], shrink: bool = True,
         counts[v.status] += 1
         if v.status == "sharding_error":
             rules[v.signature] += 1
+            examples.setdefault(v.signature, seed)
         if not v.failed:
             continue
         small, v_small = prog, v
@@ -302,13 +305,15 @@ def launch(world: int, seeds: list[int], shrink: bool = True, max_failures: int 
     from tests.dist import spawn
     from tests.fuzz.generate import generate
     from tests.fuzz.programs import render
-    total = {"counts": Counter(), "rules": Counter(), "failures": [], "seconds": 0.0,
-             "programs": 0}
+    total = {"counts": Counter(), "rules": Counter(), "examples": {}, "failures": [],
+             "seconds": 0.0, "programs": 0}
     todo = list(seeds)
 
     def add(res: dict) -> None:
         total["counts"].update(res["counts"])
         total["rules"].update(res["rules"])
+        for k, v in res.get("examples", {}).items():
+            total["examples"].setdefault(k, v)
         total["failures"] += res["failures"]
         total["seconds"] += res["seconds"]
         total["programs"] += res["programs"]

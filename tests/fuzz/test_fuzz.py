@@ -18,7 +18,7 @@ from tests.fuzz.generate import check_runs, generate
 from tests.fuzz.programs import build, render
 from tests.fuzz.shrink import prune, shrink
 
-COUNT = {2: 60, 4: 40}            # measured: see docs/fuzzing.md
+COUNT = {2: 40, 4: 25}            # about 1-2 min for both on 2 cores: docs/fuzzing.md
 MIN_EXACT = 0.7                   # most programs must run, not be refused
 
 

@@ -6,7 +6,7 @@ a program as Python source (a function ``f``, an ``inputs()`` that builds its ar
 seed, and the ``SPECS`` that split them); the builder executes exactly that source, so what a
 failure message prints is what ran::
 
-    prog = generate(seed=7)
+    prog = generate(seed=7)            # tests.fuzz.generate
     print(render(prog))
     f, inputs, specs = build(render(prog))
 """
@@ -15,12 +15,9 @@ from __future__ import annotations
 
 import linecache
 import re
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 import torch
-
-# every size a shape may name; the generator picks values, the shrinker lowers them
-SIZE_NAMES = ("B", "S", "H", "K", "Dh", "E", "V")
 
 
 @dataclass(frozen=True)
@@ -72,7 +69,6 @@ class Program:
     inputs: tuple[Input, ...]
     steps: tuple[Step, ...]
     outputs: tuple[str, ...]
-    notes: tuple[str, ...] = field(default=())
 
     def size(self, name: str) -> int:
         return dict(self.sizes)[name]
@@ -100,7 +96,6 @@ def render(prog: Program) -> str:
     sizes = [(n, v) for n, v in prog.sizes if n in used_sizes(prog)] or list(prog.sizes[:1])
     lines = ["import torch", "import torch.nn.functional as F", "",
              "from spdsl import P", ""]
-    lines += [f"# {n}" for n in prog.notes]
     lines.append(f"{', '.join(n for n, _ in sizes)} = {', '.join(str(v) for _, v in sizes)}")
     if any("FLOAT" in s.expr for s in prog.steps):
         lines.append("FLOAT = torch.float32")

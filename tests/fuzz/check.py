@@ -118,16 +118,25 @@ def run_sharded(prepared, source: str, rank: int, world: int) -> dict:
             local.append(o)
         local_cots.append(c)
     _backward(local, local_cots)
-    grads = {}
+    grads, held = {}, {}
     for n, a, sp in zip(names, args, specs):
         if not a.requires_grad:
             continue
         g = a.grad
         if sp is not None:
-            g = torch.zeros_like(a) if g is None else g.clone()
-            dist.all_reduce(g)
+            # each rank's own rows, summed over the ranks; a rank may hold only those (the
+            # rest zero) or the whole gradient (then it is compared as held, too)
+            d = list(sp).index("sp")
+            lo, hi = chunk_bounds(a.shape[d], world, rank)
+            whole = torch.zeros_like(a) if g is None else g.detach().clone()
+            own = torch.zeros_like(whole)
+            own.narrow(d, lo, hi - lo).copy_(whole.narrow(d, lo, hi - lo))
+            dist.all_reduce(own)
+            if whole.narrow(d, lo, hi - lo).zero_().abs().sum() > 0:
+                held[n] = g.double()
+            g = own
         grads[n] = g.double() if g is not None else None
-    return {"outs": full, "grads": grads}
+    return {"outs": full, "grads": grads, "held": held}
 
 
 def _close(name: str, got: torch.Tensor | None, want: torch.Tensor | None,
@@ -162,8 +171,12 @@ def compare(got: dict, want: dict, want64: dict) -> list[str]:
     top = max([w.abs().max().item() for w in want["grads"].values()
                if w is not None and w.numel()] or [0.0])
     for n, w in want["grads"].items():
+        floor = max(GRAD_FLOOR * top, 1e-12)
         bad.append(_close(f"gradient of {n}", got["grads"].get(n), w, want64["grads"].get(n),
-                          GRAD_RTOL, max(GRAD_FLOOR * top, 1e-12)))
+                          GRAD_RTOL, floor))
+        if n in got.get("held", {}):
+            bad.append(_close(f"gradient of {n} as this rank holds it", got["held"][n], w,
+                              want64["grads"].get(n), GRAD_RTOL, floor))
     return [b for b in bad if b]
 
 

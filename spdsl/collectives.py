@@ -13,6 +13,7 @@ Shard -> Shard         all-to-all                  all-to-all back
 Shard -> Replicate     all-gather                  local slice
 Replicate -> Shard     local slice                 all-gather
 Partial -> Replicate   all-reduce                  identity
+Partial -> Shard       reduce-scatter              all-gather
 Replicate, used split  identity                    all-reduce (partial grad)
 slice of a split dim   halo exchange (all-to-all)  halo exchange back
 =====================  ==========================  ===============================
@@ -283,6 +284,50 @@ def _gather(x: torch.Tensor, split: tuple, parts: int, group: str) -> torch.Tens
     shape = list(x.shape)
     shape[dim] = outer * size * inner
     return g.reshape(shape)
+
+
+class _ReduceScatter(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, split: tuple, parts: int, rank: int, group: str):
+        ctx.args = (split, parts, group)
+        return _reduce_scatter(x, split, parts, rank, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        # the gradient of a partial sum is the whole gradient, the same on every rank
+        split, parts, group = ctx.args
+        return _gather(grad, split, parts, group), None, None, None, None
+
+
+def _reduce_scatter(x: torch.Tensor, split: tuple, parts: int, rank: int,
+                    group: str) -> torch.Tensor:
+    """Sum the partial ``x`` over the ranks, keeping this rank's chunk of ``split``. Uneven
+    chunks are padded so that every rank receives the same size."""
+    dim, outer, size, inner = split
+    full = -(-size // parts) * inner
+    y, d = _split_dim(x, dim, outer)
+    chunks = []
+    for r in range(parts):
+        lo, hi = chunk_bounds(size, parts, r)
+        c = y.narrow(d, lo * inner, (hi - lo) * inner)
+        if c.shape[d] < full:
+            pad = list(c.shape)
+            pad[d] = full - c.shape[d]
+            c = torch.cat([c, c.new_zeros(pad)], dim=d)
+        chunks.append(c)
+    buf = torch.stack(chunks).reshape(parts * chunks[0].numel())
+    got = fc.wait_tensor(_REDUCE_SCATTER(buf, "sum", 0, group)).reshape(chunks[0].shape)
+    lo, hi = chunk_bounds(size, parts, rank)
+    got = got.narrow(d, 0, (hi - lo) * inner)
+    shape = list(x.shape)
+    shape[dim] = outer * (hi - lo) * inner
+    return got.reshape(shape)
+
+
+def reduce_scatter(x: torch.Tensor, split: tuple, parts: int, rank: int,
+                   group: str) -> torch.Tensor:
+    """Partial -> Shard: the sum's chunk of this rank, in one reduce-scatter."""
+    return _ReduceScatter.apply(x, split, parts, rank, group)
 
 
 def gather(x: torch.Tensor, split: tuple, parts: int, rank: int, group: str) -> torch.Tensor:

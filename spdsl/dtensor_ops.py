@@ -15,14 +15,10 @@ import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from spdsl.collectives import all_to_all_many
+from spdsl.propagate.forms import dtensor_ops
 
 aten = torch.ops.aten
-_FORWARD = [aten._scaled_dot_product_flash_attention_for_cpu.default,
-            aten._scaled_dot_product_efficient_attention.default,
-            aten._scaled_dot_product_flash_attention.default]
-_BACKWARD = [aten._scaled_dot_product_flash_attention_for_cpu_backward.default,
-             aten._scaled_dot_product_efficient_attention_backward.default,
-             aten._scaled_dot_product_flash_attention_backward.default]
+_FORWARD, _BACKWARD = dtensor_ops()     # of the attention forms (spdsl.propagate.forms)
 _SEQ_4D, _HEAD_4D, _SEQ_3D, _HEAD_3D = (2, 1), (1, 1), (2, 1), (1, 1)
 
 

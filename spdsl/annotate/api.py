@@ -565,13 +565,22 @@ class Sharded:
                 local_in.append(x.to_local())
                 continue
             if isinstance(dp, Shard) and self.batch == "global":
-                lo, hi = chunk_bounds(dp.size, self.data_parts, entry.data_rank)
-                x = x.narrow(dp.dim, lo, hi - lo)
+                x = self._split_input(x, dp, self.data_parts, entry.data_rank, self.data_axis)
             if isinstance(p, Shard):
-                lo, hi = chunk_bounds(p.size, self.parts, entry.rank)
-                x = x.narrow(p.dim, lo, hi - lo)
+                x = self._split_input(x, p, self.parts, entry.rank, self.axis)
             local_in.append(x.contiguous() if x is not leaves[i] else x)
         return local_in
+
+    def _split_input(self, x: torch.Tensor, p: Shard, parts: int, rank: int, axis: str):
+        """This rank's chunk of a global input. The global tensor is the same on every rank
+        (replicated), so its gradient is the whole one: gathered in backward where it is
+        asked for."""
+        if x.requires_grad and torch.is_grad_enabled() and parts > 1:
+            from spdsl import collectives as C
+            return C.take(x, (p.dim, 1, p.size, 1), parts, rank,
+                          self._group_and_rank(axis)[0])
+        lo, hi = chunk_bounds(p.size, parts, rank)
+        return x.narrow(p.dim, lo, hi - lo)
 
     def _check_same_inputs(self, leaves: list) -> None:
         """Debug mode: every rank of the axis must pass the same global tensors. A mismatch

@@ -47,7 +47,7 @@ th{font-weight:600;color:#475569;font-size:12px;background:#f1f5f9}
 .badge{display:inline-block;color:#fff;border-radius:6px;padding:1px 7px;font-size:12px;
   margin:1px 4px 1px 0;white-space:nowrap}
 .ulysses{background:#7c3aed}.loss{background:#059669}.gradient{background:#64748b}
-.reshard{background:#dc2626}.halo{background:#0d9488}.output{background:#ea580c}
+.reshard{background:#dc2626}.halo{background:#0d9488}.output{background:#ea580c}.input{background:#64748b}
 .src{color:#64748b;font-size:12px} .rule{color:#0f766e}
 .bars td{border:none;padding:2px 8px}
 .bar{height:14px;background:#a78bfa;border-radius:3px;position:relative}
@@ -194,7 +194,7 @@ def _legend() -> str:
              typed_html("f32[64,64]", "Replicate()") + " whole on every rank " +
              typed_html("f32[]{sum@sp}", "Partial(sum)") + " partial sum")
     badges = "".join(f"<span class='badge {p}'>{p}</span>" for p in
-                     ("ulysses", "loss", "gradient", "reshard", "halo", "output"))
+                     ("ulysses", "loss", "gradient", "reshard", "halo", "output", "input"))
     return f"<div class='legend'>{chips}&nbsp;&nbsp;{badges}</div>"
 
 

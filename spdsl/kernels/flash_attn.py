@@ -12,6 +12,7 @@ node backward. The functionals choose Triton or the reference through ``backend.
 from __future__ import annotations
 
 import torch
+from torch.overrides import handle_torch_function, has_torch_function_variadic
 
 from spdsl.kernels import reference
 from spdsl.kernels.backend import use_triton
@@ -121,4 +122,7 @@ def flash_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: boo
         ...            torch.randn(2, 2, 7, 64), causal=True).shape
         torch.Size([2, 4, 7, 64])
     """
+    if has_torch_function_variadic(q, k, v):     # a tracer sees the call itself (spdsl's:
+        return handle_torch_function(            # an attention form)
+            flash_attn, (q, k, v), q, k, v, causal=causal, scale=scale, segment_ids=segment_ids)
     return flash_attn_with_lse(q, k, v, causal=causal, scale=scale, segment_ids=segment_ids)[0]

@@ -20,8 +20,10 @@ from spdsl import collectives as C
 from spdsl.lower import ops
 from spdsl.lower.factories import VAL as REPLICATED_VAL
 from spdsl.lower.factories import split_factories
-from spdsl.propagate.eager_attention import WRITTEN_OUT
+from spdsl.propagate.eager_attention import COMPUTE_DTYPE, OUT_DTYPE
 from spdsl.propagate.engine import Propagator, tensor_inputs
+from spdsl.propagate.forms import form_of
+from spdsl.propagate.moves import kind_of
 from spdsl.propagate.placement import (
     REPLICATE,
     Partial,
@@ -122,28 +124,29 @@ class Lowering:
 
     def _move(self, x: torch.fx.Node, src: Placement, dst: Placement, shape,
               parts: int, rank: int, group: str) -> torch.fx.Node:
-        """One redistribution over one axis, of a local tensor of ``shape``."""
-        if isinstance(src, Partial):
-            x = self.call(C.all_reduce, x, group)
-            src = Replicate()
-            if src == dst:
-                return x
-        shape = tuple(shape)
-        if isinstance(src, Replicate) and isinstance(dst, Shard):
+        """One redistribution over one axis, of a local tensor of ``shape``: the collective
+        ``spdsl.propagate.moves.kind_of`` names (the one the plan lists)."""
+        kind, shape = kind_of(src, dst), tuple(shape)
+        if kind == "none":
+            return x
+        if kind == "all_reduce":
+            return self.call(C.all_reduce, x, group)
+        if kind == "reduce_scatter":
+            return self.call(C.reduce_scatter, x, (dst.dim, dst.outer, dst.size,
+                                                   dst.inner(shape)), parts, rank, group)
+        if kind == "take":
             return self.call(C.take, x, (dst.dim, dst.outer, dst.size, dst.inner(shape)), parts,
                              rank, group)
-        if isinstance(src, Shard) and isinstance(dst, Replicate):
+        if kind == "all_gather":
             return self.call(C.gather, x, (src.dim, src.outer, src.size, src.inner(shape)),
                              parts, rank, group)
-        if isinstance(src, Shard) and isinstance(dst, Shard) and src.dim == dst.dim:
+        if src.dim == dst.dim:
             # one dim split two ways ([heads*seq] split inside vs as a whole): the packing
             # of all_to_all assumes two dims, one gathered and one split
             return self.call(C.rechunk, x, src.dim, (src.outer, src.size, src.inner(shape)),
                              (dst.outer, dst.size, dst.inner(shape)), parts, rank, group)
-        if isinstance(src, Shard) and isinstance(dst, Shard):
-            return self.call(C.all_to_all, x, (src.dim, src.outer), (dst.dim, dst.outer), parts,
-                             group)
-        raise AssertionError(f"no redistribution {src} -> {dst}")
+        return self.call(C.all_to_all, x, (src.dim, src.outer), (dst.dim, dst.outer), parts,
+                         group)
 
     def _move_data(self, x, a: torch.fx.Node, move, sp_move, sp_now: Placement):
         """The data-axis redistribution of input ``a``; returns the new local value and
@@ -223,12 +226,10 @@ class Lowering:
     def _fused_all_to_all(self, d, ins, moved) -> dict[int, torch.fx.Node]:
         """Several operands of one op changing split dims (q and k of a score) share one
         all-to-all."""
-        moves = {i: sd for i, sd in d.redistribute.items()
-                 if isinstance(sd[0], Shard) and isinstance(sd[1], Shard)
-                 and sd[0].dim != sd[1].dim}
-        if len(moves) < 2 or self.parts == 1:
+        if not d.fused or self.parts == 1:
             return {}
-        idx = sorted(moves)
+        idx = list(d.fused)
+        moves = {i: d.redistribute[i] for i in idx}
         xs = [moved[i] for i in idx]
         dps = [self._dp(ins[i]) for i in idx]
         srcs = [(self._sp_in(moves[i][0], p).dim, self._sp_in(moves[i][0], p).outer)
@@ -385,8 +386,13 @@ class Lowering:
 
 
 def written_out(node: torch.fx.Node) -> dict:
-    """Attention the user wrote out in ops is computed the same way on each rank."""
-    return {"written_out": True} if node.meta.get(WRITTEN_OUT) else {}
+    """How each rank computes its heads, by the node's attention form: with the user's own
+    ops (attention written out), or with the kernel the user called."""
+    form = form_of(node)
+    return {**({"written_out": True} if form.written_out else {}),
+            **({"kernel": True} if form.runs_kernel else {}),
+            **{k: node.meta[m] for k, m in (("compute_dtype", COMPUTE_DTYPE),
+                                            ("out_dtype", OUT_DTYPE)) if m in node.meta}}
 
 
 GRAD_BUCKET_BYTES = 32 * 2 ** 20

@@ -15,13 +15,19 @@ aten = torch.ops.aten
 def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                       mask: torch.Tensor | None, dropout_p: float, is_causal: bool,
                       scale: float | None, enable_gqa: bool, parts: int, rank: int,
-                      group: str, kernel: bool = False, written_out: bool = False) -> torch.Tensor:
+                      group: str, kernel: bool = False, written_out: bool = False,
+                      compute_dtype: torch.dtype | None = None,
+                      out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """Local ``[B, H, S/P, D]`` q, k, v -> attention over the whole sequence for ``H/P`` heads
     -> local ``[B, H, S/P, D]`` output. One all-to-all in (q, k, v fused), one out.
-    ``kernel``: spdsl's flash attention instead of SDPA (set by ``spdsl.lower.kernels``)."""
+    ``kernel``: spdsl's flash attention instead of SDPA (set by ``spdsl.lower.kernels``).
+    ``compute_dtype``/``out_dtype``: q, k, v arrive before the user's upcast and are cast
+    after the exchange; the output is cast down before the exchange back
+    (``spdsl.propagate.eager_attention.uncast_attention``)."""
     if parts == 1:
         return local_attention(q, k, v, mask, dropout_p, is_causal, scale, enable_gqa,
-                               kernel=kernel, written_out=written_out)
+                               kernel=kernel, written_out=written_out,
+                               compute_dtype=compute_dtype, out_dtype=out_dtype)
     hq, hk = q.shape[1], k.shape[1]
     r = kv_repeat(hq, hk, parts)
     if r > 1:
@@ -35,15 +41,23 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         mask = mask.narrow(-3, rank * n, n)
     gqa = qh.shape[1] != kh.shape[1]
     o = local_attention(qh, kh, vh, mask, dropout_p, is_causal, scale, gqa, kernel=kernel,
-                        written_out=written_out)
+                        written_out=written_out, compute_dtype=compute_dtype,
+                        out_dtype=out_dtype)
     return all_to_all(o, heads, seq, parts, group)
 
 
 def local_attention(q, k, v, mask=None, dropout_p=0.0, is_causal=False, scale=None,
-                    enable_gqa=False, kernel: bool = False, written_out: bool = False) -> torch.Tensor:
+                    enable_gqa=False, kernel: bool = False, written_out: bool = False,
+                    compute_dtype: torch.dtype | None = None,
+                    out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """``written_out``: attention the user wrote out in ops (``spdsl.propagate.eager_attention``),
     computed the same way, so that rows whose every key is masked (left padding) get what
     the user's ops give them (a uniform average), not SDPA's convention."""
+    if compute_dtype is not None:
+        q, k, v = (t.to(compute_dtype) for t in (q, k, v))
+    if out_dtype is not None:
+        return local_attention(q, k, v, mask, dropout_p, is_causal, scale, enable_gqa,
+                               kernel=kernel, written_out=written_out).to(out_dtype)
     if kernel:      # the kernel pass only sets this where there is no mask and no dropout
         return flash_attn(q, k, v, causal=is_causal, scale=scale)
     if written_out:

@@ -32,10 +32,10 @@ import os
 import torch
 from torch._guards import detect_fake_mode
 
+from spdsl.propagate.forms import FORM
 from spdsl.propagate.heads import UNREPEATED
 
 aten = torch.ops.aten
-WRITTEN_OUT = "spdsl_written_out"    # on the attention node: the lowering computes it in ops too
 _VIEWS = {aten.view.default, aten._unsafe_view.default, aten.reshape.default}
 _PASS = _VIEWS | {aten.clone.default, aten.alias.default, aten.contiguous.default,
                   aten._to_copy.default, aten.expand.default}
@@ -237,6 +237,57 @@ def unrepeat_kv(gm: torch.fx.GraphModule) -> int:
     return done
 
 
+COMPUTE_DTYPE = "spdsl_compute_dtype"   # on an attention node: cast q, k, v after the exchange
+OUT_DTYPE = "spdsl_out_dtype"           # ... and the output before the exchange back
+
+
+def _upcast_of(x) -> torch.fx.Node | None:
+    """The narrower floating value ``x`` is a plain upcast of (``x = y.float()``), or None."""
+    if not isinstance(x, torch.fx.Node) or x.target is not aten._to_copy.default or \
+            set(x.kwargs) - {"dtype"} or not isinstance(x.args[0], torch.fx.Node):
+        return None
+    y, val = x.args[0], x.meta["val"]
+    src = y.meta.get("val")
+    if not isinstance(src, torch.Tensor) or not src.is_floating_point() or \
+            not val.is_floating_point() or src.element_size() >= val.element_size():
+        return None
+    return y
+
+
+def uncast_attention(gm: torch.fx.GraphModule) -> int:
+    """Attention whose q, k and v were all upcast right before it (``q.float()`` of bf16
+    values, a common way to attend in float32) reads them before the cast, and each rank casts
+    after the all-to-all: the exchange moves the narrow dtype. An output whose only use is a
+    downcast is cast before the exchange back. Each rank computes in the same dtypes as the
+    user's program. Returns how many attention nodes changed."""
+    done = 0
+    for n in [n for n in gm.graph.nodes if n.target is torch.ops.spdsl.attention.default]:
+        changed = False
+        src = [_upcast_of(x) for x in n.args[:3]]
+        if all(y is not None for y in src) and \
+                len({y.meta["val"].dtype for y in src}) == 1 and \
+                len({x.meta["val"].dtype for x in n.args[:3]}) == 1:
+            n.meta[COMPUTE_DTYPE] = n.args[0].meta["val"].dtype
+            n.args = tuple(src) + tuple(n.args[3:])
+            changed = True
+        users = list(n.users)
+        if len(users) == 1 and users[0].target is aten._to_copy.default and \
+                users[0].args[0] is n and not set(users[0].kwargs) - {"dtype"} and \
+                users[0].meta["val"].is_floating_point() and \
+                users[0].meta["val"].element_size() < n.meta["val"].element_size():
+            down = users[0]
+            n.meta[OUT_DTYPE] = down.meta["val"].dtype
+            n.meta["val"] = down.meta["val"]
+            down.replace_all_uses_with(n)
+            gm.graph.erase_node(down)
+            changed = True
+        done += changed
+    if done:
+        _sweep(gm.graph)
+        gm.recompile()
+    return done
+
+
 def fuse_eager_attention(gm: torch.fx.GraphModule) -> int:
     """Replace every matched written-out attention of ``gm`` by one ``spdsl.attention`` node;
     returns how many were replaced."""
@@ -312,9 +363,53 @@ def _rewrite(gm: torch.fx.GraphModule, m: _Match) -> bool:
         if gqa:
             att.meta[UNREPEATED] = True
         out = call(aten.reshape.default, att, [N, S, Dv])
-    att.meta[WRITTEN_OUT] = True
+    att.meta[FORM] = "written_out"
     for n in new:
         n.meta["stack_trace"] = b1.meta.get("stack_trace")
         n.meta["spdsl_module"] = b1.meta.get("spdsl_module", "")
     b2.replace_all_uses_with(out)
     return True
+
+
+def capture_flash_kernel(gm: torch.fx.GraphModule) -> int:
+    """``spdsl.kernels.flash_attn`` called in the model (``spdsl.flash_attn`` returning
+    ``(out, lse)``) becomes one ``spdsl.attention`` node whose lowering runs the same kernel
+    on each rank's heads. Calls with ``segment_ids`` or whose ``lse`` is read stay as they
+    are. Returns how many were captured."""
+    g = gm.graph
+    done = 0
+    for n in [n for n in g.nodes if n.target is torch.ops.spdsl.flash_attn.default]:
+        q, k, v, seg, causal, scale = (list(n.args) + [None] * 6)[:6]
+        users = list(n.users)
+        if seg is not None or any(u.target is not operator.getitem or u.args[1] != 0 and
+                                  not _unread(u) for u in users):
+            continue
+        for u in [u for u in users if u.args[1] != 0]:     # the lse nothing reads
+            _erase_unread(g, u)
+        users = [u for u in users if u.args[1] == 0]
+        with g.inserting_before(n):
+            att = g.call_function(torch.ops.spdsl.attention.default,
+                                  (q, k, v, None, 0.0, bool(causal), scale,
+                                   _shape(k)[1] != _shape(q)[1]))
+        att.meta.update(val=users[0].meta["val"] if users else None, **{
+            key: n.meta[key] for key in ("stack_trace", "spdsl_module") if key in n.meta})
+        att.meta[FORM] = "flash_kernel"
+        for u in users:
+            u.replace_all_uses_with(att)
+            g.erase_node(u)
+        g.erase_node(n)
+        done += 1
+    if done:
+        gm.recompile()
+    return done
+
+
+def _unread(n: torch.fx.Node) -> bool:
+    """Nothing reads ``n`` but detaches nothing reads (what autograd's saving leaves)."""
+    return all(u.target is aten.detach.default and _unread(u) for u in n.users)
+
+
+def _erase_unread(g: torch.fx.Graph, n: torch.fx.Node) -> None:
+    for u in list(n.users):
+        _erase_unread(g, u)
+    g.erase_node(n)

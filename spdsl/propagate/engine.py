@@ -18,11 +18,11 @@ import torch
 
 from spdsl.errors import ShardingError
 from spdsl.propagate import rules as _rules
+from spdsl.propagate.moves import Move, fused
 from spdsl.propagate.placement import (
     REPLICATE,
     Placement,
     Replicate,
-    Shard,
     typed_shape,
 )
 from spdsl.propagate.rules import RuleCtx, Strategy
@@ -44,6 +44,8 @@ class Decision:
     output: Any                              # Placement, or tuple for tuple-valued ops
     strategy: Strategy
     redistribute: dict[int, tuple[Placement, Placement]] = field(default_factory=dict)
+    moves: dict[int, Move] = field(default_factory=dict)     # the same, with kinds and bytes
+    fused: tuple[int, ...] = ()             # inputs moved by one shared all-to-all
     grad_reduce: list[int] = field(default_factory=list)   # inputs whose grads are partial
     origin: str = ""
     alternatives: int = 0                   # strategies the rule offered (plans explain them)
@@ -75,23 +77,10 @@ def nbytes(meta: torch.Tensor) -> int:
 
 
 def redistribute_cost(src: Placement, dst: Placement, meta: torch.Tensor, parts: int) -> float:
-    if src == dst or parts == 1:
-        return 0.0
-    b = nbytes(meta)
-    frac = (parts - 1) / parts
-    if isinstance(dst, Shard):
-        if isinstance(src, Replicate):
-            return 0.0
-        if isinstance(src, Shard):
-            if src.size % parts or dst.size % parts:
-                return INF
-            return b / parts * frac
-        return b * frac if dst.size % parts == 0 else INF       # reduce-scatter
-    if isinstance(dst, Replicate):
-        if isinstance(src, Shard):
-            return b * frac                                      # all-gather
-        return 2 * b * frac                                      # all-reduce
-    return INF                                                   # nothing becomes partial
+    try:
+        return Move(src, dst, nbytes(meta), parts).cost
+    except TypeError:
+        return INF                                               # nothing becomes partial
 
 
 @functools.lru_cache(maxsize=4096)
@@ -179,6 +168,8 @@ class Propagator:
         for i, (c, r) in enumerate(zip(cur, best.inputs)):
             if c != r:
                 d.redistribute[i] = (c, r)
+                d.moves[i] = Move(c, r, nbytes(ins[i].meta["val"]), self.parts)
+        d.fused = fused(d.moves)
         split_out = any(not isinstance(o, Replicate) for o in
                         (best.output if isinstance(best.output, tuple) else (best.output,)))
         if split_out:

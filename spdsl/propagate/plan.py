@@ -16,6 +16,7 @@ import torch
 
 from spdsl.collectives import window_plan
 from spdsl.propagate.engine import Decision, Propagator, nbytes, tensor_inputs
+from spdsl.propagate.forms import form_of
 from spdsl.propagate.heads import kv_repeat
 from spdsl.propagate.placement import Partial, Replicate, Shard, typed_shape
 from spdsl.propagate.source import module_of, source_of
@@ -34,7 +35,7 @@ class Collective:
     axis: str
     bytes: int
     bytes_bwd: int
-    purpose: str         # ulysses | loss | gradient | reshard | halo | output
+    purpose: str         # ulysses | loss | gradient | reshard | halo | output | input
     values: tuple[str, ...]
     source: str
     module: str
@@ -68,7 +69,9 @@ class Attention:
     the axis counted as repeated up to it)."""
 
     name: str
-    kind: str            # sdpa | eager (q @ k^T; v and the output assumed shaped like k and q)
+    kind: str            # the attention form (spdsl.propagate.forms: sdpa, written_out,
+    #                      flash_kernel), or eager: q @ k^T left as ops (v and the output
+    #                      assumed shaped like k and q)
     module: str
     source: str
     floor: int
@@ -175,7 +178,9 @@ def _needs_grad(prop: Propagator, requires: dict[torch.fx.Node, bool]) -> dict:
         val = node.meta.get("val")
         floating = any(isinstance(v, torch.Tensor) and v.is_floating_point()
                        for v in (val if isinstance(val, (tuple, list)) else (val,)))
-        out[node] = floating and any(out.get(a, False) for a in node.all_input_nodes)
+        # no gradient flows through detach(): a parameter read only so keeps none
+        out[node] = floating and node.target is not torch.ops.aten.detach.default and \
+            any(out.get(a, False) for a in node.all_input_nodes)
     return out
 
 
@@ -245,7 +250,8 @@ def _attention(node: torch.fx.Node, prop: Propagator, ins: list) -> Attention | 
             return None
         rep = kv_repeat(q.shape[1], k.shape[1], P)    # kv heads repeated up to the degree
         floor = (nbytes(q) + (nbytes(k) + nbytes(v)) * rep + nbytes(node.meta["val"])) / P
-        return Attention(node.name, "sdpa", module_of(node), source_of(node), int(floor))
+        return Attention(node.name, form_of(node).name, module_of(node), source_of(node),
+                         int(floor))
     if node.target is torch.ops.aten.bmm.default and len(ins) == 2:
         a, b = (prop.placement(x) if not isinstance(prop.decisions[x].output, tuple)
                 else None for x in ins)
@@ -284,38 +290,32 @@ def build_plan(prop: Propagator, requires: dict[torch.fx.Node, bool],
                 isinstance(x, torch.Tensor) for x in val):
             plan.values.append(_value(prop, node, d))
         if node.op == "placeholder":
+            # a global input split on entry: its (whole) gradient is gathered in backward
+            if isinstance(d.output, Shard) and grad.get(node, False) and \
+                    not d.origin.startswith(("parameter ", "DTensor")):
+                add("all_gather", 0, nbytes(val) // P, "input", node, [prop.typed(node)])
             continue
         ins = tensor_inputs(node)
         site = _attention(node, prop, ins)
         if site is not None:
             plan.attention.append(site)
-        fused = [(i, ins[i]) for i, (src, dst) in d.redistribute.items()
-                 if isinstance(src, Shard) and isinstance(dst, Shard) and src != dst]
-        if len(fused) > 1:
-            b = sum(nbytes(a.meta["val"]) // P for _, a in fused)
-            g = any(grad.get(a, False) for _, a in fused)
-            add("all_to_all", b, b if g else 0, "ulysses", node, [prop.typed(a) for _, a in fused])
-        fused_idx = {i for i, _ in fused} if len(fused) > 1 else set()
-        for i, (src, dst) in d.redistribute.items():
-            if i in fused_idx:
+        if d.fused:
+            b = sum(d.moves[i].local for i in d.fused)
+            g = any(grad.get(ins[i], False) for i in d.fused)
+            add("all_to_all", b, b if g else 0, "ulysses", node,
+                [prop.typed(ins[i]) for i in d.fused])
+        for i, m in d.moves.items():
+            if i in d.fused:
                 continue
-            a = ins[i]
-            meta = a.meta["val"]
-            local = nbytes(meta) // P
-            typed = prop.typed(a)
-            g = grad.get(a, False)
-            if isinstance(src, Partial):
-                add("all_reduce", nbytes(meta), 0, "reshard", node, [typed])
-            elif isinstance(src, Replicate) and isinstance(dst, Shard):
-                add("all_gather", 0, local if g else 0, "reshard", node, [typed])
-            elif isinstance(src, Shard) and isinstance(dst, Replicate):
-                add("all_gather", local, 0, "reshard", node, [typed])
-            elif isinstance(src, Shard) and isinstance(dst, Shard):
-                purpose = "ulysses" if src.dim != dst.dim or src.outer != dst.outer else "reshard"
-                add("all_to_all", local, local if g else 0, purpose, node, [typed])
+            purpose = "ulysses" if m.kind == "all_to_all" and (
+                m.src.dim != m.dst.dim or m.src.outer != m.dst.outer) else "reshard"
+            for kind, b, b_bwd in m.collectives(grad.get(ins[i], False)):
+                add(kind, b, b_bwd, purpose, node, [prop.typed(ins[i])])
         for i in d.grad_reduce:
             a = ins[i]
-            key = (node, i) if i in d.redistribute else a
+            # one reduction per parameter however often it is read (a tied embedding's
+            # weight and its transpose): the lowering folds them into one bucket entry
+            key = (node, i) if i in d.redistribute else _root(a)
             if key not in marked and grad.get(a, False) and \
                     _root(a).name not in state_reduced:
                 marked.add(key)

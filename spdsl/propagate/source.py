@@ -49,6 +49,19 @@ def _source(stack: str, cwd: str) -> str:
     return best
 
 
+def user_frame(tb) -> str:
+    """``file:line: code`` of the innermost frame of the user's own code in traceback ``tb``
+    (where an exception raised while tracing came from), or "" if none is."""
+    import traceback
+    best = ""
+    for fr in traceback.extract_tb(tb):
+        if not _skipped(fr.filename):
+            best = f"{_relative(fr.filename, os.getcwd())}:{fr.lineno}"
+            if fr.line:
+                best += f": {fr.line.strip()}"
+    return best
+
+
 def module_of(node: torch.fx.Node) -> str:
     return node.meta.get("spdsl_module", "")
 

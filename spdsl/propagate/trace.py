@@ -18,16 +18,23 @@ from typing import Any
 import torch
 import torch._functorch.config as _functorch_config
 import torch.nn.functional as F
-from torch._subclasses.fake_tensor import FakeTensorMode
+from torch._subclasses.fake_tensor import (
+    DataDependentOutputException,
+    DynamicOutputShapeException,
+    FakeTensorMode,
+)
 from torch.fx._lazy_graph_module import _use_lazy_graph_module
 from torch.fx.experimental.proxy_tensor import get_proxy_mode, make_fx
-from torch.fx.experimental.symbolic_shapes import ShapeEnv
+from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode, ShapeEnv
 from torch.nn.utils.stateless import _reparametrize_module
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from spdsl.propagate.eager_attention import fuse_eager_attention, unrepeat_kv
+from spdsl.errors import ShardingError
+from spdsl.propagate.eager_attention import uncast_attention, unrepeat_kv
+from spdsl.propagate.forms import captured, find_all
 from spdsl.propagate.replay import LayerReplay
+from spdsl.propagate.source import user_frame
 
 _TRACING = [False]
 
@@ -63,7 +70,8 @@ def tracing() -> bool:
 _SDPA = F.scaled_dot_product_attention
 
 
-def _keep_sdpa(*args, **kwargs):
+def keep_sdpa(*args, **kwargs):
+    """``F.scaled_dot_product_attention``'s arguments -> one ``spdsl.attention`` node."""
     sig = _SDPA_SIG.bind(*args, **kwargs)
     sig.apply_defaults()
     a = sig.arguments
@@ -73,14 +81,22 @@ def _keep_sdpa(*args, **kwargs):
 
 
 class _KeepAttention(TorchFunctionMode):
+    """While tracing, the functions attention forms capture (``spdsl.propagate.forms``)
+    become one ``spdsl.attention`` node each."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.captured = captured()
+
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func is _SDPA:
-            return _keep_sdpa(*args, **kwargs)
+        to_node = self.captured.get(func)
+        if to_node is not None:
+            return to_node(*args, **kwargs)
         if func is F.multi_head_attention_forward:
             # nn.MultiheadAttention calls SDPA from inside this function, where the mode is
             # off: route that call (a module global of torch.nn.functional) for its duration
-            F.scaled_dot_product_attention = _keep_sdpa
+            F.scaled_dot_product_attention = keep_sdpa
             try:
                 return func(*args, **kwargs)
             finally:
@@ -204,14 +220,34 @@ def trace(fn: Callable, args: tuple, kwargs: dict) -> Traced:
                          _allow_non_fake_inputs=True)(*_fake_meta(
                              [_plain(t) for t in state] +
                              [_plain(leaves[i]) for i in tensor_leaf_index]))
+    except _DATA_DEPENDENT as e:
+        raise _data_dependent(e) from e
     finally:
         _TRACING[0] = False
         h1.remove()
         h2.remove()
     _assign_module_paths(gm, events)
-    fuse_eager_attention(gm)       # written-out attention becomes one attention node too
+    find_all(gm)                   # attention written out in ops becomes one node too (forms)
     unrepeat_kv(gm)                # grouped kv heads cross the all-to-all unrepeated
+    uncast_attention(gm)           # and in their narrow dtype, where upcast just before
     return Traced(gm, state_names, state, arg_spec, tensor_leaf_index, out_spec_box[-1])
+
+
+_DATA_DEPENDENT = (GuardOnDataDependentSymNode, DataDependentOutputException,
+                   DynamicOutputShapeException)
+
+
+def _data_dependent(e: Exception) -> ShardingError:
+    """A Python decision on a tensor's value (``if x < p:``, ``.item()``, an output whose
+    shape depends on data): tracing at global shapes sees no values."""
+    return ShardingError(
+        rule="data-dependent control flow", where=user_frame(e.__traceback__),
+        detail="the function decides something in Python from a tensor's value (a branch "
+               "on it, .item(), or a shape that depends on data); spdsl traces one program at "
+               "the inputs' shapes, without their values",
+        fix="compute it with tensor ops instead (torch.where, masks); for Hugging Face models "
+            "whose training mode draws layerdrop in Python (OPT), call model.eval() when every "
+            "dropout probability is 0: eval mode gives the same loss and gradients")
 
 
 def _anchor_user_code(fn: Callable) -> None:

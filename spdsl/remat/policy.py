@@ -22,17 +22,11 @@ import torch
 from torch.utils._pytree import tree_flatten
 from torch.utils.checkpoint import CheckpointPolicy
 
+from spdsl.propagate.forms import is_attention_op
+
 aten = torch.ops.aten
 
 COLLECTIVE_NAMESPACES = ("_c10d_functional", "c10d_functional")
-ATTENTION_OPS = {
-    aten._scaled_dot_product_flash_attention_for_cpu.default,
-    aten._scaled_dot_product_flash_attention.default,
-    aten._scaled_dot_product_efficient_attention.default,
-    aten._scaled_dot_product_cudnn_attention.default,
-    aten._flash_attention_forward.default,
-    aten._efficient_attention_forward.default,
-}
 MATMUL_OPS = {aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default}
 # below this many FLOPs per saved byte an op is cheaper to recompute than to keep
 MIN_FLOPS_PER_BYTE = 8.0
@@ -48,9 +42,7 @@ def kind_of(func) -> str:
         return "collective"
     if ns == "spdsl" and func.name().startswith("spdsl::gather_param"):
         return "parameter"     # a sharded parameter's gather: run again in backward (ZeRO-3)
-    if func in ATTENTION_OPS:
-        return "attention"
-    if ns == "spdsl" and ("attn" in func.name() or "attention" in func.name()):
+    if is_attention_op(func):      # any attention form's ops (spdsl.propagate.forms)
         return "attention"
     if ns == "spdsl" and "cross_entropy" in func.name():
         return "attention"   # fused loss: recomputing it redoes the whole loss and its grads
@@ -76,7 +68,7 @@ def flops(func, args, kwargs, out) -> int:
     if kind == "matmul":
         from torch.utils.flop_counter import flop_registry
         return int(flop_registry[func.overloadpacket](*args, **(kwargs or {}), out_val=out))
-    if kind == "attention" and func in ATTENTION_OPS:
+    if kind == "attention" and is_attention_op(func) and args[0].dim() == 4:
         q, k = args[0], args[1]
         b, h, sq, d = q.shape
         # QK^T and PV: 2 matmuls of 2*Sq*Sk*D each per head (causality ignored: an upper bound)

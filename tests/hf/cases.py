@@ -130,14 +130,15 @@ def dropout_trains(world: int, steps: int = 30) -> dict:
     return {"first": losses[0], "last": sum(losses[-5:]) / 5}
 
 
-# the tested matrix: every family in every attention it has on a plain batch, padded and
-# packed batches on a spread of families (the full matrix: docs/hf.md, written by python -m tests.hf.matrix)
+# the tested matrix: every family in every attention it has on a plain batch and on a padded
+# batch (right padding in one attention, left in the other), packed batches on a spread of
+# families (every cell: docs/hf.md, written by python -m tests.hf.matrix)
 TEST_CASES = [Case(f, a) for f in MATRIX for a in ATTN[f]] + [
-    Case("llama", "eager", "pad_right"), Case("llama", "sdpa", "pad_left"),
-    Case("gpt2", "sdpa", "pad_left"), Case("gemma", "eager", "pad_right"),
+    Case(f, a, side) for f in MATRIX
+    for a, side in zip(ATTN[f] * 2, ("pad_right", "pad_left"))] + [
     Case("qwen2", "sdpa", "packed"), Case("gpt_neox", "eager", "packed"),
-    Case("falcon", "eager", "pad_left"), Case("phi3", "sdpa", "packed"),
-    Case("gptj", "eager", "packed"),
+    Case("phi3", "sdpa", "packed"), Case("gptj", "eager", "packed"),
+    Case("llama", "eager", "packed"), Case("gpt2", "sdpa", "packed"),
 ]
 # compiled (tied embeddings: GPT-2, Gemma, a plain PyTorch model) and checkpointed
 COMPILED_CASES = [Case("gpt2", "sdpa", compile=True), Case("gemma", "eager", compile=True),

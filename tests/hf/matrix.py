@@ -2,7 +2,7 @@
 checkpointed runs) to ``docs/hf.md``: each cell is ``exact`` with the worst relative error of
 the loss and every gradient, or the error the run raised.
 
-    python -m tests.hf.matrix            # about 20 minutes on 2 busy CPU cores
+    python -m tests.hf.matrix            # 48 min on 2 CPU cores at a load average of 10-14
 
 One launch of gloo ranks per SP degree runs every case of that degree (``tests.hf.cases``).
 """
@@ -148,8 +148,10 @@ def main() -> None:
     lines += ["", "## Known gaps", "",
               ("- `not run`: the case is outside the tested subset (`tests/hf/cases.py`: "
               "`TEST_CASES`); `python -m tests.hf.matrix` without `--from` runs every cell."),
-              ("- OPT: its training-mode layerdrop (`torch.rand([]) < p` in Python) cannot be "
-              "traced; with `layerdrop=0.0` the draw still happens."),
+              ("- OPT runs in `eval()` mode: its training-mode layerdrop (`torch.rand([]) < p` "
+              "in Python) cannot be traced, even with `layerdrop=0.0`; spdsl raises "
+              "`[data-dependent control flow]` naming that line and this fix. With every "
+              "dropout at 0, eval mode computes the same loss and gradients."),
               "", "## What each family exercises", "", "| family | exercises |", "|---|---|"]
     lines += [f"| {f.name} | {f.exercises} |" for f in FAMILIES.values()]
     lines.append("| plain_tied | a plain PyTorch Llama (`models/llama.py`) tying its input "

@@ -47,9 +47,46 @@ def _run(make, args, world, **kw):
     ref, model = _pair(make)
     loss_ref = ref(*args)
     loss_ref.backward()
-    loss = spdsl.sp_shard(seq=world, **kw)(model)(*args)
+    step = spdsl.sp_shard(seq=world, **kw)(model)
+    loss = step(*args)
     loss.backward()
-    return _errs(model, ref, loss, loss_ref)
+    out = _errs(model, ref, loss, loss_ref)
+    if world > 1:
+        out["ran"], out["planned"] = ran_and_planned(step, model, args)
+    return out
+
+
+# process-group event names (``c10d::<name>_``) -> the plan's collective kinds
+PG_KINDS = {"alltoall_base": "all_to_all", "allreduce": "all_reduce",
+            "allgather_into_tensor_coalesced": "all_gather", "_allgather_base": "all_gather",
+            "allgather": "all_gather", "reduce_scatter_tensor_coalesced": "reduce_scatter",
+            "_reduce_scatter_base": "reduce_scatter"}
+ITEMSIZE = {"f32": 4, "f64": 8, "bf16": 2, "f16": 2, "i64": 8, "i32": 4, "bool": 1}
+
+
+def ran_and_planned(step, model, args) -> tuple[list, list]:
+    """The collectives one training step really ran, from the profiler's process-group events
+    (``c10d::*``, each followed by the gloo backend's record with its input shape): ``(kind,
+    elements)`` per call; and the plan's list: ``(kind, purpose, elements forward, elements
+    backward)`` per collective."""
+    model.zero_grad(set_to_none=True)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
+                                record_shapes=True) as prof:
+        step(*args).backward()
+    ran, pending = [], None
+    for e in prof.events():
+        if e.name.startswith("c10d::"):
+            pending = e.name.removeprefix("c10d::").rstrip("_")
+        elif e.name.startswith("gloo:") and pending is not None:
+            shape = e.input_shapes[0] if e.input_shapes and e.input_shapes[0] else []
+            ran.append((PG_KINDS.get(pending, pending), math.prod(shape)))
+            pending = None
+    plan = spdsl.plan(step, *args)
+    planned = []
+    for c in plan.collectives:
+        size = ITEMSIZE[c.values[0].split("[")[0]]
+        planned.append((c.kind, c.purpose, c.bytes // size, c.bytes_bwd // size))
+    return ran, planned
 
 
 def _ids(b: int, s: int, vocab: int = 256, seed: int = 1) -> torch.Tensor:
@@ -157,6 +194,92 @@ def case_repeat_kv(world: int) -> dict:
     g = torch.Generator().manual_seed(5)
     x = torch.randn(2, 8 * world, 64, generator=g)
     return _run(lambda: Stack(64, 4, 2, 2), (x,), world)
+
+
+class PartialToShard(nn.Module):
+    """A sum over the sequence (a partial sum on every rank) constrained to be split over
+    its features: one reduce-scatter, whose backward all-gathers."""
+
+    def __init__(self, dim: int = 8) -> None:
+        super().__init__()
+        self.w = nn.Linear(dim, dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = spdsl.with_sharding_constraint(self.w(x.sum(1)), P(None, "sp"))
+        return (y * y).sum()
+
+
+class InputGradient(nn.Module):
+    """A float input the caller wants the gradient of (the global tensor's whole gradient)."""
+
+    def __init__(self, x: torch.Tensor) -> None:
+        super().__init__()
+        self.x = nn.Parameter(x)      # held as a parameter only to compare gradients
+        self.lin = nn.Linear(x.shape[-1], x.shape[-1])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (self.lin(x) ** 2).mean()
+
+
+def case_partial_to_shard(world: int) -> dict:
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(2, 4 * world, 4 * world, generator=g)
+    return _run(lambda: PartialToShard(4 * world), (x,), world)
+
+
+def case_input_gradient(world: int) -> dict:
+    """``x.grad`` of a global input split by ``sp_shard``: the whole gradient on every rank."""
+    g = torch.Generator().manual_seed(8)
+    x0 = torch.randn(2, 4 * world, 8, generator=g)
+    ref, model = _pair(lambda: InputGradient(x0))
+    x_ref, x = x0.clone().requires_grad_(), x0.clone().requires_grad_()
+    loss_ref = ref(x_ref)
+    loss_ref.backward()
+    step = spdsl.sp_shard(seq=world)(model)
+    loss = step(x)
+    loss.backward()
+    ref.x.grad = x_ref.grad          # compared as the gradient of the model's first "parameter"
+    model.x.grad = x.grad
+    out = _errs(model, ref, loss, loss_ref)
+    if world > 1:
+        x.grad = None
+        out["ran"], out["planned"] = ran_and_planned(step, model, (x,))
+    return out
+
+
+class FlashKernelNet(nn.Module):
+    """A model that calls spdsl's flash kernel itself (causal, GQA): the kernel form."""
+
+    def __init__(self, dim: int = 32, hq: int = 4, hkv: int = 2) -> None:
+        super().__init__()
+        self.hq, self.hkv, self.d = hq, hkv, dim // hq
+        self.q = nn.Linear(dim, dim)
+        self.kv = nn.Linear(dim, 2 * hkv * self.d)
+        self.o = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from spdsl.kernels import flash_attn
+        B, S, _ = x.shape
+        q = self.q(x).view(B, S, self.hq, self.d).transpose(1, 2)
+        k, v = self.kv(x).view(B, S, 2, self.hkv, self.d).permute(2, 0, 3, 1, 4)
+        y = flash_attn(q, k, v, causal=True).transpose(1, 2).reshape(B, S, -1)
+        return self.o(y).pow(2).mean()
+
+
+def case_flash_kernel(world: int) -> dict:
+    g = torch.Generator().manual_seed(9)
+    x = torch.randn(2, 8 * world, 32, generator=g)
+    return _run(FlashKernelNet, (x,), world)
+
+
+def case_upcast_attention(world: int) -> dict:
+    """q, k, v upcast to float64 right before attention, the output cast back: the exchanges
+    move float32, each rank attends in float64."""
+    from tests.propagate.test_plan_casts import UpcastAttention
+    g = torch.Generator().manual_seed(10)
+    x = torch.randn(2, 8 * world, 64, generator=g)
+    return _run(lambda: UpcastAttention(torch.float32, torch.float64, heads=4 * world, kv=world),
+                (x,), world)
 
 
 def case_einsum_user_model(world: int) -> dict:

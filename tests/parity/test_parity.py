@@ -3,6 +3,8 @@ gradient, fp32, SP degree 1, 2 and 4 (one launch of gloo ranks per degree)."""
 
 from __future__ import annotations
 
+from collections import Counter
+
 import pytest
 
 from tests.dist import spawn
@@ -14,7 +16,8 @@ LOSS_RTOL = 1e-5
 GRAD_RTOL = 1e-4
 TRAINING = ["llama", "llama_gqa_kv1", "llama_tied", "gpt2_eager_softmax", "einops_bool_tril",
             "meanpool", "einsum_user_model", "shard_specs", "dtensor_rule_ops",
-            "forward_replaced", "repeat_kv"]
+            "forward_replaced", "repeat_kv", "partial_to_shard", "input_gradient",
+            "flash_kernel", "upcast_attention"]
 
 
 @pytest.fixture(scope="module", params=[1, 2, 4], ids=lambda w: f"sp{w}")
@@ -42,6 +45,71 @@ def test_loss_and_every_gradient(results, name):
         assert out["grad"] <= GRAD_RTOL, f"sp{world} rank {r}: grad rel err {out['grad']:.2e}"
     # every rank holds the same global loss
     assert len({res[name]["loss_value"] for res in per_rank}) == 1
+
+
+# cases trained through one sp_shard step whose collectives are also counted (tests.parity.cases._run)
+COUNTED = ["llama", "llama_gqa_kv1", "llama_tied", "gpt2_eager_softmax", "einops_bool_tril",
+           "meanpool", "einsum_user_model", "dtensor_rule_ops", "repeat_kv", "partial_to_shard",
+           "input_gradient", "flash_kernel", "upcast_attention"]
+
+
+def plan_vs_run(ran: list, planned: list) -> list[str]:
+    """What the plan says runs against what the process group ran in one step (both as
+    ``(kind, elements)`` calls); returns the differences. Gradient all-reduces run in buckets:
+    their elements must add up to the plan's. A halo exchange's buffer differs per rank (it
+    carries the rows a rank keeps too): its calls are counted, not sized."""
+    expect: Counter = Counter()
+    grad = halo = 0
+    for kind, purpose, fwd, bwd in planned:
+        if purpose == "gradient":
+            grad += bwd
+        elif kind == "halo_exchange":
+            halo += (fwd > 0) + (bwd > 0)
+        else:
+            expect.update((kind, n) for n in (fwd, bwd) if n)
+    got = Counter(ran)
+    missing = expect - got
+    rest = got - expect
+    buckets = [n for (k, n), c in rest.items() if k == "all_reduce" for _ in range(c)]
+    halos = sum(c for (k, _), c in rest.items() if k == "all_to_all")
+    other = {k: c for k, c in rest.items() if k[0] not in ("all_reduce", "all_to_all")}
+    out = []
+    if missing:
+        out.append(f"planned but not run: {dict(missing)}")
+    if other:
+        out.append(f"run but not planned: {other}")
+    if sum(buckets) != grad:
+        out.append(f"gradient all-reduces ran {sum(buckets)} elements, the plan says {grad}")
+    if halos != halo:
+        out.append(f"{halos} halo all-to-alls ran, the plan lists {halo}")
+    return out
+
+
+@pytest.mark.parametrize("name", COUNTED)
+def test_plan_lists_what_ran(results, name):
+    """Every collective of one training step, counted at the process group (kind and size),
+    is one the plan lists, and every one it lists ran."""
+    world, per_rank = _case(results, name)
+    if world == 1:
+        pytest.skip("no collectives on one rank")
+    for r, res in enumerate(per_rank):
+        out = res[name]
+        assert out["ran"], "nothing was counted"
+        diff = plan_vs_run(out["ran"], out["planned"])
+        assert diff == [], f"sp{world} rank {r}: {diff}"
+
+
+def test_plan_vs_run_sees_a_difference():
+    """The comparison fails when one side differs."""
+    planned = [("all_to_all", "ulysses", 8, 8), ("all_reduce", "gradient", 0, 6),
+               ("all_reduce", "loss", 2, 0), ("halo_exchange", "halo", 1, 0)]
+    ran = [("all_to_all", 8), ("all_to_all", 8), ("all_reduce", 6), ("all_reduce", 2),
+           ("all_to_all", 3)]
+    assert plan_vs_run(ran, planned) == []
+    assert plan_vs_run(ran[1:], planned)                       # an all-to-all missing
+    assert plan_vs_run(ran + [("all_gather", 4)], planned)     # one not planned
+    assert plan_vs_run(ran[:2] + [("all_reduce", 5)] + ran[3:], planned)   # gradient bytes
+    assert plan_vs_run(ran[:-1], planned)                      # no halo exchange
 
 
 def test_sgd_steps_stay_in_parity(results):

@@ -142,3 +142,26 @@ def test_running_without_a_process_group_says_how_to_launch():
     ids = torch.randint(0, 256, (1, 16))
     with pytest.raises(ShardingError, match="torchrun"):
         spdsl.sp_shard(seq=2)(model)(ids, ids)
+
+
+class _LayerDrop(nn.Module):
+    """Skips its layer when a random draw says so, decided in Python (OPT's layerdrop)."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+
+    def forward(self, x):
+        if torch.rand([]) < 0.1:
+            return x
+        return self.proj(x)
+
+
+def test_data_dependent_control_flow_names_the_line():
+    x = torch.randn(1, 16, 8)
+    with pytest.raises(ShardingError) as e:
+        spdsl.sp_shard(seq=2)(_LayerDrop())(x)
+    msg = str(e.value)
+    assert "[data-dependent control flow]" in msg
+    assert "tests/propagate/test_errors.py:" in msg and "if torch.rand([]) < 0.1:" in msg
+    assert "torch.where" in msg and "model.eval()" in msg

@@ -9,6 +9,7 @@ the same on every rank; of a split value, the local piece; of a partial sum, the
 redistribution         forward                     backward
 =====================  ==========================  ===============================
 Shard -> Shard         all-to-all                  all-to-all back
+(one dim, refactored)  (``rechunk``: counts per rank)
 Shard -> Replicate     all-gather                  local slice
 Replicate -> Shard     local slice                 all-gather
 Partial -> Replicate   all-reduce                  identity
@@ -23,6 +24,8 @@ all-reduce per bucket instead of one per parameter.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import torch.distributed._functional_collectives as fc
@@ -187,6 +190,49 @@ def all_to_all_many(xs: list[torch.Tensor], srcs, dsts, parts: int,
     got = _AllToAll.apply(buf.contiguous(), group, None, None).reshape(parts, -1)
     pieces = torch.split(got, sizes, dim=1) if len(packed) > 1 else [got]
     return [_unpack(p, list(x.shape), s, d, parts) for p, x, s, d in zip(pieces, xs, srcs, dsts)]
+
+
+def _positions(split: tuple[int, int, int], parts: int, rank: int) -> list[int]:
+    """Global indices, along the dim, of what ``rank`` holds under ``split = (outer, size,
+    inner)``, in local order."""
+    outer, size, inner = split
+    lo, hi = chunk_bounds(size, parts, rank)
+    return [(o * size + j) * inner + k for o in range(outer) for j in range(lo, hi)
+            for k in range(inner)]
+
+
+@functools.lru_cache(maxsize=256)
+def _rechunk_plan(src: tuple, dst: tuple, parts: int, rank: int):
+    # plain Python: the lowering's shape pass runs this under fake tensors, and the cache
+    # must hold values, not tensors of one mode
+    _, size, inner = dst
+    chunk = -(-size // parts)
+
+    def owner(p: int) -> int:
+        return p // inner % size // chunk
+    mine = _positions(src, parts, rank)
+    to = [owner(p) for p in mine]
+    order = sorted(range(len(mine)), key=lambda i: to[i])
+    send = [to.count(r) for r in range(parts)]
+    got = [[p for p in _positions(src, parts, s) if owner(p) == rank] for s in range(parts)]
+    flat = [p for g in got for p in g]
+    back = sorted(range(len(flat)), key=flat.__getitem__)
+    return order, send, [len(g) for g in got], back
+
+
+def rechunk(x: torch.Tensor, dim: int, src: tuple[int, int, int], dst: tuple[int, int, int],
+            parts: int, rank: int, group: str) -> torch.Tensor:
+    """Shard -> Shard on one dim factored two ways (``src``/``dst`` = ``(outer, size,
+    inner)``): the sequence inside ``[heads*seq]`` re-split as the whole dim, say. One
+    all-to-all with per-rank counts; each rank sends every element to the rank that holds its
+    global position under ``dst``, and puts what it gets in global order."""
+    order, send, recv, back = _rechunk_plan(tuple(src), tuple(dst), parts, rank)
+    y = x.movedim(dim, 0)
+    rest = list(y.shape[1:])
+    buf = y.index_select(0, torch.tensor(order, dtype=torch.long, device=x.device)).reshape(y.shape[0], -1)
+    got = _AllToAll.apply(buf.contiguous(), group, recv, send)
+    back_t = torch.tensor(back, dtype=torch.long, device=x.device)
+    return got.index_select(0, back_t).reshape([-1] + rest).movedim(0, dim)
 
 
 class _Gather(torch.autograd.Function):

@@ -484,19 +484,34 @@ class Sharded:
                 outs.append(REPLICATE)
         return outs
 
-    def __call__(self, *args, **kwargs):
+    def prepare(self, *args, **kwargs) -> _Compiled:
+        """Trace, propagate and build this rank's program for these arguments without running
+        it (no collective runs): what a call does first. A rank that fails here fails before
+        any exchange, so the others are not left waiting in one.
+
+        Example::
+
+            step = spdsl.sp_shard(seq=4)(model)
+            step.prepare(input_ids, labels)      # errors now, on every rank alike
+            loss = step(input_ids, labels)
+        """
         entry = self.build(args, kwargs)
         if entry.local is None:
-            entry.local = self.lowered(entry, args, kwargs)
+            local = self.lowered(entry, args, kwargs)
             rank = entry.rank
             # -- kernel swaps (spdsl.lower.kernels), on the flat graph before remat splits it --
-            entry.local = swap_kernels(entry.local, self.kernels,
-                                       *local_specs(entry, args, kwargs, self.parts, rank))
+            local = swap_kernels(local, self.kernels,
+                                 *local_specs(entry, args, kwargs, self.parts, rank))
             # -- remat stage (spdsl.remat): tiling, per-layer checkpoints, SAC policy --
-            entry.local = apply_remat(entry.local, self.remat,
-                                      *local_specs(entry, args, kwargs, self.parts, rank))
+            local = apply_remat(local, self.remat,
+                                *local_specs(entry, args, kwargs, self.parts, rank))
             if self.compile:
-                entry.local = compile_local(entry.local)   # fullgraph; breaks -> ShardingError
+                local = compile_local(local)   # fullgraph; breaks -> ShardingError
+            entry.local = local
+        return entry
+
+    def __call__(self, *args, **kwargs):
+        entry = self.prepare(*args, **kwargs)
         leaves, _ = tree_flatten((args, kwargs))
         if self.debug:
             self._check_same_inputs(leaves)

@@ -140,6 +140,11 @@ class Lowering:
         if kind == "all_gather":
             return self.call(C.gather, x, (src.dim, src.outer, src.size, src.inner(shape)),
                              parts, rank, group)
+        if src.dim == dst.dim:
+            # one dim split two ways ([heads*seq] split inside vs as a whole): the packing
+            # of all_to_all assumes two dims, one gathered and one split
+            return self.call(C.rechunk, x, src.dim, (src.outer, src.size, src.inner(shape)),
+                             (dst.outer, dst.size, dst.inner(shape)), parts, rank, group)
         return self.call(C.all_to_all, x, (src.dim, src.outer), (dst.dim, dst.outer), parts,
                          group)
 
@@ -473,8 +478,11 @@ def _marker_on_input(graph: torch.fx.Graph, n: torch.fx.Node) -> torch.fx.Node |
     """The gradient marker ``n`` moved onto the graph input it derives from (see above), or
     None where it derives from data or its chain has other users."""
     chain, a = [], n.args[0]
+    # a collective's backward differs by rank (a gather's slices the rank's rows): the sum
+    # must be taken after it, where autograd meets it first
     while a.op == "call_function" and len(a.users) == 1 and len(a.all_input_nodes) == 1 \
-            and a.target is not torch.ops.spdsl.gather_param.default:   # a shard's rows differ
+            and a.target is not torch.ops.spdsl.gather_param.default \
+            and getattr(a.target, "__module__", None) != C.__name__:
         chain.append(a)
         a = a.all_input_nodes[0]
     if a.op != "placeholder" or not n.users:

@@ -129,6 +129,8 @@ class Propagator:
         if not isinstance(val, (torch.Tensor, tuple, list)):
             self.decisions[node] = Decision(REPLICATE, Strategy((), REPLICATE, None, "scalar"))
             return
+        if isinstance(val, torch.Tensor) and not all(isinstance(n, int) for n in val.shape):
+            self._data_dependent(node, ins)
         if node.target is torch.ops.spdsl.constraint.default:
             self._constraint(node, ins[0])
         rule = _rules.lookup(node.target)
@@ -219,6 +221,16 @@ class Propagator:
                 fix="keep one with_sharding_constraint on this value, or constrain the values "
                     "computed from it instead")
         self.constraints[src] = (target, node)
+
+    def _data_dependent(self, node, ins) -> None:
+        raise ShardingError(
+            rule="data-dependent shape",
+            value=", ".join(self.typed(a) for a in ins), where=where(node),
+            detail=f"{node.target} makes a tensor whose shape depends on the data (boolean "
+                   "mask indexing, nonzero, masked_select); placements are planned at global "
+                   "shapes, before any data is seen",
+            fix="keep shapes fixed: torch.where(mask, x, 0) or x.masked_fill(~mask, 0) "
+                "instead of x[mask], then reduce")
 
     def _unknown(self, node, ins, cur) -> None:
         op = node.target

@@ -92,5 +92,7 @@ class Move:
 def fused(moves: dict[int, Move]) -> tuple[int, ...]:
     """Inputs of one op that change split dims together (q and k of a score): they share one
     all-to-all. Empty unless there are at least two."""
-    idx = tuple(sorted(i for i, m in moves.items() if m.kind == "all_to_all"))
+    # a split moving within one dim is its own exchange (spdsl.collectives.rechunk)
+    idx = tuple(sorted(i for i, m in moves.items()
+                       if m.kind == "all_to_all" and m.src.dim != m.dst.dim))
     return idx if len(idx) > 1 else ()

@@ -41,7 +41,11 @@ def nll(ctx: RuleCtx) -> list[Strategy]:
         out, low = (PARTIAL, PARTIAL), None
     else:
         out, low = (tgt, PARTIAL), None
-    return [Strategy(tuple(reqs), out, low, "loss.nll.global_mean" if low else "loss.nll")]
+    # whole inputs as the fallback: logits and labels split by different factorings of one
+    # dim (a reshape of [S, S] logits against [S, S] labels) cannot meet on a split
+    return [Strategy(tuple(reqs), out, low, "loss.nll.global_mean" if low else "loss.nll"),
+            Strategy(tuple(REPLICATE for _ in ctx.inputs), (REPLICATE, REPLICATE), None,
+                     "loss.nll")]
 
 
 def reduction_index(op) -> int:
@@ -64,11 +68,12 @@ def elementwise_loss(ctx: RuleCtx) -> list[Strategy]:
         return [Strategy(tuple(REPLICATE for _ in ctx.inputs), REPLICATE, None, "loss")]
     reqs = tuple(p if ctx.meta(i).shape == ctx.meta(0).shape else REPLICATE
                  for i in range(len(ctx.inputs)))
+    whole = Strategy(tuple(REPLICATE for _ in ctx.inputs), REPLICATE, None, "loss")
     if reduction == _MEAN:
-        return [Strategy(reqs, PARTIAL, "loss_mean", "loss.global_mean")]
+        return [Strategy(reqs, PARTIAL, "loss_mean", "loss.global_mean"), whole]
     if reduction == _SUM:
-        return [Strategy(reqs, PARTIAL, None, "loss.sum")]
-    return [Strategy(reqs, p, None, "loss")]
+        return [Strategy(reqs, PARTIAL, None, "loss.sum"), whole]
+    return [Strategy(reqs, p, None, "loss"), whole]
 
 
 @rule(torch.ops.spdsl.constraint, name="constraint")

@@ -7,10 +7,12 @@ from __future__ import annotations
 from spdsl.propagate.placement import PARTIAL, REPLICATE, Partial, Shard
 from spdsl.propagate.rules import RuleCtx, Strategy, aten, rule
 
-# ops linear in every tensor input (a partial sum may pass through)
+# ops linear in every tensor input (a partial sum may pass through); adding a number is not
+# linear (each rank's share would get it), so add/sub need two tensor operands
 _LINEAR_ALL = {aten.add.Tensor, aten.sub.Tensor, aten.neg.default, aten.clone.default,
                aten._to_copy.default, aten.alias.default, aten.detach.default,
-               aten.add.Scalar, aten.sub.Scalar, aten.mul.Scalar, aten.div.Scalar}
+               aten.mul.Scalar, aten.div.Scalar}
+_TWO_TENSORS = {aten.add.Tensor, aten.sub.Tensor}
 # ops linear in their first input when the others are replicated
 _LINEAR_FIRST = {aten.mul.Tensor, aten.div.Tensor}
 
@@ -21,7 +23,7 @@ def _follow(ctx: RuleCtx, out_shard: Shard) -> tuple | None:
     for i in range(len(ctx.inputs)):
         shape = ctx.meta(i).shape
         d = out_shard.dim - (len(out_shape) - len(shape))
-        if d < 0 or shape[d] == 1:
+        if d < 0 or shape[d] == 1 != out_shape[out_shard.dim]:
             req.append(REPLICATE)           # broadcast along the split dim: used whole
         elif shape[d] == out_shape[out_shard.dim]:
             req.append(Shard(d, out_shard.outer, out_shard.size))
@@ -46,7 +48,8 @@ def pointwise(ctx: RuleCtx) -> list[Strategy]:
                 out.append(Strategy(req, s, None, "pointwise"))
     partial = [isinstance(p, Partial) for p in ctx.placements]
     if any(partial):
-        if op in _LINEAR_ALL and all(partial):
+        if op in _LINEAR_ALL and all(partial) and (op not in _TWO_TENSORS or
+                                                   len(ctx.inputs) == 2):
             out.append(Strategy(tuple(PARTIAL for _ in partial), PARTIAL, None, "pointwise.linear"))
         elif op in _LINEAR_FIRST and partial[0]:
             req = (PARTIAL,) + tuple(REPLICATE for _ in partial[1:])

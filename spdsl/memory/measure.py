@@ -87,7 +87,23 @@ def measure_step(step: Callable[[], object], *, device: str = "cpu",
     track_cpu_allocations()
     if warmup:
         step()
+    _settle()
     return _measure_cpu(step)
+
+
+def _settle() -> None:
+    """Let what the last step left behind go before counting: garbage cycles, and buffers of
+    its collectives that a gloo worker thread drops a moment after the collective completed
+    (counted as a free inside the next step otherwise: a step that ends below where it
+    began)."""
+    import gc
+    import time
+
+    import torch.distributed as dist
+    gc.collect()
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+    time.sleep(0.2)
 
 
 def _measure_cuda(step, device: torch.device, warmup: bool) -> StepMemory:

@@ -39,6 +39,7 @@ import torch.distributed as dist
 from bench.baselines.data import make_batches
 from bench.baselines.measure import profile_step
 from bench.baselines.model import CONFIGS
+from bench.baselines.report import rewrite_block
 from bench.baselines.systems import RunConfig, Unavailable
 
 MIB = 1024.0 ** 2
@@ -162,14 +163,7 @@ def table(result: dict) -> str:
 def render(path: str) -> None:
     with open(path) as f:
         result = json.load(f)
-    with open(RESULTS_MD) as f:
-        text = f.read()
-    if BEGIN not in text or END not in text:
-        raise SystemExit(f"{RESULTS_MD} lacks the markers {BEGIN} ... {END}")
-    head, rest = text.split(BEGIN, 1)
-    tail = rest.split(END, 1)[1]
-    with open(RESULTS_MD, "w") as f:
-        f.write(head + BEGIN + "\n\n" + table(result) + "\n\n" + END + tail)
+    rewrite_block(RESULTS_MD, BEGIN, END, table(result) + "\n")
     print(f"rewrote the longest-sequence table of {RESULTS_MD}")
 
 

@@ -27,6 +27,8 @@ import sys
 import tempfile
 import time
 
+from .report import rewrite_block
+
 BENCH = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 OUT_DIR = os.path.join(BENCH, "results", "abab")
 RESULTS_MD = os.path.join(BENCH, "RESULTS.md")
@@ -195,12 +197,5 @@ def render() -> None:
     for name in names:
         with open(os.path.join(OUT_DIR, f"{name}.json")) as f:
             parts.append(f"#### `{name}`\n\n" + table(json.load(f)) + "\n")
-    with open(RESULTS_MD) as f:
-        text = f.read()
-    if BEGIN not in text or END not in text:
-        raise SystemExit(f"{RESULTS_MD} lacks the markers {BEGIN} ... {END}")
-    head, rest = text.split(BEGIN, 1)
-    tail = rest.split(END, 1)[1]
-    with open(RESULTS_MD, "w") as f:
-        f.write(head + BEGIN + "\n\n" + "\n".join(parts) + "\n" + END + tail)
+    rewrite_block(RESULTS_MD, BEGIN, END, "\n".join(parts))
     print(f"[abab] rewrote the abab tables of {RESULTS_MD}")

@@ -137,3 +137,16 @@ def plot_sweep(results: list[dict], path: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def rewrite_block(path: str, begin: str, end: str, body: str) -> None:
+    """Replace what lies between the markers ``begin`` and ``end`` of the file at ``path``
+    (RESULTS.md's generated tables) by ``body``; the text around them is kept."""
+    with open(path) as f:
+        text = f.read()
+    if begin not in text or end not in text:
+        raise SystemExit(f"{path} lacks the markers {begin} ... {end}")
+    head, rest = text.split(begin, 1)
+    tail = rest.split(end, 1)[1]
+    with open(path, "w") as f:
+        f.write(head + begin + "\n\n" + body + "\n" + end + tail)

@@ -93,14 +93,7 @@ def render() -> None:
             if i == 0 and report.top_ops(result):   # where the time goes, first length only
                 parts.append("Most expensive ops of each system's profiled step (rank 0, "
                              "self CPU time):\n\n" + report.top_ops(result) + "\n")
-    with open(RESULTS_MD) as f:
-        text = f.read()
-    if BEGIN not in text or END not in text:
-        raise SystemExit(f"{RESULTS_MD} lacks the markers {BEGIN} ... {END}")
-    head, rest = text.split(BEGIN, 1)
-    tail = rest.split(END, 1)[1]
-    with open(RESULTS_MD, "w") as f:
-        f.write(head + BEGIN + "\n\n" + "\n".join(parts) + "\n" + END + tail)
+    report.rewrite_block(RESULTS_MD, BEGIN, END, "\n".join(parts))
     print(f"[suite] rewrote the tables of {RESULTS_MD}")
 
 

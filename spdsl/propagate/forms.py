@@ -66,7 +66,14 @@ def register_form(form: AttentionForm, *, replace: bool = False) -> AttentionFor
         raise ValueError(f"attention form {form.name!r} is already registered "
                          "(pass replace=True to replace it)")
     FORMS[form.name] = form
+    _IS_ATTENTION.clear()
     return form
+
+
+def unregister_form(name: str) -> None:
+    """Remove a form registered with ``register_form``."""
+    del FORMS[name]
+    _IS_ATTENTION.clear()
 
 
 def form_of(node: torch.fx.Node) -> AttentionForm:
@@ -89,13 +96,18 @@ def attention_ops() -> frozenset:
     return frozenset(op for f in FORMS.values() for op in f.ops)
 
 
+_IS_ATTENTION: dict = {}     # op -> bool; the remat policy asks for every op it sees
+
+
 def is_attention_op(func) -> bool:
     """An op overload that computes attention: the remat policy saves its outputs."""
-    if func in attention_ops():
-        return True
-    name = func.name() if hasattr(func, "name") else ""
-    return any(name == c or name.startswith(c + ".") for f in FORMS.values()
-               for c in f.custom_ops)
+    hit = _IS_ATTENTION.get(func)
+    if hit is None:
+        name = func.name() if hasattr(func, "name") else ""
+        hit = func in attention_ops() or any(
+            name == c or name.startswith(c + ".") for f in FORMS.values() for c in f.custom_ops)
+        _IS_ATTENTION[func] = hit
+    return hit
 
 
 def dtensor_ops() -> tuple[list, list]:

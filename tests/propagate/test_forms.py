@@ -120,7 +120,7 @@ def my_form():
         masks="causal", saves="the output", find=_find_my_attention,
         custom_ops=("spdsl_test::my_attention",)))
     yield form
-    del FORMS["my_attention"]
+    forms.unregister_form("my_attention")
 
 
 def test_a_registered_form_reaches_every_stage(my_form):

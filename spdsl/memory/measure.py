@@ -92,10 +92,11 @@ def measure_step(step: Callable[[], object], *, device: str = "cpu",
 
 
 def _settle() -> None:
-    """Let what the last step left behind go before counting: garbage cycles, and buffers of
-    its collectives that a gloo worker thread drops a moment after the collective completed
-    (counted as a free inside the next step otherwise: a step that ends below where it
-    began)."""
+    """Let what a step left behind go before counting: garbage cycles, and buffers of its
+    collectives that a gloo worker thread drops a moment after the collective completed.
+    Before the step, such a free would count inside it (a step that ends below where it
+    began); after it, before the closing marker, a buffer still held would count as kept
+    (a step that ends above). The barrier allocates nothing; its frees are on this thread."""
     import gc
     import time
 
@@ -103,7 +104,7 @@ def _settle() -> None:
     gc.collect()
     if dist.is_available() and dist.is_initialized():
         dist.barrier()
-    time.sleep(0.2)
+    time.sleep(0.5)
 
 
 def _measure_cuda(step, device: torch.device, warmup: bool) -> StepMemory:
@@ -126,6 +127,7 @@ def _measure_cpu(step) -> StepMemory:
         # one-byte markers: the allocator's total right before and right after the step
         torch.empty(1, dtype=torch.uint8)
         step()
+        _settle()       # the step's own collective buffers, dropped late by a gloo thread
         torch.empty(1, dtype=torch.uint8)
     kinds = torch._C._profiler._EventType
     events, todo = [], list(prof.profiler.kineto_results.experimental_event_tree())

@@ -1,5 +1,6 @@
 """A model written directly with DTensors, run two ways: plain eager DTensor code (attention
-goes through spdsl's Ulysses rule, registered with DTensor, with a real all-to-all), and the
+goes through spdsl's Ulysses rule, installed in DTensor by ``spdsl.dtensor_attention()``, with
+a real all-to-all), and the
 same model under ``spdsl.shard`` (the DTensor placements are the in_specs). Both are checked
 against single-device PyTorch.
 
@@ -62,7 +63,9 @@ def main() -> None:
     ref_loss = loss_of(ref(ids), labels)
     ref_loss.backward()
 
-    # 1. eager DTensor code: replicated parameters, sequence-split activations
+    # 1. eager DTensor code: replicated parameters, sequence-split activations; attention on
+    #    sequence-split DTensors through spdsl's Ulysses handler (installed here, not at import)
+    spdsl.dtensor_attention()
     eager = distribute_module(copy.deepcopy(ref), mesh)          # parameters -> Replicate()
     d_ids = distribute_tensor(ids, mesh, [Shard(1)])
     d_labels = distribute_tensor(labels, mesh, [Shard(1)])

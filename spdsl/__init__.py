@@ -8,17 +8,15 @@ Example::
     loss.backward()                      # p.grad == the single-device gradient
 """
 
-from spdsl import dtensor_ops as _dtensor_ops
 from spdsl.annotate.api import Sharded, plan, shard, sp_shard, with_sharding_constraint
 from spdsl.annotate.mesh import mesh
 from spdsl.annotate.spec import P
 from spdsl.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from spdsl.dtensor_ops import dtensor_attention
 from spdsl.errors import ShardingError
-from spdsl.propagate.plan import Collective, ShardingPlan
+from spdsl.inspect.plan import Collective, ShardingPlan
 from spdsl.propagate.rules import RuleCtx, Strategy, register_rule
 from spdsl.remat import Remat
-
-_dtensor_ops.register()
 
 __all__ = [
     "Collective",
@@ -29,6 +27,7 @@ __all__ = [
     "ShardingError",
     "ShardingPlan",
     "Strategy",
+    "dtensor_attention",
     "latest_checkpoint",
     "load_checkpoint",
     "mesh",

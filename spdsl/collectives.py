@@ -28,8 +28,9 @@ from __future__ import annotations
 import functools
 
 import torch
-import torch.distributed._functional_collectives as fc
 
+from spdsl._torch import c10d_functional
+from spdsl._torch import functional_collectives as fc
 from spdsl.propagate.placement import chunk_bounds
 
 # torch 2.13 renamed these (the old names warn on every call); older releases have only those
@@ -102,7 +103,7 @@ class _GradAllReduceMany(torch.autograd.Function):
         if torch.compiler.is_compiling():
             flat = _all_reduce_raw(flat, ctx.group)     # Inductor plans the buffers itself
         else:   # the concatenation is ours: reduce it in place, one bucket-sized buffer fewer
-            fc.wait_tensor(torch.ops._c10d_functional.all_reduce_(flat, "sum", ctx.group))
+            fc.wait_tensor(c10d_functional.all_reduce_(flat, "sum", ctx.group))
         pieces = iter(torch.split(flat, [g.numel() for g in got]))
         return (None, *(None if g is None else next(pieces).view(g.shape) for g in grads))
 

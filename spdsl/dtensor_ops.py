@@ -1,5 +1,6 @@
-"""The one adapter onto DTensor's private dispatch: spdsl's Ulysses rule for attention on
-DTensors split along the sequence, so DTensor-native models run in plain eager code.
+"""spdsl's Ulysses rule for attention on DTensors split along the sequence, so DTensor-native
+models run in plain eager code: ``spdsl.dtensor_attention()`` installs it in DTensor's
+dispatcher (``spdsl._torch.dtensor_op_handlers``), for the process or for a ``with`` block.
 
 DTensor has no sharding strategy for the fused attention kernels, and its own Shard -> Shard
 redistribution gathers on CPU instead of exchanging. The handlers registered here take q, k, v
@@ -13,7 +14,9 @@ from __future__ import annotations
 
 import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard
+from typing_extensions import Self
 
+from spdsl._torch import dtensor_op_handlers
 from spdsl.collectives import all_to_all_many
 from spdsl.propagate.forms import dtensor_ops
 
@@ -110,97 +113,37 @@ def _placements(mesh, axis: int, dim: int):
     return [Shard(dim) if i == axis else Replicate() for i in range(mesh.ndim)]
 
 
-def register() -> None:
-    """Install the handlers (idempotent); ``import spdsl`` does this."""
-    handlers = DTensor._op_dispatcher._custom_op_handlers
-    for op in _FORWARD:
-        handlers[op] = _handler(backward=False)
-    for op in _BACKWARD:
-        handlers[op] = _handler(backward=True)
+_ABSENT = object()
 
 
-# --- propagation: DTensor's own op strategies, for ops spdsl has no rule of its own for ------
+class dtensor_attention:
+    """Run the attention kernels on sequence-split DTensors with spdsl's Ulysses rule (one
+    all-to-all to heads and one back) instead of DTensor's own strategy (which gathers the
+    sequence). Nothing is installed by ``import spdsl``; traced ``sp_shard``/``shard`` programs
+    do not need it.
 
-def strategy_from_dtensor(node: torch.fx.Node, inputs: list[torch.fx.Node], placements: list,
-                          parts: int):
-    """DTensor's choice for ``node`` as an spdsl ``Strategy``, or None when DTensor has no rule
-    or the placements do not translate (a split factor inside a merged dim has no plain
-    ``Shard``). Runs without a process group: the mesh here is never used to communicate."""
-    from torch.distributed.device_mesh import DeviceMesh
-    from torch.distributed.tensor import Partial as DPartial
-    from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
-    from torch.distributed.tensor._op_schema import OpSchema
-    from torch.utils._pytree import tree_map
+    Example::
 
-    from spdsl.propagate.placement import PARTIAL, REPLICATE
-    from spdsl.propagate.placement import Partial as SPartial
-    from spdsl.propagate.placement import Shard as SShard
-    from spdsl.propagate.rules import Strategy
+        spdsl.dtensor_attention()              # from here on, in this process
+        with spdsl.dtensor_attention():        # or only inside the block
+            loss = block(x_dtensor).sum()      # F.scaled_dot_product_attention on DTensors
+    """
 
-    prop = DTensor._op_dispatcher.sharding_propagator
-    if not isinstance(node.target, torch._ops.OpOverload) or \
-            node.target in prop.op_to_shape_and_stride_idx:
-        return None      # ops with global shape arguments would need them made local
-    mesh = _planning_mesh(DeviceMesh, parts)
-    specs = {}
-    for a, p in zip(inputs, placements):
-        val = a.meta["val"]
-        if isinstance(p, SShard):
-            if p.outer != 1 or p.size != val.shape[p.dim]:
-                return None
-            dp = Shard(p.dim)
-        else:
-            dp = DPartial() if isinstance(p, SPartial) else Replicate()
-        specs[a] = DTensorSpec(mesh, (dp,), TensorMeta(val.shape, val.stride(), val.dtype))
+    def __init__(self) -> None:
+        table = dtensor_op_handlers()
+        self._saved = {op: table.get(op, _ABSENT) for op in (*_FORWARD, *_BACKWARD)}
+        for op in _FORWARD:
+            table[op] = _handler(backward=False)
+        for op in _BACKWARD:
+            table[op] = _handler(backward=True)
 
-    def to_spec(x):
-        if isinstance(x, torch.fx.Node):
-            return specs.get(x, x.meta.get("val"))
-        return x
+    def __enter__(self) -> Self:
+        return self
 
-    args, kwargs = tree_map(to_spec, (node.args, node.kwargs))
-    try:
-        out = prop.propagate_op_sharding_non_cached(OpSchema(node.target, args, kwargs))
-    except Exception:  # noqa: BLE001 - DTensor has no rule: the caller reports the op
-        return None
-
-    def back(spec, shape):
-        if spec is None:
-            return REPLICATE
-        pl = spec.placements[0]
-        if isinstance(pl, Shard):
-            return SShard(pl.dim, 1, int(shape[pl.dim]))
-        if isinstance(pl, DPartial):
-            return PARTIAL if pl.reduce_op == "sum" else None
-        return REPLICATE if isinstance(pl, Replicate) else None
-
-    want = list(placements)
-    if out.redistribute_schema is not None:
-        flat = [s for s in tree_flatten_specs(out.redistribute_schema.args_schema)]
-        if len(flat) != len(inputs):
-            return None
-        want = [back(s, a.meta["val"].shape) for s, a in zip(flat, inputs)]
-    val = node.meta["val"]
-    if isinstance(out.output_spec, (tuple, list)):
-        output = tuple(back(s, v.shape) for s, v in zip(out.output_spec, val))
-    else:
-        output = back(out.output_spec, val.shape)
-    if output is None or None in want or (isinstance(output, tuple) and None in output):
-        return None
-    return Strategy(tuple(want), output, None, f"dtensor:{node.target.overloadpacket.__name__}")
-
-
-def tree_flatten_specs(args) -> list:
-    from torch.distributed.tensor._dtensor_spec import DTensorSpec
-    from torch.utils._pytree import tree_flatten
-    return [x for x in tree_flatten(args)[0] if isinstance(x, DTensorSpec)]
-
-
-_MESHES: dict[int, object] = {}
-
-
-def _planning_mesh(DeviceMesh, parts: int):
-    if parts not in _MESHES:
-        _MESHES[parts] = DeviceMesh("cpu", torch.arange(parts), mesh_dim_names=("sp",),
-                                    _init_backend=False, _rank=0)
-    return _MESHES[parts]
+    def __exit__(self, *exc) -> None:
+        table = dtensor_op_handlers()
+        for op, h in self._saved.items():
+            if h is _ABSENT:
+                table.pop(op, None)
+            else:
+                table[op] = h

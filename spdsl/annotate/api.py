@@ -18,15 +18,17 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor import Replicate as DReplicate
 from torch.distributed.tensor import Shard as DShard
-from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from spdsl._torch import tree_flatten, tree_unflatten
 from spdsl.annotate.mesh import axis_size
 from spdsl.annotate.mesh import mesh as make_mesh
 from spdsl.annotate.spec import P
 from spdsl.errors import ShardingError
+from spdsl.inspect.plan import ShardingPlan, build_plan
 from spdsl.lower.compile import compile_local
 from spdsl.lower.graph import lower
 from spdsl.lower.kernels import KernelChoice, swap_kernels
+from spdsl.memory.simulate import step_peak
 from spdsl.propagate.engine import Propagator
 from spdsl.propagate.placement import (
     REPLICATE,
@@ -35,7 +37,6 @@ from spdsl.propagate.placement import (
     chunk_bounds,
     typed_shape,
 )
-from spdsl.propagate.plan import ShardingPlan, build_plan
 from spdsl.propagate.trace import Traced, reachable_modules, trace, tracing
 from spdsl.remat import Remat, apply_remat, local_specs
 
@@ -371,7 +372,7 @@ class Sharded:
         plan = build_plan(prop, requires, outs, frozenset(
             phs[s.index].name for s in sharded if reduced.get(s.index)))
         if dprop is not None or sharded:
-            from spdsl.propagate.mesh_plan import add_mesh_collectives
+            from spdsl.inspect.mesh_plan import add_mesh_collectives
             add_mesh_collectives(plan, gm, dprop, requires, data_out, sharded, reduced,
                                  self._regathered(phs, sharded))
         plan._memory = functools.cache(functools.partial(_plan_memory, self, args, kwargs))
@@ -504,7 +505,8 @@ class Sharded:
                                  *local_specs(entry, args, kwargs, self.parts, rank))
             # -- remat stage (spdsl.remat): tiling, per-layer checkpoints, SAC policy --
             local = apply_remat(local, self.remat,
-                                *local_specs(entry, args, kwargs, self.parts, rank))
+                                *local_specs(entry, args, kwargs, self.parts, rank),
+                                peak=step_peak)
             if self.compile:
                 local = compile_local(local)   # fullgraph; breaks -> ShardingError
             entry.local = local
@@ -719,3 +721,7 @@ def plan(fn: Callable, *args, **kwargs) -> ShardingPlan:
         fn = Sharded(fn, parts=world, seq_dim=1)
     return fn.build(args, kwargs).plan
 
+
+def _step_peak():
+    from spdsl.memory.simulate import step_peak  # the planner, only when a budget needs it
+    return step_peak

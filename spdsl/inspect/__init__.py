@@ -1,4 +1,5 @@
 """Reading a ``ShardingPlan``: the text table, JSON, HTML, ``explain`` and the CLI.
 
-The plan itself (``spdsl.propagate.plan``) only collects facts; everything here presents them.
+The plan (``spdsl.inspect.plan``) collects the facts from propagation's decision record; the
+other modules present them. Nothing below ``spdsl.inspect`` imports it.
 """

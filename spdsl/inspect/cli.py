@@ -1,13 +1,6 @@
 """``python -m spdsl plan MODEL --seq S --sp P``: plan a model without running it.
 
-``MODEL`` is ``MODULE:EXPR``; ``EXPR`` is evaluated in the module's namespace and may be
-
-- a model instance or an expression building one: ``models.llama:Llama(LlamaConfig.tiny())``;
-- an ``nn.Module`` class: built with ``cls(cls.Config())`` when it has a ``Config`` class,
-  else ``cls()``: ``models.toys:GPT2Like``;
-- a config, or a preset returning one: ``models.llama:LlamaConfig.llama3_8b``; the model is
-  the module's ``nn.Module`` class named like the config without ``Config`` (``Llama``), or
-  else the only one whose ``__init__`` takes that config.
+``MODEL`` is ``MODULE:EXPR`` (``spdsl.modelspec``: a model, a model class, or a config).
 
 The model is built on the meta device (no memory) and called as ``model(ids, ids)`` (input
 ids and labels, ``[batch, seq]`` int64 on meta), or ``model(ids)`` with ``--no-labels``.
@@ -22,63 +15,16 @@ Example::
 from __future__ import annotations
 
 import argparse
-import importlib
-import inspect
 import os
 import sys
 import time
 from collections.abc import Sequence
-from typing import Any
 
 import torch
-from torch import nn
+
+from spdsl.modelspec import build_model
 
 _DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}
-
-
-def _model_class_for(config: Any, namespace: dict) -> type[nn.Module]:
-    cfg_name = type(config).__name__
-    classes = [c for c in namespace.values()
-               if isinstance(c, type) and issubclass(c, nn.Module)]
-    named = [c for c in classes if c.__name__ == cfg_name.removesuffix("Config")
-             or getattr(c, "Config", None) is type(config)]
-    if named:
-        return named[0]
-    takes = []
-    for c in classes:
-        params = list(inspect.signature(c.__init__).parameters.values())[1:2]
-        ann = params[0].annotation if params else None
-        if ann is type(config) or ann == cfg_name:
-            takes.append(c)
-    if len(takes) == 1:
-        return takes[0]
-    raise SystemExit(f"spdsl plan: cannot tell which model {cfg_name} builds (candidates: "
-                     f"{[c.__name__ for c in takes]}); write MODULE:Model({cfg_name}...) instead")
-
-
-def build_model(spec: str, device: str = "meta") -> nn.Module:
-    """The model a ``MODULE:EXPR`` spec names, built on ``device``.
-
-    Example::
-
-        model = build_model("models.llama:LlamaConfig.llama3_8b")    # Llama on meta
-    """
-    mod_name, sep, expr = spec.partition(":")
-    if not sep or not expr:
-        raise SystemExit(f"spdsl plan: model spec {spec!r} must look like MODULE:EXPR, e.g. "
-                         "models.llama:LlamaConfig.llama3_8b")
-    module = importlib.import_module(mod_name)
-    namespace = vars(module)
-    with torch.device(device):
-        obj = eval(expr, dict(namespace))
-        if isinstance(obj, type) and issubclass(obj, nn.Module):
-            cfg = getattr(obj, "Config", None)
-            obj = obj(cfg()) if cfg is not None else obj()
-        elif callable(obj) and not isinstance(obj, nn.Module):
-            obj = obj()
-        if not isinstance(obj, nn.Module):
-            obj = _model_class_for(obj, namespace)(obj)
-    return obj
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from itertools import pairwise
 from typing import Any
 
-from spdsl.propagate.plan import Collective, ShardingPlan, Value
+from spdsl.inspect.plan import Collective, ShardingPlan, Value
 
 
 @dataclass(frozen=True)

@@ -13,8 +13,8 @@ import html
 import re
 
 from spdsl.inspect.layers import Block, Row
+from spdsl.inspect.plan import Collective, ShardingPlan, Value
 from spdsl.inspect.text import fmt_bytes, fmt_ratio
-from spdsl.propagate.plan import Collective, ShardingPlan, Value
 
 _CSS = """
 body{font:14px/1.45 system-ui,-apple-system,Segoe UI,Roboto,sans-serif;margin:0;

@@ -12,7 +12,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from spdsl.propagate.plan import Collective, ShardingPlan, Value
+from spdsl.inspect.plan import Collective, ShardingPlan, Value
 
 _LAYER = re.compile(r"^((?:.*?\.)?)(\d+)(?:\.|$)")
 

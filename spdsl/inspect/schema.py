@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from spdsl.propagate.plan import Attention, Collective, ShardingPlan, Value
+from spdsl.inspect.plan import Attention, Collective, ShardingPlan, Value
 
 SCHEMA = "spdsl.plan"
 VERSION = 1

@@ -8,7 +8,7 @@ rows of one layer).
 from __future__ import annotations
 
 from spdsl.inspect.layers import NOT_ACTIVATION, Block, Row
-from spdsl.propagate.plan import Collective, ShardingPlan
+from spdsl.inspect.plan import Collective, ShardingPlan
 
 _W_MOD, _W_VAL, _W_RULE, _W_NUM = 30, 28, 20, 10
 

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from spdsl._torch import dynamo_unsupported
 from spdsl.errors import ShardingError
 from spdsl.propagate.source import module_of, source_of
 
@@ -36,7 +37,7 @@ class CompiledLocal:
     def __call__(self, *args: Any) -> Any:
         try:
             return self.compiled(*args)
-        except torch._dynamo.exc.Unsupported as e:
+        except dynamo_unsupported() as e:
             raise graph_break_error(self.gm, e) from e
 
     def __getattr__(self, name: str) -> Any:

@@ -22,6 +22,7 @@ import operator
 import torch
 
 from spdsl import collectives as C
+from spdsl._torch import OpOverload
 from spdsl.propagate.placement import chunk_bounds
 
 aten = torch.ops.aten
@@ -94,7 +95,7 @@ class _Rows:
             return self._arange(n, op, args, kw) if d == 0 else None
         if _seeded(op):
             return None           # random rows: a slice of the global draw is not a new draw
-        if op in _SAME_ROWS or (isinstance(op, torch._ops.OpOverload)
+        if op in _SAME_ROWS or (isinstance(op, OpOverload)
                                 and torch.Tag.pointwise in op.tags):
             return self._pointwise(n, d, val)
         if op is aten.unsqueeze.default:
@@ -203,10 +204,10 @@ def _pure(n: torch.fx.Node) -> bool:
     t = n.target
     if t is operator.getitem:
         return True
-    return isinstance(t, torch._ops.OpOverload) and not t._schema.is_mutable and \
+    return isinstance(t, OpOverload) and not t._schema.is_mutable and \
         "_c10d_functional" not in t.name() and not _seeded(t)   # a draw moves the RNG
 
 
 def _seeded(op) -> bool:
-    return isinstance(op, torch._ops.OpOverload) and \
+    return isinstance(op, OpOverload) and \
         torch.Tag.nondeterministic_seeded in op.tags

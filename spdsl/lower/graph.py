@@ -14,9 +14,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.utils._pytree import tree_map
 
 from spdsl import collectives as C
+from spdsl._torch import tree_map
 from spdsl.lower import ops
 from spdsl.lower.factories import VAL as REPLICATED_VAL
 from spdsl.lower.factories import split_factories

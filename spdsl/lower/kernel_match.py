@@ -21,8 +21,9 @@ from dataclasses import dataclass
 import torch
 
 from spdsl import kernels as K
+from spdsl._torch import OpOverload
 from spdsl.lower import ops
-from spdsl.remat.loss import find_loss, tile_loss, tiled_nll, tiled_nll_mean
+from spdsl.lower.loss import find_loss, tile_loss, tiled_nll, tiled_nll_mean
 
 aten = torch.ops.aten
 Node = torch.fx.Node
@@ -86,7 +87,7 @@ def _replace(g: torch.fx.Graph, old: Node, fn, args: tuple, kernel: str,
 
 def _opname(n: Node) -> str:
     t = n.target
-    if isinstance(t, torch._ops.OpOverload):
+    if isinstance(t, OpOverload):
         return f"{t.namespace}.{t._opname}"
     return getattr(t, "__name__", str(t))
 

@@ -10,7 +10,7 @@ checkpointed layers) and rewrites, in place (fp32 difference from the ops it rep
 - ``mm(h, W^T)`` -> row selections -> ``log_softmax`` -> NLL (``nll_mean`` when split): the
   fused linear + cross-entropy, its (sum, count) all-reduced then divided, so the split mean
   stays exact (~1e-7: chunked sums). The rewrite is remat's loss tiling
-  (``spdsl.remat.loss``), reused so that there is one implementation of it;
+  (``spdsl.lower.loss``), reused so that there is one implementation of it;
 - ``silu(a) * b``, opt-in only: ``spdsl.kernels.swiglu`` (bitwise).
 
 In bf16 the norm and RoPE kernels round once where the model code rounds twice.
@@ -34,8 +34,8 @@ import torch
 
 from spdsl import kernels as K
 from spdsl.lower import kernel_match as M
+from spdsl.lower.shapes import fill_shapes
 from spdsl.propagate.source import module_of, source_of
-from spdsl.remat.shapes import annotate
 
 ALL = ("flash_attn", "rms_norm", "rope", "fused_linear_cross_entropy", "swiglu")
 DEFAULT = ("flash_attn", "rms_norm", "rope", "fused_linear_cross_entropy")
@@ -103,7 +103,7 @@ def swap_kernels(gm: torch.fx.GraphModule, kernels: str | Iterable[str] | Kernel
     gm.spdsl_kernels = []
     if not names:
         return gm
-    annotate(gm, specs)      # one fake forward: local shapes and devices in meta["val"]
+    fill_shapes(gm, specs)      # one fake forward: local shapes and devices in meta["val"]
     found: list[M.Match] = []
     if "fused_linear_cross_entropy" in names:
         found += M.swap_losses(gm)

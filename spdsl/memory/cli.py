@@ -2,11 +2,11 @@
 
 Examples::
 
-    python -m spdsl memory --model llama3_8b --sp 8 --state-shards 8 --offload --max-seq
-    python -m spdsl memory --model llama3_70b --sp 32 --state-shards all --offload --max-seq
-    python -m spdsl memory --model llama3_8b --sp 8 --seq 131072 --remat full
-    python -m spdsl memory --model llama3_8b --sp 4 --dp 2 --state-shards all --max-seq
-    python -m spdsl memory --model small --sp 4 --seq 8192 --dtype fp32 --kernels auto --json
+    python -m spdsl memory --model models.llama:LlamaConfig.llama3_8b --sp 8 --state-shards 8 --offload --max-seq
+    python -m spdsl memory --model models.llama:LlamaConfig.llama3_70b --sp 32 --state-shards all --offload --max-seq
+    python -m spdsl memory --model models.llama:LlamaConfig.llama3_8b --sp 8 --seq 131072 --remat full
+    python -m spdsl memory --model models.llama:LlamaConfig.llama3_8b --sp 4 --dp 2 --state-shards all --max-seq
+    python -m spdsl memory --model models.llama:LlamaConfig.small --sp 4 --seq 8192 --dtype fp32 --kernels auto --json
 
 Modes (--remat): none, auto, full, and best: the longest-sequence combination of remat mode,
 recomputed all-to-alls and offload (when --offload allows it) the planner finds, named in its
@@ -28,7 +28,8 @@ import sys
 import torch
 
 from spdsl.memory.report import fmt_bytes
-from spdsl.memory.search import Estimator, bytes_per_token_per_layer, llama_plan, max_seq
+from spdsl.memory.search import Estimator, bytes_per_token_per_layer, max_seq, model_plan
+from spdsl.modelspec import field, load_config
 from spdsl.remat import Remat, parse_bytes
 
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -38,8 +39,9 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m spdsl memory", description=__doc__.split("\n")[0],
                                 epilog=__doc__.split("\n", 2)[2],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="llama3_8b",
-                   help="a LlamaConfig preset: tiny, small, llama3_1b, llama3_8b, llama3_70b")
+    p.add_argument("--model", required=True, metavar="MODULE:EXPR",
+                   help="a model config, e.g. models.llama:LlamaConfig.llama3_8b (the model "
+                        "is built from it at several depths; spdsl.modelspec)"),
     p.add_argument("--sp", type=int, default=8, help="sequence-parallel degree")
     p.add_argument("--dp", type=int, default=1,
                    help="data-parallel degree (mesh dp x sp); only state sharding sees it")
@@ -85,15 +87,6 @@ def state_shards(text: str, dp: int, sp: int) -> int:
     if n < 1 or (n > 1 and (dp * sp) % n):
         raise SystemExit(f"--state-shards {text}: use 1, 'all' or a divisor of dp*sp = {dp * sp}")
     return n
-
-
-def _config(name: str):
-    from models.llama import LlamaConfig
-
-    if not hasattr(LlamaConfig, name):
-        raise SystemExit(f"unknown --model {name!r}: use a LlamaConfig preset (tiny, small, "
-                         "llama3_1b, llama3_8b, llama3_70b)")
-    return getattr(LlamaConfig, name)()
 
 
 def _search_remat(mode: str, a) -> Remat:
@@ -148,15 +141,15 @@ def main(argv: list[str] | None = None) -> int:
 
     Example::
 
-        main(["--model", "small", "--sp", "2", "--seq", "4096", "--dtype", "fp32"])
+        main(["--model", "models.llama:LlamaConfig.small", "--sp", "2", "--seq", "4096", "--dtype", "fp32"])
     """
     a = parser().parse_args(argv)
-    cfg, dtype = _config(a.model), _DTYPES[a.dtype]
+    cfg, dtype = load_config(a.model), _DTYPES[a.dtype]
     total, reserve = parse_bytes(a.device_memory), parse_bytes(a.reserve)
     budget, host = total - reserve, parse_bytes(a.host_memory)
     shards = state_shards(a.state_shards, a.dp, a.sp)
     modes = [m.strip() for m in a.remat.split(",") if m.strip()]
-    h = cfg.dim
+    h = field(cfg, "hidden")
     print(f"{a.model}: {a.dtype}, mesh dp {a.dp} x sp {a.sp}, batch {a.batch} per dp replica, "
           f"{a.optimizer}, state {'replicated' if shards == 1 else f'split {shards} ways'}, "
           f"device {fmt_bytes(total)} - {fmt_bytes(reserve)} reserve = {fmt_bytes(budget)} per "
@@ -168,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
             (seq, plan), remat = max(found, key=lambda x: x[0][0])
             label = mode if mode != "best" else f"best = {_name(remat)}"
             if seq and not a.no_verify:
-                plan = llama_plan(cfg, seq, a.sp, remat, dtype=dtype, batch=a.batch,
+                plan = model_plan(cfg, seq, a.sp, remat, dtype=dtype, batch=a.batch,
                                   optimizer=a.optimizer, state_shards=shards, kernels=a.kernels)
             per = bytes_per_token_per_layer(cfg, a.sp, remat, dtype=dtype, kernels=a.kernels)
             per_host = bytes_per_token_per_layer(cfg, a.sp, remat, dtype=dtype,
@@ -192,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
             if a.seq is None:
                 raise SystemExit("give --seq N to plan one length, or --max-seq to search")
             for remat in cands:
-                plan = llama_plan(cfg, a.seq, a.sp, remat, dtype=dtype, batch=a.batch,
+                plan = model_plan(cfg, a.seq, a.sp, remat, dtype=dtype, batch=a.batch,
                                   optimizer=a.optimizer, state_shards=shards, kernels=a.kernels)
                 print(plan.to_json() if a.json else
                       f"\n== remat={_name(remat)}, seq {a.seq:,}\n{plan}")

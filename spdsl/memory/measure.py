@@ -37,6 +37,8 @@ from dataclasses import dataclass
 
 import torch
 
+from spdsl._torch import profiler_event_kinds
+
 
 @dataclass(frozen=True)
 class StepMemory:
@@ -129,7 +131,7 @@ def _measure_cpu(step) -> StepMemory:
         step()
         _settle()       # the step's own collective buffers, dropped late by a gloo thread
         torch.empty(1, dtype=torch.uint8)
-    kinds = torch._C._profiler._EventType
+    kinds = profiler_event_kinds()
     events, todo = [], list(prof.profiler.kineto_results.experimental_event_tree())
     while todo:
         n = todo.pop()

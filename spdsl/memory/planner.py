@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from spdsl.lower.graph import lower
 from spdsl.memory.report import MemoryPlan
-from spdsl.memory.simulate import planning_group, simulate
+from spdsl.memory.simulate import planning_group, simulate, step_peak
 from spdsl.remat import Remat, apply_remat, local_specs
 
 
@@ -33,9 +33,7 @@ def plan_memory(fn, *args, remat=None, rank: int = 0, optimizer: str = "adamw",
         plan = plan_memory(spdsl.sp_shard(seq=8)(model), ids, ids, remat="full")
         print(plan)     # peak and breakdown per rank
     """
-    from spdsl.annotate.api import Sharded
-
-    if not isinstance(fn, Sharded):
+    if not callable(getattr(fn, "build", None)):      # spdsl.Sharded (annotate sits above)
         raise TypeError("plan_memory needs a function wrapped by spdsl.sp_shard or spdsl.shard")
     r = Remat.of(remat) if remat is not None else fn.remat
     entry = fn.build(args, kwargs)
@@ -56,7 +54,7 @@ def _finish(fn, local, r: Remat, state, ins, optimizer: str, tokens, rank: int) 
     if hasattr(fn, "kernels"):      # the same kernel swaps as the real run (api.__call__)
         from spdsl.lower.kernels import swap_kernels
         local = swap_kernels(local, fn.kernels, state, ins)
-    local = apply_remat(local, r, state, ins)
+    local = apply_remat(local, r, state, ins, peak=step_peak)
     return simulate(local, state, ins, optimizer=optimizer, tokens=tokens,
                     label=f"{r.describe()}, rank {rank} of {fn.parts}")
 

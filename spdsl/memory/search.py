@@ -1,4 +1,5 @@
-"""The longest sequence that fits: a planner search over Llama configurations.
+"""The longest sequence that fits: a planner search over a model's configuration (any config
+``spdsl.modelspec`` can build a model from and read the depth and width of).
 
 Simulating all 32 layers of an 8B model costs a minute or two of CPU per point, so the search
 simulates 1- and 2-layer versions of the model and extrapolates: per phase of the step
@@ -19,14 +20,17 @@ import torch
 
 from spdsl.memory.planner import plan_memory
 from spdsl.memory.report import MemoryPlan
+from spdsl.modelspec import field, model_class_for, with_layers
 from spdsl.remat import Remat
 from spdsl.remat.segments import layer_of
 
 
-def llama_plan(cfg, seq: int, sp: int, remat, *, dtype: torch.dtype = torch.bfloat16,
+def model_plan(cfg, seq: int, sp: int, remat, *, dtype: torch.dtype = torch.bfloat16,
                batch: int = 1, optimizer: str = "adamw", state_shards: int = 1,
                kernels: str = "auto") -> MemoryPlan:
-    """Planned memory of one step of ``Llama(cfg)`` (meta device) at global length ``seq``.
+    """Planned memory of one step of the model ``cfg`` builds (``spdsl.modelspec``: e.g.
+    ``Llama`` for a ``LlamaConfig``), on the meta device, at global length ``seq``, called as
+    ``model(ids, labels)``.
 
     ``kernels="triton"`` plans the step a GPU runs: spdsl's Triton kernels (flash attention,
     RMSNorm, RoPE, fused linear cross-entropy) swapped in, each allocating what its kernel
@@ -35,14 +39,13 @@ def llama_plan(cfg, seq: int, sp: int, remat, *, dtype: torch.dtype = torch.bflo
 
     Example::
 
-        plan = llama_plan(LlamaConfig.llama3_8b(), 131072, 8, "full", kernels="triton")
+        plan = model_plan(LlamaConfig.llama3_8b(), 131072, 8, "full", kernels="triton")
         print(plan)
     """
     import spdsl
-    from models.llama import Llama
 
     with torch.device("meta"):
-        model = Llama(cfg).to(dtype)
+        model = model_class_for(cfg)(cfg).to(dtype)
     ids = torch.empty(batch, seq, dtype=torch.long, device="meta")
     with _kernels(kernels) as choice:
         plan = plan_memory(spdsl.sp_shard(seq=sp, remat=remat, kernels=choice)(model), ids,
@@ -63,10 +66,10 @@ def kernel_workspace(cfg, tokens: int, sp: int, dtype: torch.dtype) -> dict[str,
     from spdsl.kernels.reference import default_chunk_size
 
     item = torch.empty((), dtype=dtype).element_size()
-    v, e = cfg.vocab_size, cfg.dim
+    v, e = field(cfg, "vocab"), field(cfg, "hidden")
     rows = min(tokens, default_chunk_size(tokens, v, e))
     loss = rows * v * item + (v * e * item if item < 4 else 0)
-    delta = tokens * sp * max(1, cfg.n_heads // sp) * 4
+    delta = tokens * sp * max(1, field(cfg, "heads") // sp) * 4
     return {"forward": loss, "backward": delta}
 
 
@@ -133,14 +136,14 @@ class Estimator:
     def plans(self, seq: int) -> tuple[MemoryPlan, MemoryPlan]:
         cache = self.__dict__.setdefault("_cache", {})
         if seq not in cache:
-            cache[seq] = tuple(llama_plan(self.cfg.replace(n_layers=n), seq, self.sp,
+            cache[seq] = tuple(model_plan(with_layers(self.cfg, n), seq, self.sp,
                                           self.remat, **self._kw()) for n in self.depths)
         return cache[seq]
 
     def phases(self, seq: int) -> dict[str, int]:
         """Device bytes per phase at the phase's peak; ``"host"``: offloaded bytes."""
         one, two = self.plans(seq)
-        n = self.cfg.n_layers - self.depths[0]
+        n = field(self.cfg, "layers") - self.depths[0]
         a, b = _phase_totals(one), _phase_totals(two)
         out = {k: a[k] + n * (b.get(k, 0) - a[k]) for k in a}
         out["host"] = one.host + n * (two.host - one.host)
@@ -223,7 +226,7 @@ def max_seq(est: Estimator, budget: int, *, granularity: int = 1024,
         return 0, None
     plan = None
     if verify:
-        plan = llama_plan(est.cfg, seq, est.sp, est.remat, **est._kw())
+        plan = model_plan(est.cfg, seq, est.sp, est.remat, **est._kw())
     return seq, plan
 
 
@@ -237,9 +240,9 @@ def bytes_per_token_per_layer(cfg, sp: int, remat, *, seq: int = 65536,
 
         bytes_per_token_per_layer(LlamaConfig.llama3_8b(), 8, "none") / 4096   # in units of h
     """
-    one = llama_plan(cfg.replace(n_layers=1), seq, sp, remat, dtype=dtype, optimizer="none",
+    one = model_plan(with_layers(cfg, 1), seq, sp, remat, dtype=dtype, optimizer="none",
                      kernels=kernels)
-    two = llama_plan(cfg.replace(n_layers=2), seq, sp, remat, dtype=dtype, optimizer="none",
+    two = model_plan(with_layers(cfg, 2), seq, sp, remat, dtype=dtype, optimizer="none",
                      kernels=kernels)
     if host:        # what a layer holds on the host (offload)
         return (two.host - one.host) / (seq // sp)

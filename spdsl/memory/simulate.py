@@ -17,12 +17,11 @@ import contextlib
 import math
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.utils._pytree import tree_flatten
 
+from spdsl._torch import FakeTensorMode, fake_store, tree_flatten
+from spdsl.lower.shapes import TensorSpec
 from spdsl.memory.report import MemoryPlan
 from spdsl.memory.tracker import LiveBytes
-from spdsl.remat.shapes import TensorSpec
 
 OPTIMIZERS = ("adamw", "sgd", "none")
 
@@ -43,6 +42,18 @@ def _adamw_update(p: torch.Tensor, m: torch.Tensor, v: torch.Tensor, step: torch
     v.mul_(0.999).addcmul_(g, g, value=0.001)
     denom = (v.sqrt() / 0.5).add_(1e-8)
     p.addcdiv_(m, denom, value=-1e-3)
+
+
+def step_peak(gm: torch.nn.Module, state: list[TensorSpec], inputs: list[TensorSpec],
+              optimizer: str = "adamw") -> int:
+    """Predicted peak bytes per rank of one step: the model ``apply_remat(..., peak=)`` fits a
+    remat budget against.
+
+    Example::
+
+        local = apply_remat(local, Remat(budget="20GiB"), state, ins, peak=step_peak)
+    """
+    return simulate(gm, state, inputs, optimizer=optimizer).peak
 
 
 def simulate(gm: torch.nn.Module, state: list[TensorSpec], inputs: list[TensorSpec], *,
@@ -137,8 +148,7 @@ def planning_group(parts: int):
                              "`python -m spdsl memory` command does)")
         yield dist.group.WORLD.group_name
         return
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=parts)
+    dist.init_process_group("fake", store=fake_store(), rank=0, world_size=parts)
     try:
         yield dist.group.WORLD.group_name
     finally:

@@ -22,13 +22,18 @@ import weakref
 from collections import defaultdict
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
-from torch.utils._pytree import tree_flatten
 
+from spdsl._torch import (
+    FakeTensor,
+    TorchDispatchMode,
+    c10d_functional,
+    is_traceable_wrapper_subclass,
+    tree_flatten,
+)
 from spdsl.memory.workspace import workspace_bytes
 from spdsl.remat.offload import allocating_on_host
 
-_WAIT = torch.ops._c10d_functional.wait_tensor.default
+_WAIT = c10d_functional.wait_tensor.default
 CATEGORIES = ("parameter", "gradient", "optimizer", "input", "activation", "transient")
 
 
@@ -170,5 +175,4 @@ class LiveBytes(TorchDispatchMode):
 
 
 def _faking(t) -> bool:
-    from torch._subclasses.fake_tensor import FakeTensor
     return isinstance(t, FakeTensor)

@@ -30,8 +30,8 @@ import operator
 import os
 
 import torch
-from torch._guards import detect_fake_mode
 
+from spdsl._torch import OpOverload, detect_fake_mode
 from spdsl.propagate.forms import FORM
 from spdsl.propagate.heads import UNREPEATED
 
@@ -59,7 +59,7 @@ def _effect(n: torch.fx.Node) -> bool:
     updates of graph inputs (running statistics) are kept even when nothing reads them; an
     in-place op on a temporary (Falcon's ``scores /= math.sqrt(d)``) is not."""
     t = n.target
-    if not isinstance(t, torch._ops.OpOverload):
+    if not isinstance(t, OpOverload):
         return False
     if torch.Tag.nondeterministic_seeded in t.tags:
         return True
@@ -67,7 +67,7 @@ def _effect(n: torch.fx.Node) -> bool:
         return False
     base = n.args[0] if n.args else None
     while isinstance(base, torch.fx.Node) and base.op == "call_function" and \
-            isinstance(base.target, torch._ops.OpOverload) and base.target.is_view:
+            isinstance(base.target, OpOverload) and base.target.is_view:
         base = base.args[0]
     return not isinstance(base, torch.fx.Node) or base.op != "call_function"
 

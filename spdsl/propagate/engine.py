@@ -26,6 +26,7 @@ from spdsl.propagate.placement import (
     typed_shape,
 )
 from spdsl.propagate.rules import RuleCtx, Strategy
+from spdsl.propagate.rules.dtensor import strategy_from_dtensor
 from spdsl.propagate.source import where
 from spdsl.propagate.viewmap import atoms_through_view
 
@@ -135,7 +136,6 @@ class Propagator:
             self._constraint(node, ins[0])
         rule = _rules.lookup(node.target)
         if rule is None and not all(isinstance(p, Replicate) for p in cur):
-            from spdsl.dtensor_ops import strategy_from_dtensor
             s = strategy_from_dtensor(node, ins, cur, self.parts)
             if s is not None:
                 def rule(_ctx, _s=s):

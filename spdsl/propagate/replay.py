@@ -32,7 +32,8 @@ from torch.fx.experimental.proxy_tensor import (
     get_proxy_slot,
     track_tensor_tree,
 )
-from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from spdsl._torch import OpOverload, tree_flatten, tree_unflatten
 
 # attributes every nn.Module has; anything else in a block's __dict__ is the user's
 _MODULE_KEYS = frozenset(vars(nn.Module())) - {"training"}
@@ -176,7 +177,7 @@ class LayerReplay:
         for n in rec.nodes:
             target = n.target
             hint = graph._target_to_str(target.overloadpacket.__name__) \
-                if isinstance(target, torch._ops.OpOverload) else None
+                if isinstance(target, OpOverload) else None
             # args set after creation: create_node's own scan of them costs as much again
             new = graph.create_node(n.op, target, None, None, hint, n.type)
             new.args = torch.fx.map_arg(n.args, env.__getitem__)

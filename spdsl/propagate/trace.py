@@ -16,20 +16,23 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch._functorch.config as _functorch_config
 import torch.nn.functional as F
-from torch._subclasses.fake_tensor import (
+from torch.fx.experimental.proxy_tensor import get_proxy_mode, make_fx
+from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode, ShapeEnv
+from torch.overrides import TorchFunctionMode
+
+from spdsl._torch import (
     DataDependentOutputException,
     DynamicOutputShapeException,
     FakeTensorMode,
+    disable_current_modes,
+    reparametrize_module,
+    stack_trace_anchor,
+    tree_flatten,
+    tree_unflatten,
+    use_lazy_graph_module,
 )
-from torch.fx._lazy_graph_module import _use_lazy_graph_module
-from torch.fx.experimental.proxy_tensor import get_proxy_mode, make_fx
-from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode, ShapeEnv
-from torch.nn.utils.stateless import _reparametrize_module
-from torch.overrides import TorchFunctionMode
-from torch.utils._pytree import tree_flatten, tree_unflatten
-
+from spdsl._torch import functorch_config as _functorch_config
 from spdsl.errors import ShardingError
 from spdsl.propagate.eager_attention import uncast_attention, unrepeat_kv
 from spdsl.propagate.forms import captured, find_all
@@ -125,10 +128,9 @@ class _HFPackedCheck:
         self.module, self.orig = mu, fn
 
         def check(position_ids):
-            from torch.utils._python_dispatch import _disable_current_modes
             real = _constant_value(position_ids)
             if real is not None:
-                with _disable_current_modes():     # HF's check on the real values
+                with disable_current_modes():     # HF's check on the real values
                     if fn(real) is None:
                         return None
             return fn(position_ids)
@@ -145,7 +147,6 @@ def _constant_value(t: torch.Tensor) -> torch.Tensor | None:
     """The real value of a traced tensor computed from factories alone (no graph input), by
     running the ops that made it on real tensors; None if it depends on an input."""
     from torch.fx.experimental.proxy_tensor import get_proxy_slot
-    from torch.utils._python_dispatch import _disable_current_modes
     mode = get_proxy_mode()
     if mode is None or not isinstance(t, torch.Tensor):
         return None
@@ -166,7 +167,7 @@ def _constant_value(t: torch.Tensor) -> torch.Tensor | None:
     index = {n: i for i, n in enumerate(node.graph.nodes)}
     order.sort(key=index.__getitem__)
     env: dict = {}
-    with _disable_current_modes():                 # real tensors, nothing traced
+    with disable_current_modes():                 # real tensors, nothing traced
         for n in order:
             args, kwargs = torch.fx.node.map_arg((n.args, n.kwargs), env.__getitem__)
             env[n] = n.target(*args, **kwargs)
@@ -254,7 +255,7 @@ def trace(fn: Callable, args: tuple, kwargs: dict) -> Traced:
         a, kw = tree_unflatten(new_leaves, arg_spec)
         with ExitStack() as stack:
             for root, names in zip(roots, per_root):
-                stack.enter_context(_reparametrize_module(
+                stack.enter_context(reparametrize_module(
                     root, {n: st[i] for n, i in names.items()}, tie_weights=True, strict=False))
             stack.enter_context(_KeepAttention())
             stack.enter_context(_HFPackedCheck())
@@ -286,7 +287,7 @@ def trace(fn: Callable, args: tuple, kwargs: dict) -> Traced:
     replay = LayerReplay(roots, names, events, graph_len)
     try:
         # lazy: the graph's Python code (1-2 s for a 70B model) is only generated if it is run
-        with replay.installed(), _use_lazy_graph_module(True):
+        with replay.installed(), use_lazy_graph_module(True):
             gm = make_fx(flat_fn, tracing_mode="fake", record_stack_traces=True,
                          _allow_non_fake_inputs=True)(*_fake_meta(
                              [_plain(t) for t in state] +
@@ -323,10 +324,10 @@ def _data_dependent(e: Exception) -> ShardingError:
 
 def _anchor_user_code(fn: Callable) -> None:
     """make_fx keeps only ``forward`` frames in a node's stack trace; a plain function (and
-    what it wraps) is registered so that its lines are kept too. If the private
-    ``torch.fx.proxy._register_stack_trace_anchor`` moves, plain functions lose their ``at:``
-    lines (modules keep theirs); nothing else changes."""
-    register = getattr(torch.fx.proxy, "_register_stack_trace_anchor", None)
+    what it wraps) is registered so that its lines are kept too (``spdsl._torch``: where the
+    private registration is missing, modules keep their lines and plain functions lose
+    theirs)."""
+    register = stack_trace_anchor()
     seen = set()
     while fn is not None and id(fn) not in seen:
         seen.add(id(fn))

@@ -41,10 +41,11 @@ import weakref
 
 import torch
 from torch.utils import checkpoint as _ckpt
-from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+from spdsl._torch import c10d_functional, is_traceable_wrapper_subclass
 
 _LOCAL = threading.local()
-_WAIT = torch.ops._c10d_functional.wait_tensor.default
+_WAIT = c10d_functional.wait_tensor.default
 
 
 def allocating_on_host() -> bool:

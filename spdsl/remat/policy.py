@@ -19,9 +19,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from torch.utils._pytree import tree_flatten
 from torch.utils.checkpoint import CheckpointPolicy
 
+from spdsl._torch import tree_flatten
 from spdsl.propagate.forms import is_attention_op
 
 aten = torch.ops.aten

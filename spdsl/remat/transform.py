@@ -16,14 +16,15 @@ from __future__ import annotations
 import copy
 import math
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
-from torch.utils._pytree import tree_flatten
 
+from spdsl._torch import tree_flatten
+from spdsl.lower.loss import find_loss, tile_loss
 from spdsl.propagate.placement import Shard, chunk_bounds
 from spdsl.remat.config import Remat
-from spdsl.remat.loss import find_loss, tile_loss
 from spdsl.remat.policy import OpClass, SavePolicy, candidates
 from spdsl.remat.segments import checkpoint_layers
 from spdsl.remat.shapes import TensorSpec, annotate
@@ -61,9 +62,17 @@ def local_specs(entry, args: tuple, kwargs: dict, parts: int, rank: int
     return state, ins
 
 
+# (candidate graph, state specs, input specs, optimizer) -> predicted peak bytes per rank
+PeakModel = Callable[[torch.fx.GraphModule, list[TensorSpec], list[TensorSpec], str], int]
+
 def apply_remat(gm: torch.fx.GraphModule, remat, state: list[TensorSpec],
-                inputs: list[TensorSpec]) -> torch.fx.GraphModule:
+                inputs: list[TensorSpec], *, peak: PeakModel | None = None
+                ) -> torch.fx.GraphModule:
     """The local graph ``gm`` rewritten for ``remat`` (see :class:`Remat`).
+
+    ``peak``: the model a ``budget`` is fitted against, ``peak(candidate, state, inputs,
+    optimizer) -> bytes`` (the memory planner's ``spdsl.memory.simulate.step_peak``; remat
+    searches policies, the layer above it knows what memory they take).
 
     Example::
 
@@ -91,7 +100,10 @@ def apply_remat(gm: torch.fx.GraphModule, remat, state: list[TensorSpec],
         report.saved = [c.name for c in keep]
         out = checkpoint_layers(gm, _policy(r, keep), r.offload)
     else:
-        out = _fit_budget(gm, r, report, classes, state, inputs)
+        if peak is None:
+            raise TypeError(f"{r!r} has a budget: apply_remat needs peak= (the memory "
+                            "planner's spdsl.memory.simulate.step_peak) to fit it")
+        out = _fit_budget(gm, r, report, classes, state, inputs, peak)
     out.spdsl_remat = report
     return out
 
@@ -126,9 +138,9 @@ def _tile(gm, r: Remat, report: RematReport, n_state: int, loss_only: bool) -> N
 
 
 def _fit_budget(gm, r: Remat, report: RematReport, classes: list[OpClass],
-                state: list[TensorSpec], inputs: list[TensorSpec]) -> torch.fx.GraphModule:
+                state: list[TensorSpec], inputs: list[TensorSpec],
+                model: PeakModel) -> torch.fx.GraphModule:
     """Largest prefix of the ranked candidates whose predicted peak fits ``r.budget``."""
-    from spdsl.memory.simulate import simulate  # memory planning sits on top of remat
 
     cands = candidates(classes)
     # attention is never dropped: at long context it is the costliest op to recompute
@@ -140,7 +152,7 @@ def _fit_budget(gm, r: Remat, report: RematReport, classes: list[OpClass],
         return checkpoint_layers(gm, _policy(r, cands[:k]), r.offload)
 
     def peak(k: int) -> int:
-        return simulate(build(k), state, inputs, optimizer=r.optimizer).peak
+        return model(build(k), state, inputs, r.optimizer)
 
     lo, hi = floor, len(cands)
     if r.budget <= 0:                       # budget 0: the leanest auto policy, no search
@@ -158,7 +170,7 @@ def _fit_budget(gm, r: Remat, report: RematReport, classes: list[OpClass],
             if report.tiled_mlp:
                 classes = annotate(gm, state + inputs)
                 return _fit_budget(gm, r.with_(tile_mlp=False), report, classes, state,
-                                   inputs)
+                                   inputs, model)
         warnings.warn(f"remat: even the leanest policy needs {peak(lo)} bytes per rank, "
                       f"over the budget of {r.budget}", stacklevel=3)
     else:

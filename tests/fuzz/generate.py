@@ -5,7 +5,7 @@ run single-device; a draw that fails is dropped and another one drawn. Shapes ar
 dims of *atoms* (named sizes or expressions in them), so a reshape can split or merge the
 sequence with its neighbours and still be written in the sizes. Only ops the propagation engine
 has rules for (``spdsl/propagate/rules/``, or DTensor's strategies through
-``spdsl.dtensor_ops``) are drawn.
+``spdsl.propagate.rules.dtensor``) are drawn.
 """
 
 from __future__ import annotations

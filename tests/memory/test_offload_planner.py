@@ -9,7 +9,7 @@ import torch
 from models.llama import LlamaConfig
 from spdsl.memory.cli import main, state_shards
 from spdsl.memory.report import MemoryPlan
-from spdsl.memory.search import Estimator, bytes_per_token_per_layer, llama_plan
+from spdsl.memory.search import Estimator, bytes_per_token_per_layer, model_plan
 from spdsl.remat import Remat, parse_bytes
 
 pytestmark = pytest.mark.slow
@@ -34,13 +34,13 @@ def test_full_offload_holds_the_layer_inputs_on_the_host():
 def test_host_bytes_are_every_layer_input():
     cfg = LlamaConfig.tiny().replace(n_layers=3)
     seq, sp = 1024, 2
-    plan = llama_plan(cfg, seq, sp, LEAN, dtype=torch.float32)
+    plan = model_plan(cfg, seq, sp, LEAN, dtype=torch.float32)
     assert plan.host == 2 * cfg.dim * (seq // sp) * cfg.n_layers * 2       # fp32 = 2 * 2 bytes
-    kept = llama_plan(cfg, seq, sp, Remat("full", offload=True), dtype=torch.float32)
+    kept = model_plan(cfg, seq, sp, Remat("full", offload=True), dtype=torch.float32)
     h, kv = cfg.dim, cfg.n_kv_heads * cfg.head_dim
     # with the all-to-alls kept, their outputs move too: q, k, v (h + 2 kv) and o (h)
     assert kept.host == 4 * (h + (h + 2 * kv) + h) * (seq // sp) * cfg.n_layers
-    none = llama_plan(cfg, seq, sp, Remat("full"), dtype=torch.float32)
+    none = model_plan(cfg, seq, sp, Remat("full"), dtype=torch.float32)
     assert none.host == 0 and plan.saved_activations < none.saved_activations
 
 
@@ -74,9 +74,9 @@ def test_state_shards_option():
 
 
 def test_cli_offload_and_mesh(capsys):
-    assert main(["--model", "tiny", "--sp", "2", "--dp", "2", "--seq", "1024", "--dtype", "fp32",
-                 "--remat", "full", "--offload", "--recompute-collectives", "--state-shards",
-                 "all", "--kernels", "auto"]) == 0
+    assert main(["--model", "models.llama:LlamaConfig.tiny", "--sp", "2", "--dp", "2",
+                 "--seq", "1024", "--dtype", "fp32", "--remat", "full", "--offload",
+                 "--recompute-collectives", "--state-shards", "all", "--kernels", "auto"]) == 0
     out = capsys.readouterr()
     assert "full+recompute_collectives+offload" in out.out and "host (offloaded)" in out.out
     assert "mesh dp 2 x sp 2" in out.err and "split 4 ways" in out.err
@@ -84,8 +84,8 @@ def test_cli_offload_and_mesh(capsys):
 
 def test_nothing_fits_names_the_options(capsys):
     """Llama-3.1-8B with replicated state does not fit 80 GiB: the CLI says which options do."""
-    assert main(["--model", "llama3_8b", "--sp", "8", "--remat", "full", "--max-seq",
-                 "--no-verify", "--kernels", "auto"]) == 0
+    assert main(["--model", "models.llama:LlamaConfig.llama3_8b", "--sp", "8", "--remat", "full",
+                 "--max-seq", "--no-verify", "--kernels", "auto"]) == 0
     out = capsys.readouterr().out
     assert "longest sequence 0 tokens" in out
     assert "fits" in out and "--state-shards all" in out

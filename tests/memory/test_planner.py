@@ -67,8 +67,8 @@ def test_state_shards(sp4):
 
 
 def test_cli_plans_one_length(capsys):
-    assert main(["--model", "tiny", "--sp", "2", "--seq", "512", "--dtype", "fp32",
-                 "--remat", "full"]) == 0
+    assert main(["--model", "models.llama:LlamaConfig.tiny", "--sp", "2", "--seq", "512",
+                 "--dtype", "fp32", "--remat", "full"]) == 0
     out = capsys.readouterr().out
     assert "remat=full" in out and "peak" in out and "optimizer state" in out
 

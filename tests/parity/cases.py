@@ -4,6 +4,7 @@ weights and batch (fp32)."""
 
 from __future__ import annotations
 
+import collections
 import copy
 import math
 
@@ -419,29 +420,41 @@ def case_collectives(world: int) -> dict:
 
 
 def case_dtensor_native(world: int) -> dict:
-    """A DTensor-authored model: eager (spdsl's Ulysses handler inside DTensor) and traced."""
+    """A DTensor-authored model: eager inside ``spdsl.dtensor_attention()`` (spdsl's Ulysses
+    handler in DTensor's dispatcher; the process group's collectives counted), eager without it
+    (DTensor's own: what ``import spdsl`` leaves in place), and traced."""
     from torch.distributed.tensor import Replicate, Shard, distribute_module, distribute_tensor
 
     from examples.dtensor_native import Block, loss_of
 
     mesh = spdsl.mesh(sp=world)
-    ref, eager = _pair(Block)
-    traced = copy.deepcopy(ref)
+    ref = _pair(Block)[0]
     ids = _ids(1, 16 * world, vocab=128)
     labels = torch.roll(ids, -1, dims=1)
     loss_ref = loss_of(ref(ids), labels)
     loss_ref.backward()
-    eager = distribute_module(eager, mesh)
     d_ids = distribute_tensor(ids, mesh, [Shard(1)])
     d_labels = distribute_tensor(labels, mesh, [Shard(1)])
-    logits = eager(d_ids)
-    loss = loss_of(logits, d_labels).redistribute(mesh, [Replicate()]).to_local()
-    loss.backward()
-    for p in eager.parameters():
-        p.grad = p.grad.full_tensor()
-    out = {"eager": _errs(eager, ref, loss, loss_ref),
-           "placements": repr(logits.placements)}
-    traced = distribute_module(traced, mesh)
+
+    def eager_step():
+        eager = distribute_module(copy.deepcopy(ref), mesh)
+        eager.zero_grad(set_to_none=True)
+        with _pg_calls() as calls:
+            logits = eager(d_ids)
+            loss = loss_of(logits, d_labels).redistribute(mesh, [Replicate()]).to_local()
+            loss.backward()
+        for p in eager.parameters():
+            p.grad = p.grad.full_tensor()
+        return _errs(eager, ref, loss, loss_ref), repr(logits.placements), calls
+
+    out = {}
+    with spdsl.dtensor_attention():
+        out["eager"], out["placements"], out["eager_calls"] = eager_step()
+    try:        # DTensor alone: no strategy for the CPU kernel (raises), or its own (gathers)
+        _, _, out["dtensor_own_calls"] = eager_step()
+    except NotImplementedError as e:
+        out["dtensor_own_calls"] = str(e).splitlines()[0]
+    traced = distribute_module(copy.deepcopy(ref), mesh)
     step = spdsl.shard(lambda i, t: loss_of(traced(i), t), mesh=mesh, in_specs=(None, None),
                        out_specs=P())
     loss2 = step(d_ids, d_labels)
@@ -450,6 +463,23 @@ def case_dtensor_native(world: int) -> dict:
         p.grad = p.grad.full_tensor()
     out["traced"] = _errs(traced, ref, loss2, loss_ref)
     return out
+
+
+class _pg_calls:
+    """The process group's collectives inside the block, by kind (profiler ``c10d::`` events)."""
+
+    def __enter__(self) -> collections.Counter:
+        self.calls = collections.Counter()
+        self.prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
+        self.prof.__enter__()
+        return self.calls
+
+    def __exit__(self, *exc) -> None:
+        self.prof.__exit__(*exc)
+        for e in self.prof.events():
+            if e.name.startswith("c10d::"):
+                name = e.name.removeprefix("c10d::").rstrip("_")
+                self.calls[PG_KINDS.get(name, name)] += 1
 
 
 def case_user_errors(world: int) -> dict:

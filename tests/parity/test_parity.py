@@ -141,6 +141,12 @@ def test_dtensor_native_model_eager_and_traced(results):
     for res in per_rank:
         out = res["dtensor_native"]
         assert out["placements"] == "(Shard(dim=1),)"
+        # inside spdsl.dtensor_attention() attention exchanges by all-to-all (q/k/v and the
+        # output, forward and backward); outside it, DTensor's own handling (on CPU: no
+        # strategy for the kernel at all): import spdsl installs nothing
+        assert out["eager_calls"]["all_to_all"] >= 4, out["eager_calls"]
+        own = out["dtensor_own_calls"]
+        assert isinstance(own, str) or own.get("all_to_all", 0) == 0, own
         for mode in ("eager", "traced"):
             assert out[mode]["missing"] == [] and out[mode]["n_grads"] == 8
             assert out[mode]["loss"] <= LOSS_RTOL, (mode, out[mode])

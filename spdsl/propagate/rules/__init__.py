@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from spdsl._torch import OpOverload
 from spdsl.propagate.placement import Placement
 
 aten = torch.ops.aten
@@ -91,7 +92,7 @@ def lookup(op: Any) -> Rule | None:
     packet = getattr(op, "overloadpacket", None)
     if packet in RULES:
         return RULES[packet]
-    if isinstance(op, torch._ops.OpOverload) and torch.Tag.pointwise in op.tags:
+    if isinstance(op, OpOverload) and torch.Tag.pointwise in op.tags:
         from spdsl.propagate.rules.pointwise import pointwise
         return pointwise
     return None

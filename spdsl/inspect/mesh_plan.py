@@ -19,9 +19,9 @@ import dataclasses
 
 import torch
 
+from spdsl.inspect.plan import Collective, ShardingPlan, build_plan
 from spdsl.propagate.engine import Propagator, nbytes
 from spdsl.propagate.placement import dtype_name
-from spdsl.propagate.plan import Collective, ShardingPlan, build_plan
 
 
 def add_mesh_collectives(plan: ShardingPlan, gm: torch.fx.GraphModule,

@@ -1,8 +1,9 @@
 """The propagated plan: every value's placement and every collective, with where it came from.
 
 Built from the propagation decisions alone (fake tensors, no process group), so a model too
-large for this machine can be planned here. Reading it (tables, JSON, HTML, ``explain``) lives
-in ``spdsl.inspect``; this module only collects the facts.
+large for this machine can be planned here. It reads the decision record
+(``spdsl.propagate.engine.Decision`` and its ``Move``s) and never writes to it; the other
+modules of ``spdsl.inspect`` present what this one collects.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from spdsl._torch import OpOverload
 from spdsl.collectives import window_plan
 from spdsl.propagate.engine import Decision, Propagator, nbytes, tensor_inputs
 from spdsl.propagate.forms import form_of
@@ -188,7 +190,7 @@ def _op_name(node: torch.fx.Node) -> str:
     if node.op == "placeholder":
         return "input"
     return getattr(node.target, "__name__", "") if not isinstance(
-        node.target, torch._ops.OpOverload) else str(node.target)
+        node.target, OpOverload) else str(node.target)
 
 
 def _via(prop: Propagator, node: torch.fx.Node, d: Decision, ins: list[torch.fx.Node]) -> str:
@@ -266,7 +268,7 @@ def build_plan(prop: Propagator, requires: dict[torch.fx.Node, bool],
                out_placements: list, state_reduced: frozenset = frozenset()) -> ShardingPlan:
     """Collect values, collectives (bytes per rank, forward and backward) and attention
     floors from propagation decisions. ``state_reduced``: names of sharded parameters whose
-    gradients are reduce-scattered instead (``spdsl.propagate.mesh_plan``)."""
+    gradients are reduce-scattered instead (``spdsl.inspect.mesh_plan``)."""
     P, axis = prop.parts, prop.axis
     grad = _needs_grad(prop, requires)
     plan = ShardingPlan(axis, P)

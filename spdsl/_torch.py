@@ -1,0 +1,126 @@
+"""The one adapter onto PyTorch's private APIs: every private name spdsl uses is imported here,
+with what breaks if it moves. The rest of spdsl imports them from this module only
+(``tests/test_imports.py`` checks), so a PyTorch upgrade that moves one is fixed in one place.
+Checked against torch 2.13.
+
+==============================  =============================================================
+name                            used for; what breaks if it moves
+==============================  =============================================================
+FakeTensorMode, FakeTensor,     tracing at global shapes without memory (propagate.trace),
+functorch_config,               the remat shape replay, the memory planner: nothing can be
+detect_fake_mode, Data*/        traced or planned; shape errors lose their
+DynamicOutputShapeException     ``[data-dependent ...]`` explanation
+OpOverload                      every rule lookup and kernel match keys on it
+functional_collectives,         the only collectives spdsl issues (traceable by
+c10d_functional                 torch.compile); the gradient bucket's in-place all-reduce and
+                                the wait the memory tracker and offload pass recognise
+reparametrize_module            a module traced with its parameters swapped for fakes:
+                                tracing a module fails at its first parameter
+use_lazy_graph_module           graph modules compiled lazily: planning a 70B-shaped model
+                                recompiles code per layer (slow, not wrong)
+disable_current_modes           HF's constant position ids evaluated on real tensors inside a
+                                trace: HF batches build ``[S, S]`` masks again
+TorchDispatchMode,              the planner's byte counter, the remat shape replay, offload
+is_traceable_wrapper_subclass
+tree_flatten/map/unflatten      arguments, outputs and specs matched leaf by leaf
+dynamo_unsupported()            graph breaks mapped to the user's line (lower.compile)
+profiler_event_kinds()          allocation events of the allocator-side measurement
+fake_store()                    lowering a dp x sp program without a job (memory planner)
+stack_trace_anchor()            a plain function's lines kept in node stack traces: errors in
+                                ``sp_shard(f)`` for a function ``f`` lose their ``at:`` line
+dtensor_op_handlers(),          spdsl's attention handlers for DTensor-authored models
+dtensor_sharding_propagator(),  (spdsl.dtensor_ops) and DTensor's op strategies as a fallback
+dtensor_spec_types()            rule (propagate.rules.dtensor): eager DTensor attention gathers
+                                instead of exchanging; ops without an spdsl rule stop
+                                propagating split placements
+==============================  =============================================================
+"""
+
+from __future__ import annotations
+
+import torch
+import torch._functorch.config as functorch_config
+import torch.distributed._functional_collectives as functional_collectives
+from torch._guards import detect_fake_mode
+from torch._ops import OpOverload
+from torch._subclasses.fake_tensor import (
+    DataDependentOutputException,
+    DynamicOutputShapeException,
+    FakeTensor,
+    FakeTensorMode,
+)
+from torch.fx._lazy_graph_module import _use_lazy_graph_module as use_lazy_graph_module
+from torch.nn.utils.stateless import _reparametrize_module as reparametrize_module
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
+from torch.utils._python_dispatch import _disable_current_modes as disable_current_modes
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
+
+c10d_functional = torch.ops._c10d_functional
+
+
+def dynamo_unsupported() -> type[Exception]:
+    """The exception a graph break raises under ``fullgraph=True``."""
+    import torch._dynamo.exc
+    return torch._dynamo.exc.Unsupported
+
+
+def profiler_event_kinds():
+    """Kinds of the profiler's event tree (``Allocation`` among them)."""
+    return torch._C._profiler._EventType
+
+
+def stack_trace_anchor():
+    """``torch.fx.proxy._register_stack_trace_anchor``, or None where it does not exist."""
+    return getattr(torch.fx.proxy, "_register_stack_trace_anchor", None)
+
+
+def fake_store():
+    """A store for a process group that never communicates."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+    return FakeStore()
+
+
+def dtensor_op_handlers() -> dict:
+    """DTensor's table of op -> handler that replaces its sharding propagation for an op."""
+    from torch.distributed.tensor import DTensor
+    return DTensor._op_dispatcher._custom_op_handlers
+
+
+def dtensor_sharding_propagator():
+    from torch.distributed.tensor import DTensor
+    return DTensor._op_dispatcher.sharding_propagator
+
+
+def dtensor_spec_types():
+    """(DTensorSpec, TensorMeta, OpSchema): what DTensor's propagator takes and returns."""
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+    from torch.distributed.tensor._op_schema import OpSchema
+    return DTensorSpec, TensorMeta, OpSchema
+
+
+__all__ = [
+    "DataDependentOutputException",
+    "DynamicOutputShapeException",
+    "FakeTensor",
+    "FakeTensorMode",
+    "OpOverload",
+    "TorchDispatchMode",
+    "c10d_functional",
+    "detect_fake_mode",
+    "disable_current_modes",
+    "dtensor_op_handlers",
+    "dtensor_sharding_propagator",
+    "dtensor_spec_types",
+    "dynamo_unsupported",
+    "fake_store",
+    "functional_collectives",
+    "functorch_config",
+    "is_traceable_wrapper_subclass",
+    "profiler_event_kinds",
+    "reparametrize_module",
+    "stack_trace_anchor",
+    "tree_flatten",
+    "tree_map",
+    "tree_unflatten",
+    "use_lazy_graph_module",
+]

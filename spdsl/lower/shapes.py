@@ -1,0 +1,84 @@
+"""Local shapes of a lowered graph from one fake forward pass.
+
+The lowering writes local graphs without shape metadata; kernel swaps, remat and the memory
+planner need it (how many tokens this rank holds, how large each value is). One forward on
+fake tensors under ``no_grad`` fills ``node.meta["val"]``. Collectives run their fake kernels:
+nothing is sent.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from spdsl._torch import FakeTensorMode
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """Shape, dtype, device and grad flag of a graph input: enough to fake it.
+
+    Example::
+
+        spec = TensorSpec.of(torch.zeros(2, 3))
+        with FakeTensorMode():
+            t = spec.fake()
+    """
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    device: str = "cpu"
+    requires_grad: bool = False
+
+    @staticmethod
+    def of(t: torch.Tensor, shape=None) -> TensorSpec:
+        from torch.distributed.tensor import DTensor
+        if isinstance(t, DTensor):
+            t = t.to_local()
+        dev = t.device.type if t.device.type != "meta" else "cpu"
+        return TensorSpec(tuple(shape if shape is not None else t.shape), t.dtype, dev,
+                          t.requires_grad)
+
+    def fake(self) -> torch.Tensor:
+        """A fake tensor; call inside a ``FakeTensorMode``."""
+        t = torch.empty(self.shape, dtype=self.dtype, device=self.device)
+        return t.requires_grad_(self.requires_grad) if self.dtype.is_floating_point else t
+
+    @property
+    def nbytes(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n * self.dtype.itemsize
+
+
+class _Fill(torch.fx.Interpreter):
+    def __init__(self, gm, before: Callable[[torch.fx.Node], None] | None) -> None:
+        super().__init__(gm)
+        self.before = before
+
+    def run_node(self, n):
+        if self.before is not None:
+            self.before(n)
+        out = super().run_node(n)
+        n.meta["val"] = out
+        return out
+
+
+def fill_shapes(gm: torch.fx.GraphModule, specs: list[TensorSpec], mode=None,
+                before: Callable[[torch.fx.Node], None] | None = None) -> None:
+    """Fill ``meta["val"]`` (fake) on every node of ``gm`` run on fakes of ``specs``; ``mode``
+    (a dispatch mode) sees every op, ``before(node)`` is called as each node starts.
+
+    Example::
+
+        fill_shapes(local_gm, state_specs + input_specs)
+        [n.meta["val"].shape for n in local_gm.graph.nodes if n.op == "call_function"]
+    """
+    import contextlib
+    with FakeTensorMode(allow_non_fake_inputs=True), torch.no_grad():
+        args = [s.fake() for s in specs]
+        with mode if mode is not None else contextlib.nullcontext():
+            _Fill(gm, before).run(*args)

@@ -1,0 +1,118 @@
+"""Imports go one way: each layer imports only layers below it (at module level and inside
+functions alike); private PyTorch names only through ``spdsl._torch``; no example ``models``;
+``import spdsl`` changes nothing in PyTorch."""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+import re
+import subprocess
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent / "spdsl"
+
+# low -> high; a module may import its own layer's package and any layer below
+LAYERS = [
+    {"_torch", "errors", "modelspec"},
+    {"kernels", "state", "checkpoint"},
+    {"propagate"},
+    {"collectives"},
+    {"lower", "dtensor_ops"},
+    {"remat"},
+    {"memory", "inspect"},
+    {"annotate"},
+    {"__init__", "__main__"},
+]
+LAYER = {unit: i for i, units in enumerate(LAYERS) for unit in units}
+
+
+def _unit(path: pathlib.Path) -> str:
+    rel = path.relative_to(ROOT).parts
+    return rel[0].removesuffix(".py")
+
+
+def _imports(path: pathlib.Path):
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            yield node.lineno, node.module, [a.name for a in node.names]
+        elif isinstance(node, ast.Import):
+            for a in node.names:
+                yield node.lineno, a.name, []
+
+
+def _files():
+    return sorted(ROOT.rglob("*.py"))
+
+
+def _spdsl_unit(module: str, names: list[str]) -> list[str]:
+    parts = module.split(".")
+    if parts[0] != "spdsl":
+        return []
+    if len(parts) > 1:
+        return [parts[1]]
+    return names                      # ``from spdsl import collectives as C``
+
+
+def test_every_module_belongs_to_a_layer():
+    assert {_unit(f) for f in _files()} <= set(LAYER), {_unit(f) for f in _files()} - set(LAYER)
+
+
+def test_layers_import_downward_only():
+    bad = []
+    for f in _files():
+        src = _unit(f)
+        for line, module, names in _imports(f):
+            for dst in _spdsl_unit(module, names):
+                if dst in LAYER and dst != src and LAYER[dst] >= LAYER[src]:
+                    bad.append(f"{f.relative_to(ROOT.parent)}:{line}: {src} (layer "
+                               f"{LAYER[src]}) imports {dst} (layer {LAYER[dst]})")
+    assert not bad, "\n".join(bad)
+
+
+def test_the_library_never_imports_the_example_models():
+    bad = [f"{f.relative_to(ROOT.parent)}:{line}: {module}" for f in _files()
+           for line, module, _ in _imports(f) if module.split(".")[0] == "models"]
+    assert not bad, "\n".join(bad)
+
+
+_PRIVATE_MODULE = re.compile(r"^torch(\.\w+)*\._")
+_PRIVATE_ATTR = re.compile(r"\btorch(\.[a-zA-Z]\w*)*\._[a-zA-Z]\w*")
+
+
+def test_private_torch_apis_only_in_the_adapter():
+    bad = []
+    for f in _files():
+        if f.name == "_torch.py":
+            continue
+        for line, module, names in _imports(f):
+            if module.startswith("torch") and (_PRIVATE_MODULE.match(module) or
+                                               any(n.startswith("_") for n in names)):
+                bad.append(f"{f.relative_to(ROOT.parent)}:{line}: from {module} import {names}")
+        code = ast.parse(f.read_text())
+        for node in ast.walk(code):
+            if isinstance(node, ast.Attribute):
+                text = ast.unparse(node)
+                # torch.ops.aten._to_copy and friends are operator names, not private APIs
+                if text.startswith("torch.ops."):
+                    continue
+                if _PRIVATE_ATTR.fullmatch(text):
+                    bad.append(f"{f.relative_to(ROOT.parent)}:{node.lineno}: {text}")
+    assert not bad, "\n".join(sorted(set(bad)))
+
+
+def test_import_spdsl_changes_nothing_in_pytorch():
+    probe = (
+        "from torch.distributed.tensor import DTensor\n"
+        "before = dict(DTensor._op_dispatcher._custom_op_handlers)\n"
+        "import spdsl\n"
+        "after = dict(DTensor._op_dispatcher._custom_op_handlers)\n"
+        "assert before == after, sorted(set(map(str, after)) - set(map(str, before)))\n"
+        "with spdsl.dtensor_attention():\n"
+        "    inside = dict(DTensor._op_dispatcher._custom_op_handlers)\n"
+        "assert inside != before\n"
+        "assert dict(DTensor._op_dispatcher._custom_op_handlers) == before\n"
+    )
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=False,
+                         cwd=ROOT.parent)
+    assert out.returncode == 0, out.stderr

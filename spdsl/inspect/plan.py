@@ -20,6 +20,7 @@ from spdsl.collectives import window_plan
 from spdsl.propagate.engine import Decision, Propagator, nbytes, tensor_inputs
 from spdsl.propagate.forms import form_of
 from spdsl.propagate.heads import kv_repeat
+from spdsl.propagate.moves import Move
 from spdsl.propagate.placement import Partial, Replicate, Shard, typed_shape
 from spdsl.propagate.source import module_of, source_of
 
@@ -323,7 +324,7 @@ def build_plan(prop: Propagator, requires: dict[torch.fx.Node, bool],
                 marked.add(key)
                 add("all_reduce", 0, nbytes(a.meta["val"]), "gradient", node, [prop.typed(a)])
         _lowering_collectives(prop, node, d, ins, val, grad, add)
-    _output_collectives(prop, plan, out_placements, add)
+    _output_collectives(prop, plan, out_placements, add, grad)
     return plan
 
 
@@ -365,15 +366,16 @@ def _lowering_collectives(prop, node, d, ins, val, grad, add) -> None:
                 node, [prop.typed(ins[0])])
 
 
-def _output_collectives(prop: Propagator, plan: ShardingPlan, out_placements: list, add) -> None:
+def _output_collectives(prop: Propagator, plan: ShardingPlan, out_placements: list, add,
+                        grad: dict) -> None:
+    """What each output's redistribution to its out_spec runs: the same ``Move`` the lowering
+    executes (``Lowering._output`` -> ``_move``)."""
     out_node = next(n for n in prop.gm.graph.nodes if n.op == "output")
     for o, want in zip(out_node.args[0], out_placements):
         if isinstance(o, torch.fx.Node) and isinstance(o.meta.get("val"), torch.Tensor):
-            have = prop.placement(o)
+            have, val = prop.placement(o), o.meta["val"]
             plan.outputs.append((o.name, repr(want)))
-            if isinstance(have, Partial):
-                add("all_reduce", nbytes(o.meta["val"]), 0, "loss" if o.meta["val"].dim() == 0
-                    else "output", o, [prop.typed(o)])
-            elif have != want and isinstance(have, Shard):
-                add("all_gather", nbytes(o.meta["val"]) // prop.parts, 0, "output", o,
-                    [prop.typed(o)])
+            purpose = "loss" if isinstance(have, Partial) and val.dim() == 0 else "output"
+            for kind, b, b_bwd in Move(have, want, nbytes(val), prop.parts).collectives(
+                    grad.get(o, False)):
+                add(kind, b, b_bwd, purpose, o, [prop.typed(o)])

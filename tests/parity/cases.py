@@ -65,15 +65,17 @@ PG_KINDS = {"alltoall_base": "all_to_all", "allreduce": "all_reduce",
 ITEMSIZE = {"f32": 4, "f64": 8, "bf16": 2, "f16": 2, "i64": 8, "i32": 4, "bool": 1}
 
 
-def ran_and_planned(step, model, args) -> tuple[list, list]:
+def ran_and_planned(step, model, args, loss_of=None) -> tuple[list, list]:
     """The collectives one training step really ran, from the profiler's process-group events
     (``c10d::*``, each followed by the gloo backend's record with its input shape): ``(kind,
     elements)`` per call; and the plan's list: ``(kind, purpose, elements forward, elements
-    backward)`` per collective."""
+    backward)`` per collective. ``loss_of(outputs)``: the scalar to differentiate, when the
+    step does not return one."""
     model.zero_grad(set_to_none=True)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
                                 record_shapes=True) as prof:
-        step(*args).backward()
+        out = step(*args)
+        (out if loss_of is None else loss_of(out)).backward()
     ran, pending = [], None
     for e in prof.events():
         if e.name.startswith("c10d::"):
@@ -210,6 +212,26 @@ class PartialToShard(nn.Module):
         return (y * y).sum()
 
 
+class OutputReshard(nn.Module):
+    """Outputs redistributed to their out_specs: a sequence-split value returned split on its
+    features (an all-to-all, and one back in backward) and a sum over the sequence (a partial
+    sum) returned split on its features (a reduce-scatter, an all-gather back)."""
+
+    def __init__(self, dim: int = 8) -> None:
+        super().__init__()
+        self.w = nn.Linear(dim, dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        y = self.w(x)
+        return y, y.sum(1)
+
+
+def _squares(outs) -> torch.Tensor:
+    """sum of squares of every output; of DTensors, of this rank's piece (the pieces add up)"""
+    from torch.distributed.tensor import DTensor
+    return sum((o.to_local() if isinstance(o, DTensor) else o).pow(2).sum() for o in outs)
+
+
 class InputGradient(nn.Module):
     """A float input the caller wants the gradient of (the global tensor's whole gradient)."""
 
@@ -226,6 +248,28 @@ def case_partial_to_shard(world: int) -> dict:
     g = torch.Generator().manual_seed(7)
     x = torch.randn(2, 4 * world, 4 * world, generator=g)
     return _run(lambda: PartialToShard(4 * world), (x,), world)
+
+
+def case_output_reshard(world: int) -> dict:
+    import torch.distributed as dist
+
+    g = torch.Generator().manual_seed(9)
+    x = torch.randn(2, 4 * world, 4 * world, generator=g)
+    ref, model = _pair(lambda: OutputReshard(4 * world))
+    loss_ref = _squares(ref(x))
+    loss_ref.backward()
+    step = spdsl.shard(model, mesh=spdsl.mesh(sp=world), in_specs=(P(None, "sp", None),),
+                       out_specs=(P(None, None, "sp"), P(None, "sp")))
+    outs = step(x)
+    out = {"placements": [repr(o.placements) for o in outs]}
+    local = _squares(outs)
+    local.backward()
+    loss = local.detach().clone()
+    dist.all_reduce(loss)                # the rank pieces' sum: the global sum of squares
+    out.update(_errs(model, ref, loss, loss_ref))
+    if world > 1:
+        out["ran"], out["planned"] = ran_and_planned(step, model, (x,), _squares)
+    return out
 
 
 def case_input_gradient(world: int) -> dict:

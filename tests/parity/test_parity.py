@@ -17,7 +17,7 @@ GRAD_RTOL = 1e-4
 TRAINING = ["llama", "llama_gqa_kv1", "llama_tied", "gpt2_eager_softmax", "einops_bool_tril",
             "meanpool", "einsum_user_model", "shard_specs", "dtensor_rule_ops",
             "forward_replaced", "repeat_kv", "partial_to_shard", "input_gradient",
-            "flash_kernel", "upcast_attention"]
+            "flash_kernel", "upcast_attention", "output_reshard"]
 
 
 @pytest.fixture(scope="module", params=[1, 2, 4], ids=lambda w: f"sp{w}")

@@ -22,7 +22,7 @@ from spdsl.lower.factories import VAL as REPLICATED_VAL
 from spdsl.lower.factories import split_factories
 from spdsl.propagate.eager_attention import COMPUTE_DTYPE, OUT_DTYPE
 from spdsl.propagate.engine import Propagator, tensor_inputs
-from spdsl.propagate.forms import form_of
+from spdsl.propagate.forms import FORM, form_of
 from spdsl.propagate.moves import kind_of
 from spdsl.propagate.placement import (
     REPLICATE,
@@ -349,9 +349,11 @@ class Lowering:
         if low == "ulysses":
             a = list(args) + [None] * (8 - len(args))
             q, k, v, mask, dropout_p, is_causal, scale, gqa = a[:8]
-            return self.graph.call_function(
+            out = self.graph.call_function(
                 ops.ulysses_attention, (q, k, v, mask, dropout_p or 0.0, bool(is_causal), scale,
                                         bool(gqa), P, r, g), written_out(node))
+            out.meta[FORM] = form_of(node).name      # for the kernel pass
+            return out
         if low == "nll_mean":
             two_d = node.target.overloadpacket is aten.nll_loss2d_forward
             return self.call(ops.nll_mean, args[0], args[1], args[2], args[4], g, two_d)
@@ -380,8 +382,10 @@ class Lowering:
             lo, hi = chunk_bounds(src.shape[dim], P, r)
             return self.call(ops.select_owner, args[0], dim, index, lo, hi)
         if node.target is torch.ops.spdsl.attention.default:    # replicated attention
-            return self.graph.call_function(ops.local_attention, args,
-                                            {**kwargs, **written_out(node)})
+            out = self.graph.call_function(ops.local_attention, args,
+                                           {**kwargs, **written_out(node)})
+            out.meta[FORM] = form_of(node).name
+            return out
         return self.graph.call_function(node.target, args, kwargs)
 
 

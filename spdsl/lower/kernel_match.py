@@ -24,6 +24,7 @@ from spdsl import kernels as K
 from spdsl._torch import OpOverload
 from spdsl.lower import ops
 from spdsl.lower.loss import find_loss, tile_loss, tiled_nll, tiled_nll_mean
+from spdsl.propagate.forms import FORM, FORMS
 
 aten = torch.ops.aten
 Node = torch.fx.Node
@@ -103,16 +104,23 @@ def _erase_dead(g: torch.fx.Graph, nodes: list[Node]) -> None:
 
 # -- attention ---------------------------------------------------------------------------------
 def match_attention(g: torch.fx.Graph, n: Node) -> Match | None:
-    """SDPA inside ``ulysses_attention``/``local_attention`` without mask or dropout."""
+    """The local attention of ``ulysses_attention``/``local_attention``, where its form
+    (``spdsl.propagate.forms``) names a kernel and allows this call (``kernel_ok``)."""
     if not _is(n, ops.ulysses_attention, ops.local_attention) or n.kwargs.get("kernel"):
+        return None
+    form = FORMS[n.meta.get(FORM, "sdpa")]
+    if form.kernel is None or form.runs_kernel:
         return None
     a = list(n.args) + [None] * (5 - len(n.args))
     mask = n.kwargs.get("mask", n.kwargs.get("attn_mask", a[3]))
     dropout = n.kwargs.get("dropout_p", a[4]) or 0.0
-    if mask is not None or dropout != 0.0:
-        return None         # flash_attn has causal and segment masks only, and no dropout
+    if form.kernel_ok is not None and not form.kernel_ok(mask, dropout):
+        return None
+    if form.kernel != "flash_attn":
+        raise NotImplementedError(f"attention form {form.name!r} names kernel "
+                                  f"{form.kernel!r}; the kernel pass runs flash_attn only")
     n.kwargs = {**n.kwargs, "kernel": True}
-    return Match("flash_attn", n, ["scaled_dot_product_attention"])
+    return Match(form.kernel, n, [form.name])
 
 
 # -- RMSNorm -----------------------------------------------------------------------------------

@@ -31,7 +31,7 @@ import torch
 
 from spdsl._torch import c10d_functional
 from spdsl._torch import functional_collectives as fc
-from spdsl.propagate.placement import chunk_bounds
+from spdsl.propagate.placement import chunk_bounds, window_plan
 
 # torch 2.13 renamed these (the old names warn on every call); older releases have only those
 _ALL_GATHER = getattr(fc, "all_gather_single", None) or fc.all_gather_tensor
@@ -339,20 +339,6 @@ def gather(x: torch.Tensor, split: tuple, parts: int, rank: int, group: str) -> 
 def take(x: torch.Tensor, split: tuple, parts: int, rank: int, group: str) -> torch.Tensor:
     """Replicate -> Shard: this rank's chunk, for free."""
     return _Take.apply(x, split, parts, rank, group)
-
-
-def window_plan(size_in: int, start: int, n_out: int, parts: int):
-    """For re-chunking ``x[start:start+n_out]`` of a dim split ``torch.chunk``-style: per rank
-    the list of rows it sends to each rank (global positions), or None when every rank already
-    holds what it needs (a trailing trim)."""
-    own = [chunk_bounds(size_in, parts, r) for r in range(parts)]
-    need = [tuple(start + b for b in chunk_bounds(n_out, parts, r)) for r in range(parts)]
-    if all(own[r][0] <= need[r][0] and need[r][1] <= own[r][1] or need[r][0] == need[r][1]
-           for r in range(parts)):
-        return None
-    sends = [[(max(own[s][0], need[q][0]), min(own[s][1], need[q][1])) for q in range(parts)]
-             for s in range(parts)]
-    return own, sends
 
 
 class _Window(torch.autograd.Function):

@@ -16,7 +16,6 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from spdsl._torch import OpOverload
-from spdsl.collectives import window_plan
 from spdsl.propagate.engine import Decision, Propagator, nbytes, tensor_inputs
 from spdsl.propagate.forms import form_of
 from spdsl.propagate.heads import kv_repeat
@@ -323,7 +322,9 @@ def build_plan(prop: Propagator, requires: dict[torch.fx.Node, bool],
                     _root(a).name not in state_reduced:
                 marked.add(key)
                 add("all_reduce", 0, nbytes(a.meta["val"]), "gradient", node, [prop.typed(a)])
-        _lowering_collectives(prop, node, d, ins, val, grad, add)
+        for c in d.issued:
+            for kind, b, b_bwd in c.collectives(grad.get(node, False)):
+                add(kind, b, b_bwd, c.purpose, node, list(c.values))
     _output_collectives(prop, plan, out_placements, add, grad)
     return plan
 
@@ -334,36 +335,6 @@ def _root(a: torch.fx.Node) -> torch.fx.Node:
     while b.op == "call_function" and len(b.all_input_nodes) == 1:
         b = b.all_input_nodes[0]
     return b if b.op == "placeholder" else a
-
-
-def _lowering_collectives(prop, node, d, ins, val, grad, add) -> None:
-    P, low = prop.parts, d.strategy.lowering
-    if low == "ulysses":
-        q, k, v = (ins[j].meta["val"] for j in range(3))
-        rep = kv_repeat(q.shape[1], k.shape[1], P)
-        kv = (nbytes(k) + nbytes(v)) * rep
-        g = grad.get(node, False)
-        qkv = (nbytes(q) + kv) // P
-        kv_note = f" repeated x{rep}" if rep > 1 else ""     # kv heads fewer than P
-        add("all_to_all", qkv, qkv if g else 0, "ulysses", node,
-            [prop.typed(ins[0])] + [prop.typed(ins[j]) + kv_note for j in (1, 2)])
-        o = nbytes(val) // P
-        add("all_to_all", o, o if g else 0, "ulysses", node, [prop.typed(node)])
-    elif low == "nll_mean":
-        add("all_reduce", 2 * ins[0].meta["val"].element_size(), 0, "loss", node,
-            [typed_shape((2,), ins[0].meta["val"].dtype, Partial(), prop.axis)])
-    elif low == "slice_window":
-        a = ins[0].meta["val"]
-        dim = node.args[1] % a.dim()
-        start = node.args[2] or 0
-        wp = window_plan(a.shape[dim], start, val.shape[dim], P)
-        if wp is not None:
-            row = nbytes(a) // a.shape[dim]
-            _own, sends = wp
-            sent = max(sum(max(0, b - lo) for q, (lo, b) in enumerate(sends[r]) if q != r)
-                       for r in range(P))
-            add("halo_exchange", sent * row, sent * row if grad.get(node) else 0, "halo",
-                node, [prop.typed(ins[0])])
 
 
 def _output_collectives(prop: Propagator, plan: ShardingPlan, out_placements: list, add,

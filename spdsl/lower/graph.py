@@ -23,6 +23,7 @@ from spdsl.lower.factories import split_factories
 from spdsl.propagate.eager_attention import COMPUTE_DTYPE, OUT_DTYPE
 from spdsl.propagate.engine import Propagator, tensor_inputs
 from spdsl.propagate.forms import FORM, form_of
+from spdsl.propagate.issued import slice_window
 from spdsl.propagate.moves import kind_of
 from spdsl.propagate.placement import (
     REPLICATE,
@@ -319,7 +320,6 @@ class Lowering:
         low = d.strategy.lowering
         if self.parts == 1 and low not in ("view", "constraint", "ulysses"):
             low = None
-        meta = node.meta["val"]
         P, r, g = self.parts, self.rank, self.group
         dd = self.data.prop.decisions.get(node) if self.data is not None else None
         dlow = dd.strategy.lowering if dd is not None else None
@@ -368,13 +368,10 @@ class Lowering:
         if low == "loss_mean":
             count = node.args[0].meta["val"].numel()
             return self.call(ops.loss_mean, node.target, tuple(args), count)
-        if low == "slice_window":
-            src = node.args[0].meta["val"]
-            dim = node.args[1] % src.dim()
-            start = node.args[2] if len(node.args) > 2 and node.args[2] is not None else 0
-            start = max(0, start + src.shape[dim]) if start < 0 else min(start, src.shape[dim])
-            return self.call(C.window, args[0], dim, src.shape[dim], start, meta.shape[dim], P, r,
-                             g)
+        if low == "slice_window":           # the halo exchange d.issued lists
+            dim, start, n = slice_window(node)
+            return self.call(C.window, args[0], dim, node.args[0].meta["val"].shape[dim], start,
+                             n, P, r, g)
         if low == "select_owner":
             src = node.args[0].meta["val"]
             dim = node.args[1] % src.dim()

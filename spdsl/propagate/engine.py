@@ -18,6 +18,7 @@ import torch
 
 from spdsl.errors import ShardingError
 from spdsl.propagate import rules as _rules
+from spdsl.propagate.issued import Issued, issued
 from spdsl.propagate.moves import Move, fused
 from spdsl.propagate.placement import (
     REPLICATE,
@@ -46,6 +47,7 @@ class Decision:
     strategy: Strategy
     redistribute: dict[int, tuple[Placement, Placement]] = field(default_factory=dict)
     moves: dict[int, Move] = field(default_factory=dict)     # the same, with kinds and bytes
+    issued: tuple[Issued, ...] = ()         # collectives its named lowering issues itself
     fused: tuple[int, ...] = ()             # inputs moved by one shared all-to-all
     grad_reduce: list[int] = field(default_factory=list)   # inputs whose grads are partial
     origin: str = ""
@@ -177,6 +179,7 @@ class Propagator:
             d.grad_reduce = [i for i, r in enumerate(best.inputs) if isinstance(r, Replicate)]
         d.origin = best.rule
         self.decisions[node] = d
+        d.issued = issued(self, node, best.lowering, ins)
         self._atoms(node, ins)
 
     def _atoms(self, node: torch.fx.Node, ins: list[torch.fx.Node]) -> None:

@@ -58,6 +58,31 @@ def chunk_bounds(size: int, parts: int, rank: int) -> tuple[int, int]:
     return start, min(start + c, size)
 
 
+def window_plan(size_in: int, start: int, n_out: int, parts: int):
+    """For re-chunking ``x[start:start+n_out]`` of a dim split ``torch.chunk``-style: per rank
+    the list of rows it sends to each rank (global positions), or None when every rank already
+    holds what it needs (a trailing trim)."""
+    own = [chunk_bounds(size_in, parts, r) for r in range(parts)]
+    need = [tuple(start + b for b in chunk_bounds(n_out, parts, r)) for r in range(parts)]
+    if all(own[r][0] <= need[r][0] and need[r][1] <= own[r][1] or need[r][0] == need[r][1]
+           for r in range(parts)):
+        return None
+    sends = [[(max(own[s][0], need[q][0]), min(own[s][1], need[q][1])) for q in range(parts)]
+             for s in range(parts)]
+    return own, sends
+
+
+def halo_rows(size_in: int, start: int, n_out: int, parts: int) -> int:
+    """Rows the busiest rank sends to others to re-chunk ``x[start:start+n_out]`` of a dim of
+    ``size_in`` split over ``parts`` (0: each already holds what it needs)."""
+    wp = window_plan(size_in, start, n_out, parts)
+    if wp is None:
+        return 0
+    _own, sends = wp
+    return max(sum(max(0, b - lo) for q, (lo, b) in enumerate(sends[r]) if q != r)
+               for r in range(parts))
+
+
 def local_shape(shape: Sequence[int], p: Placement, parts: int, rank: int) -> list[int]:
     out = list(shape)
     if isinstance(p, Shard):

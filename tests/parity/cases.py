@@ -212,6 +212,19 @@ class PartialToShard(nn.Module):
         return (y * y).sum()
 
 
+class TailSlice(nn.Module):
+    """A slice of the split sequence taken from its end (``h[:, -(S - 2):]``): a halo exchange
+    of rows between ranks, forward and back."""
+
+    def __init__(self, dim: int = 8) -> None:
+        super().__init__()
+        self.w = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.w(x)
+        return h[:, -(x.shape[1] - 2):].pow(2).mean()
+
+
 class OutputReshard(nn.Module):
     """Outputs redistributed to their out_specs: a sequence-split value returned split on its
     features (an all-to-all, and one back in backward) and a sum over the sequence (a partial
@@ -248,6 +261,11 @@ def case_partial_to_shard(world: int) -> dict:
     g = torch.Generator().manual_seed(7)
     x = torch.randn(2, 4 * world, 4 * world, generator=g)
     return _run(lambda: PartialToShard(4 * world), (x,), world)
+
+
+def case_tail_slice(world: int) -> dict:
+    g = torch.Generator().manual_seed(10)
+    return _run(lambda: TailSlice(8), (torch.randn(2, 4 * world, 8, generator=g),), world)
 
 
 def case_output_reshard(world: int) -> dict:

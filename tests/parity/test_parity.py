@@ -17,7 +17,7 @@ GRAD_RTOL = 1e-4
 TRAINING = ["llama", "llama_gqa_kv1", "llama_tied", "gpt2_eager_softmax", "einops_bool_tril",
             "meanpool", "einsum_user_model", "shard_specs", "dtensor_rule_ops",
             "forward_replaced", "repeat_kv", "partial_to_shard", "input_gradient",
-            "flash_kernel", "upcast_attention", "output_reshard"]
+            "flash_kernel", "upcast_attention", "output_reshard", "tail_slice"]
 
 
 @pytest.fixture(scope="module", params=[1, 2, 4], ids=lambda w: f"sp{w}")
@@ -50,7 +50,8 @@ def test_loss_and_every_gradient(results, name):
 # cases trained through one sp_shard step whose collectives are also counted (tests.parity.cases._run)
 COUNTED = ["llama", "llama_gqa_kv1", "llama_tied", "gpt2_eager_softmax", "einops_bool_tril",
            "meanpool", "einsum_user_model", "dtensor_rule_ops", "repeat_kv", "partial_to_shard",
-           "input_gradient", "flash_kernel", "upcast_attention"]
+           "input_gradient", "flash_kernel", "upcast_attention", "output_reshard",
+           "tail_slice"]
 
 
 def plan_vs_run(ran: list, planned: list) -> list[str]:

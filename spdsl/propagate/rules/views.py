@@ -5,7 +5,8 @@ owner contributes, the others add zeros)."""
 
 from __future__ import annotations
 
-from spdsl.propagate.placement import PARTIAL, REPLICATE, Partial, Shard
+from spdsl.propagate.issued import slice_window
+from spdsl.propagate.placement import PARTIAL, REPLICATE, Partial, Shard, halo_rows
 from spdsl.propagate.rules import RuleCtx, Strategy, aten, rule
 from spdsl.propagate.viewmap import map_shard
 
@@ -97,18 +98,13 @@ def slice_(ctx: RuleCtx) -> list[Strategy]:
     step = ctx.node.args[4] if len(ctx.node.args) > 4 else 1
     n = ctx.out.shape[dim]
     if step == 1 and p.outer == 1 and p.inner(shape) == 1:
-        start = ctx.node.args[2] if len(ctx.node.args) > 2 and ctx.node.args[2] is not None else 0
-        start = max(0, start + shape[dim]) if start < 0 else min(start, shape[dim])
-        halo = _halo_elems(shape, dim, start, n, ctx.parts, ctx.meta(0))
+        _, start, _ = slice_window(ctx.node)
+        row = ctx.meta(0).numel() // max(1, shape[dim]) * ctx.meta(0).element_size()
+        halo = float(halo_rows(shape[dim], start, n, ctx.parts) * row)   # what the plan lists
         return [Strategy((p,), Shard(dim, 1, n), "slice_window", "slice.window",
                          extra_cost=halo),
                 _replicated(ctx, "slice")]
     return [_replicated(ctx, "slice")]
-
-
-def _halo_elems(shape, dim: int, start: int, n: int, parts: int, meta) -> float:
-    row = meta.numel() // max(1, shape[dim])
-    return float(min(start, n) * row * meta.element_size())
 
 
 @rule(aten.select, name="select")

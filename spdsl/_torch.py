@@ -11,6 +11,8 @@ functorch_config,               the remat shape replay, the memory planner: noth
 detect_fake_mode, Data*/        traced or planned; shape errors lose their
 DynamicOutputShapeException     ``[data-dependent ...]`` explanation
 OpOverload                      every rule lookup and kernel match keys on it
+HigherOrderOperator             ops with graphs inside (flex_attention), passed through
+                                spdsl's dispatch modes whole
 functional_collectives,         the only collectives spdsl issues (traceable by
 c10d_functional                 torch.compile); the gradient bucket's in-place all-reduce and
                                 the wait the memory tracker and offload pass recognise
@@ -26,6 +28,9 @@ tree_flatten/map/unflatten      arguments, outputs and specs matched leaf by lea
 dynamo_unsupported()            graph breaks mapped to the user's line (lower.compile)
 profiler_event_kinds()          allocation events of the allocator-side measurement
 fake_store()                    lowering a dp x sp program without a job (memory planner)
+flex_attention_on_cpu()         flex_attention traced and run with gradients on CPU (its
+                                wrapper refuses: the compiled CPU kernel has no backward; the
+                                eager math runs both ways): flex models stop tracing on CPU
 stack_trace_anchor()            a plain function's lines kept in node stack traces: errors in
                                 ``sp_shard(f)`` for a function ``f`` lose their ``at:`` line
 dtensor_op_handlers(),          spdsl's attention handlers for DTensor-authored models
@@ -38,11 +43,13 @@ dtensor_spec_types()            rule (propagate.rules.dtensor): eager DTensor at
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch._functorch.config as functorch_config
 import torch.distributed._functional_collectives as functional_collectives
 from torch._guards import detect_fake_mode
-from torch._ops import OpOverload
+from torch._ops import HigherOrderOperator, OpOverload
 from torch._subclasses.fake_tensor import (
     DataDependentOutputException,
     DynamicOutputShapeException,
@@ -67,6 +74,25 @@ def dynamo_unsupported() -> type[Exception]:
 def profiler_event_kinds():
     """Kinds of the profiler's event tree (``Allocation`` among them)."""
     return torch._C._profiler._EventType
+
+
+@contextlib.contextmanager
+def flex_attention_on_cpu():
+    """Inside: ``flex_attention`` on CPU tensors that need gradients is traced (and runs, in
+    its eager math) instead of raising; it is only PyTorch's compiled CPU kernel that has no
+    backward."""
+    import torch.nn.attention.flex_attention as fa
+    check = fa._validate_device
+
+    def allow_cpu(query, key, value):
+        if query.device.type != "cpu":
+            check(query, key, value)
+
+    fa._validate_device = allow_cpu
+    try:
+        yield
+    finally:
+        fa._validate_device = check
 
 
 def stack_trace_anchor():
@@ -103,6 +129,7 @@ __all__ = [
     "DynamicOutputShapeException",
     "FakeTensor",
     "FakeTensorMode",
+    "HigherOrderOperator",
     "OpOverload",
     "TorchDispatchMode",
     "c10d_functional",
@@ -113,6 +140,7 @@ __all__ = [
     "dtensor_spec_types",
     "dynamo_unsupported",
     "fake_store",
+    "flex_attention_on_cpu",
     "functional_collectives",
     "functorch_config",
     "is_traceable_wrapper_subclass",

@@ -246,12 +246,14 @@ def _attention(node: torch.fx.Node, prop: Propagator, ins: list) -> Attention | 
     P = prop.parts
     if P == 1:
         return None
-    if node.target is torch.ops.spdsl.attention.default and len(ins) >= 3:
+    flex = node.target is torch.ops.higher_order.flex_attention
+    if (node.target is torch.ops.spdsl.attention.default or flex) and len(ins) >= 3:
         q, k, v = (ins[j].meta["val"] for j in range(3))
         if q.dim() != 4:
             return None
+        out = node.meta["val"][0] if flex else node.meta["val"]
         rep = kv_repeat(q.shape[1], k.shape[1], P)    # kv heads repeated up to the degree
-        floor = (nbytes(q) + (nbytes(k) + nbytes(v)) * rep + nbytes(node.meta["val"])) / P
+        floor = (nbytes(q) + (nbytes(k) + nbytes(v)) * rep + nbytes(out)) / P
         return Attention(node.name, form_of(node).name, module_of(node), source_of(node),
                          int(floor))
     if node.target is torch.ops.aten.bmm.default and len(ins) == 2:

@@ -354,6 +354,8 @@ class Lowering:
                                         bool(gqa), P, r, g), written_out(node))
             out.meta[FORM] = form_of(node).name      # for the kernel pass
             return out
+        if low == "ulysses_flex":          # q, k, v, score_mod, block_mask, scale, options, bufs
+            return self.call(ops.ulysses_flex, *args[:9], P, r, g)
         if low == "nll_mean":
             two_d = node.target.overloadpacket is aten.nll_loss2d_forward
             return self.call(ops.nll_mean, args[0], args[1], args[2], args[4], g, two_d)

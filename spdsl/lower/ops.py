@@ -46,6 +46,49 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     return all_to_all(o, heads, seq, parts, group)
 
 
+class _HeadOffset(torch.nn.Module):
+    """A score_mod or mask_mod called with the global head index of a rank's local head."""
+
+    def __init__(self, fn, offset: int, head_arg: int) -> None:
+        super().__init__()
+        self.fn, self.offset, self.head_arg = fn, offset, head_arg
+
+    def forward(self, *args):
+        args = list(args)
+        args[self.head_arg] = args[self.head_arg] + self.offset
+        return self.fn(*args)
+
+
+def ulysses_flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, score_mod, block_mask,
+                 scale, kernel_options, score_bufs, mask_bufs, parts: int, rank: int,
+                 group: str):
+    """``flex_attention`` (the higher-order op) on local ``[B, H, S/P, D]`` q, k, v: one
+    all-to-all to ``[B, H/P, S, D]``, the rank's heads over the whole sequence, the output
+    back. ``score_mod``/``mask_mod`` see global head indices (offset by the rank's first
+    head); BlockMask tensors with one entry per head are cut to the rank's. Returns (output
+    split on the sequence, log-sum-exp and max split on the heads)."""
+    hq, hk = q.shape[1], k.shape[1]
+    r = kv_repeat(hq, hk, parts)
+    if r > 1:
+        k, v = k.repeat_interleave(r, dim=1), v.repeat_interleave(r, dim=1)
+    seq, heads = (2, 1), (1, 1)
+    qh, kh, vh = all_to_all_many([q, k, v], [seq] * 3, [heads] * 3, parts, group)
+    n = hq // parts
+    first = rank * n
+    if first:
+        score_mod = _HeadOffset(score_mod, first, 2)         # (score, b, h, q_idx, kv_idx)
+    bm = list(block_mask)
+    for i, t in enumerate(bm):      # [B, H, ...] block counts and indices; H = 1: all heads
+        if isinstance(t, torch.Tensor) and t.dim() >= 2 and t.shape[1] == hq and hq > 1:
+            bm[i] = t.narrow(1, first, n)
+    if first:
+        bm[-1] = _HeadOffset(bm[-1], first, 1)                # mask_mod(b, h, q_idx, kv_idx)
+    out, lse, mx = torch.ops.higher_order.flex_attention(
+        qh, kh, vh, score_mod, tuple(bm), scale, kernel_options, tuple(score_bufs),
+        tuple(mask_bufs))
+    return all_to_all(out, heads, seq, parts, group), lse, mx
+
+
 def local_attention(q, k, v, mask=None, dropout_p=0.0, is_causal=False, scale=None,
                     enable_gqa=False, kernel: bool = False, written_out: bool = False,
                     compute_dtype: torch.dtype | None = None,

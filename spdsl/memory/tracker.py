@@ -154,6 +154,9 @@ class LiveBytes(TorchDispatchMode):
         self.peak, self.at_peak, self.peak_phase = self.current, dict(self.sums), self.phase
 
     # -- dispatch -------------------------------------------------------------------------
+    # flex_attention runs whole: its output is counted, not the scores its eager math holds
+    supports_higher_order_operators = True
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func is _WAIT and _faking(args[0]):
             # eager wait_tensor returns its input; its fake kernel a fresh tensor (same fix

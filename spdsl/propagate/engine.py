@@ -176,7 +176,8 @@ class Propagator:
                         (best.output if isinstance(best.output, tuple) else (best.output,)))
         if split_out:
             # a replicated operand of a split computation gets a partial gradient
-            d.grad_reduce = [i for i, r in enumerate(best.inputs) if isinstance(r, Replicate)]
+            d.grad_reduce = [i for i, r in enumerate(best.inputs) if isinstance(r, Replicate)
+                             and ins[i].meta["val"].is_floating_point()]
         d.origin = best.rule
         self.decisions[node] = d
         d.issued = issued(self, node, best.lowering, ins)

@@ -194,3 +194,30 @@ register_form(AttentionForm(
     capture=_flash_kernel, to_node=_flash_node, find=_find_flash_kernel, kernel="flash_attn",
     runs_kernel=True,
     custom_ops=("spdsl::flash_attn",)))
+
+
+def _find_flex(gm: torch.fx.GraphModule) -> int:
+    n = 0
+    for node in list(gm.graph.nodes):
+        if node.target is torch.ops.higher_order.flex_attention:
+            node.meta[FORM] = "flex"
+            n += 1
+            # the scalars flex_attention makes from q to trace its score_mod, left unused:
+            # split q would otherwise be gathered for them
+            for user in list(node.args[0].users):
+                if user.target is torch.ops.aten.new_zeros.default and not user.users:
+                    gm.graph.erase_node(user)
+    if n:
+        gm.recompile()
+    return n
+
+
+register_form(AttentionForm(
+    name="flex",
+    found="torch.nn.attention.flex_attention(q, k, v, score_mod=..., block_mask=...)",
+    layout="[B, H, S, D]; GQA when H_q is a multiple of H_kv (enable_gqa)",
+    masks="the BlockMask (its mask_mod) and score_mod run on each rank's heads with their "
+          "global head index; a per-head BlockMask is cut to the rank's heads",
+    saves="nothing of its own (the remat policy recomputes it; its autograd keeps the "
+          "log-sum-exp)",
+    find=_find_flex))

@@ -59,16 +59,18 @@ def issued(prop, node: torch.fx.Node, lowering: str | None,
     P = prop.parts
     if P == 1:
         return ()
-    if lowering == "ulysses":
+    if lowering in ("ulysses", "ulysses_flex"):
         q, k, v = (ins[j].meta["val"] for j in range(3))
         rep = kv_repeat(q.shape[1], k.shape[1], P)
         qkv = (_nbytes(q) + (_nbytes(k) + _nbytes(v)) * rep) // P
         kv_note = f" repeated x{rep}" if rep > 1 else ""     # kv heads fewer than P
-        o = _nbytes(node.meta["val"]) // P
+        out = node.meta["val"]
+        out = out[0] if isinstance(out, (tuple, list)) else out    # flex: (out, lse, max)
+        o = _nbytes(out) // P
         return (Issued("all_to_all", qkv, qkv, "ulysses",
                        (prop.typed(ins[0]),) + tuple(prop.typed(ins[j]) + kv_note
                                                      for j in (1, 2))),
-                Issued("all_to_all", o, o, "ulysses", (prop.typed(node),)))
+                Issued("all_to_all", o, o, "ulysses", (prop.typed(node, 0),)))
     if lowering == "nll_mean":
         x = ins[0].meta["val"]
         return (Issued("all_reduce", 2 * x.element_size(), 0, "loss",

@@ -26,6 +26,7 @@ from spdsl._torch import (
     DynamicOutputShapeException,
     FakeTensorMode,
     disable_current_modes,
+    flex_attention_on_cpu,
     reparametrize_module,
     stack_trace_anchor,
     tree_flatten,
@@ -272,11 +273,20 @@ def trace(fn: Callable, args: tuple, kwargs: dict) -> Traced:
         mode = get_proxy_mode()
         return len(mode.tracer.graph.nodes) if mode is not None else 0
 
+    def foreign(mod) -> bool:
+        # graphs torch traces inside an op of its own (flex_attention's score_mod): not the
+        # user's modules, and counted in another graph
+        return id(mod) not in names and isinstance(mod, torch.fx.GraphModule)
+
     def pre(mod, _args):
+        if foreign(mod):
+            return
         stack.append(names.get(id(mod), type(mod).__name__))
         events.append((graph_len(), stack[-1]))
 
     def post(mod, _args, _out):
+        if foreign(mod):
+            return
         stack.pop()
         events.append((graph_len(), stack[-1] if stack else None))
 
@@ -287,7 +297,8 @@ def trace(fn: Callable, args: tuple, kwargs: dict) -> Traced:
     replay = LayerReplay(roots, names, events, graph_len)
     try:
         # lazy: the graph's Python code (1-2 s for a 70B model) is only generated if it is run
-        with replay.installed(), use_lazy_graph_module(True):
+        # flex_attention: the ranks run its eager math, which has a backward on CPU too
+        with replay.installed(), use_lazy_graph_module(True), flex_attention_on_cpu():
             gm = make_fx(flat_fn, tracing_mode="fake", record_stack_traces=True,
                          _allow_non_fake_inputs=True)(*_fake_meta(
                              [_plain(t) for t in state] +

@@ -8,13 +8,15 @@ from __future__ import annotations
 
 import torch
 
-from spdsl._torch import TorchDispatchMode
+from spdsl._torch import HigherOrderOperator, TorchDispatchMode
 from spdsl.lower.shapes import TensorSpec, fill_shapes
 from spdsl.remat import policy as P
 from spdsl.remat.segments import layer_of
 
 
 class _Record(TorchDispatchMode):
+    supports_higher_order_operators = True      # flex_attention: run whole, not recorded
+
     def __init__(self) -> None:
         super().__init__()
         self.in_layer = False
@@ -22,6 +24,8 @@ class _Record(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
+        if isinstance(func, HigherOrderOperator):
+            return out
         kind = P.kind_of(func)
         if self.in_layer and not P._IN_TILE[0] and kind in ("matmul", "attention"):
             key = P.op_key(func, args, kwargs)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import collections
 import copy
+import functools
 import math
 
 import torch
@@ -225,6 +226,59 @@ class TailSlice(nn.Module):
         return h[:, -(x.shape[1] - 2):].pow(2).mean()
 
 
+class FlexBlock(nn.Module):
+    """Attention by ``flex_attention``: packed documents (a causal document BlockMask, its
+    document ids a captured tensor), ALiBi slopes indexed by the head in ``score_mod``,
+    grouped kv heads; or, ``per_head``, a BlockMask with one sliding window per head."""
+
+    def __init__(self, seq: int, per_head: bool, dim: int, heads: int, kv_heads: int) -> None:
+        from torch.nn.attention.flex_attention import create_block_mask
+        super().__init__()
+        self.h, self.hk, self.d = heads, kv_heads, dim // heads
+        self.wq = nn.Linear(dim, dim, bias=False)
+        self.wkv = nn.Linear(dim, 2 * kv_heads * self.d, bias=False)
+        self.wo = nn.Linear(dim, dim, bias=False)
+        doc = torch.arange(seq) * 3 // seq                   # three packed documents
+        slopes = 2.0 ** -torch.arange(1, heads + 1, dtype=torch.float32)
+        window = 4 + 4 * torch.arange(heads)                 # head h sees 4(h+1) keys back
+
+        def document(b, h, q, k):
+            return (doc[q] == doc[k]) & (q >= k)
+
+        def sliding(b, h, q, k):
+            return (q >= k) & (q - k < window[h])
+
+        self.score_mod = None if per_head else (
+            lambda score, b, h, q, k: score - slopes[h] * (q - k))
+        self.block_mask = create_block_mask(sliding if per_head else document, B=None,
+                                            H=heads if per_head else None, Q_LEN=seq,
+                                            KV_LEN=seq, device="cpu", BLOCK_SIZE=8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from torch.nn.attention.flex_attention import flex_attention
+        b, s, _ = x.shape
+        q = self.wq(x).view(b, s, self.h, self.d).transpose(1, 2)
+        k, v = self.wkv(x).view(b, s, 2, self.hk, self.d).permute(2, 0, 3, 1, 4)
+        o = flex_attention(q, k, v, score_mod=self.score_mod, block_mask=self.block_mask,
+                           enable_gqa=True)
+        return x + self.wo(o.transpose(1, 2).reshape(b, s, -1))
+
+
+class FlexNet(nn.Module):
+    def __init__(self, seq: int, per_head: bool = False, vocab: int = 64, dim: int = 32,
+                 heads: int = 4, kv_heads: int = 2) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(vocab, dim)
+        self.layers = nn.ModuleList([FlexBlock(seq, per_head, dim, heads, kv_heads)])
+        self.head = nn.Linear(dim, vocab, bias=False)
+
+    def forward(self, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        x = self.emb(ids)
+        for layer in self.layers:
+            x = layer(x)
+        return F.cross_entropy(self.head(x).flatten(0, 1), labels.flatten())
+
+
 class OutputReshard(nn.Module):
     """Outputs redistributed to their out_specs: a sequence-split value returned split on its
     features (an all-to-all, and one back in backward) and a sum over the sequence (a partial
@@ -266,6 +320,34 @@ def case_partial_to_shard(world: int) -> dict:
 def case_tail_slice(world: int) -> dict:
     g = torch.Generator().manual_seed(10)
     return _run(lambda: TailSlice(8), (torch.randn(2, 4 * world, 8, generator=g),), world)
+
+
+def case_flex(world: int) -> dict:
+    """flex_attention under sp_shard, against the same model on one rank (both on CPU: the
+    check that stops flex_attention's backward there is lifted for both, the eager math
+    runs the same)."""
+    from spdsl._torch import flex_attention_on_cpu
+
+    out = {}
+    for name, per_head, remat in (("document", False, None), ("per_head", True, None),
+                                  ("document_remat_full", False, "full")):
+        seq = 16 * world
+        ids = _ids(2, seq, vocab=64)
+        labels = torch.roll(ids, -1, dims=1)
+        ref, model = _pair(functools.partial(FlexNet, seq, per_head))
+        with flex_attention_on_cpu():
+            loss_ref = ref(ids, labels)
+            loss_ref.backward()
+        step = spdsl.sp_shard(seq=world, remat=remat)(model)
+        loss = step(ids, labels)
+        loss.backward()
+        res = _errs(model, ref, loss, loss_ref)
+        local = step.prepare(ids, labels).local
+        res["checkpointed"] = sum(type(m).__name__ == "Checkpointed" for m in local.modules())
+        if world > 1:
+            res["ran"], res["planned"] = ran_and_planned(step, model, (ids, labels))
+        out[name] = res
+    return out
 
 
 def case_output_reshard(world: int) -> dict:

@@ -169,6 +169,21 @@ def test_user_errors_with_a_process_group(results):
             assert out["different_inputs"] == "no error"
 
 
+def test_flex_attention(results):
+    """flex_attention (document mask with ALiBi by head, per-head sliding windows, GQA, remat)
+    exact against one rank, and its collectives the plan's."""
+    world, per_rank = _case(results, "flex")
+    for res in per_rank:
+        assert set(res["flex"]) == {"document", "per_head", "document_remat_full"}
+        for variant, out in res["flex"].items():
+            assert out["missing"] == [] and out["extra"] == [] and out["n_grads"] == 5, variant
+            assert out["loss"] <= LOSS_RTOL, (variant, out)
+            assert out["grad"] <= GRAD_RTOL, (variant, out)
+            assert out["checkpointed"] == 1, variant        # its one layer runs checkpointed
+            if world > 1:
+                assert plan_vs_run(out["ran"], out["planned"]) == [], (variant, out)
+
+
 def test_every_case_is_checked():
     assert set(TRAINING) | {"sgd_steps", "logits_dtensor", "collectives",
-                            "dtensor_native", "user_errors"} == set(CASES)
+                            "dtensor_native", "user_errors", "flex"} == set(CASES)

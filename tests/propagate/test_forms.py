@@ -46,7 +46,7 @@ def _at_the_floor(plan, n: int = 1) -> None:
 
 
 def test_every_form_declares_every_stage():
-    assert {"sdpa", "written_out", "flash_kernel"} <= set(FORMS)
+    assert {"sdpa", "written_out", "flash_kernel", "flex"} <= set(FORMS)
     for f in FORMS.values():
         assert f.found and f.layout and f.masks and f.saves
         assert f.capture is not None or f.find is not None, f.name
@@ -138,3 +138,20 @@ def test_a_registered_form_reaches_every_stage(my_form):
     # the traced graph computes what the model does (one process)
     t = trace(model, (x,), {})
     assert_close(t.graph(*t.state, x)[0], model(x), rtol=1e-6, name="loss")
+
+
+def test_flex_attention_is_planned_at_the_floor():
+    """flex_attention (a causal BlockMask, a head-dependent score_mod, GQA) is one attention
+    site of kind "flex", with its two all-to-alls at the floor and nothing gathered."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    bm = create_block_mask(lambda b, h, q, k: q >= k, B=None, H=None, Q_LEN=64, KV_LEN=64,
+                           device="cpu", BLOCK_SIZE=16)
+
+    def attend(q, k, v):
+        return flex_attention(q, k, v, score_mod=lambda s, b, h, q, k: s * (h + 1),
+                              block_mask=bm, enable_gqa=True)
+
+    plan = spdsl.plan(spdsl.sp_shard(seq=4)(_Heads(attend)), torch.randn(2, 64, 32))
+    assert [a.kind for a in plan.attention] == ["flex"]
+    _at_the_floor(plan)

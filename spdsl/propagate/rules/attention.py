@@ -68,3 +68,20 @@ def attention(ctx: RuleCtx) -> list[Strategy]:
     out = ctx.out
     return [Strategy(tuple(reqs), Shard(2, 1, out.shape[2]) if out.dim() == 4 else REPLICATE,
                      "ulysses", "attention.ulysses")]
+
+
+@rule(torch.ops.higher_order.flex_attention, name="attention.flex")
+def flex_attention(ctx: RuleCtx) -> list[Strategy]:
+    """``flex_attention``'s q, k, v split on the sequence stay so; the lowering exchanges them
+    to heads, runs the rank's heads over the whole sequence (its BlockMask tensors, replicated,
+    are cut to them when per head) and exchanges the output back. The log-sum-exp and max it
+    also returns stay split on the heads."""
+    if all(isinstance(p, Replicate) for p in ctx.placements):
+        return [Strategy(tuple(REPLICATE for _ in ctx.inputs),
+                         tuple(REPLICATE for _ in ctx.out), None, "attention.flex")]
+    check_heads(ctx, where(ctx.node))
+    reqs = tuple(Shard(2, 1, ctx.meta(i).shape[2]) if i < 3 else REPLICATE
+                 for i in range(len(ctx.inputs)))
+    out, lse, mx = ctx.out
+    return [Strategy(reqs, (Shard(2, 1, out.shape[2]), Shard(1, 1, lse.shape[1]),
+                            Shard(1, 1, mx.shape[1])), "ulysses_flex", "attention.flex")]

@@ -23,7 +23,20 @@ Atoms = tuple[str, ...]
 
 
 def atom_expr(a: str) -> str:
-    return a if a.isidentifier() or a.isdigit() or a.startswith("(") else f"({a})"
+    return a if a.isidentifier() or a.isdigit() or _one_group(a) else f"({a})"
+
+
+def _one_group(a: str) -> bool:
+    """``a`` is one parenthesised group (``(S + 1)``), not ``(S + 1) // 2``: only then may it
+    stand as a factor of a product unwrapped."""
+    if not a.startswith("("):
+        return False
+    depth = 0
+    for i, c in enumerate(a):
+        depth += (c == "(") - (c == ")")
+        if depth == 0:
+            return i == len(a) - 1
+    return False
 
 
 def dim_expr(atoms: Atoms) -> str:

@@ -18,7 +18,7 @@ from tests.fuzz.generate import check_runs, generate
 from tests.fuzz.programs import build, render
 from tests.fuzz.shrink import prune, shrink
 
-COUNT = {2: 40, 4: 25}            # about 1-2 min for both on 2 cores: docs/fuzzing.md
+COUNT = {2: 120, 4: 80}           # 200 programs, a few minutes on 2 cores: docs/fuzzing.md
 MIN_EXACT = 0.7                   # most programs must run, not be refused
 
 

@@ -28,14 +28,8 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         return local_attention(q, k, v, mask, dropout_p, is_causal, scale, enable_gqa,
                                kernel=kernel, written_out=written_out,
                                compute_dtype=compute_dtype, out_dtype=out_dtype)
-    hq, hk = q.shape[1], k.shape[1]
-    r = kv_repeat(hq, hk, parts)
-    if r > 1:
-        # fewer kv heads than ranks: each rank needs the kv head of its query heads, so repeat
-        # each kv head P/H_kv times (not H_q/H_kv: that would move more than needed)
-        k, v = k.repeat_interleave(r, dim=1), v.repeat_interleave(r, dim=1)
-    seq, heads = (2, 1), (1, 1)
-    qh, kh, vh = all_to_all_many([q, k, v], [seq] * 3, [heads] * 3, parts, group)
+    hq = q.shape[1]
+    qh, kh, vh = _to_heads(q, k, v, parts, group)
     if mask is not None and mask.dim() >= 3 and mask.shape[-3] == hq and hq > 1:
         n = hq // parts
         mask = mask.narrow(-3, rank * n, n)
@@ -43,7 +37,20 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     o = local_attention(qh, kh, vh, mask, dropout_p, is_causal, scale, gqa, kernel=kernel,
                         written_out=written_out, compute_dtype=compute_dtype,
                         out_dtype=out_dtype)
-    return all_to_all(o, heads, seq, parts, group)
+    return all_to_all(o, _HEADS, _SEQ, parts, group)
+
+
+_SEQ, _HEADS = (2, 1), (1, 1)          # (dim, outer) of [B, H, S, D] split on S, on H
+
+
+def _to_heads(q, k, v, parts: int, group: str):
+    """Sequence-split q, k, v -> head-split over the whole sequence, in one all-to-all."""
+    r = kv_repeat(q.shape[1], k.shape[1], parts)
+    if r > 1:
+        # fewer kv heads than ranks: each rank needs the kv head of its query heads, so repeat
+        # each kv head P/H_kv times (not H_q/H_kv: that would move more than needed)
+        k, v = k.repeat_interleave(r, dim=1), v.repeat_interleave(r, dim=1)
+    return all_to_all_many([q, k, v], [_SEQ] * 3, [_HEADS] * 3, parts, group)
 
 
 class _HeadOffset(torch.nn.Module):
@@ -67,12 +74,8 @@ def ulysses_flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, score_mod, b
     back. ``score_mod``/``mask_mod`` see global head indices (offset by the rank's first
     head); BlockMask tensors with one entry per head are cut to the rank's. Returns (output
     split on the sequence, log-sum-exp and max split on the heads)."""
-    hq, hk = q.shape[1], k.shape[1]
-    r = kv_repeat(hq, hk, parts)
-    if r > 1:
-        k, v = k.repeat_interleave(r, dim=1), v.repeat_interleave(r, dim=1)
-    seq, heads = (2, 1), (1, 1)
-    qh, kh, vh = all_to_all_many([q, k, v], [seq] * 3, [heads] * 3, parts, group)
+    hq = q.shape[1]
+    qh, kh, vh = _to_heads(q, k, v, parts, group)
     n = hq // parts
     first = rank * n
     if first:
@@ -86,7 +89,7 @@ def ulysses_flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, score_mod, b
     out, lse, mx = torch.ops.higher_order.flex_attention(
         qh, kh, vh, score_mod, tuple(bm), scale, kernel_options, tuple(score_bufs),
         tuple(mask_bufs))
-    return all_to_all(out, heads, seq, parts, group), lse, mx
+    return all_to_all(out, _HEADS, _SEQ, parts, group), lse, mx
 
 
 def local_attention(q, k, v, mask=None, dropout_p=0.0, is_causal=False, scale=None,

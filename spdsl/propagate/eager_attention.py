@@ -140,9 +140,18 @@ def _root4(n: torch.fx.Node, N: int, S: int, D: int, transposed: bool) -> torch.
 
 
 def _unrepeat(k: torch.fx.Node) -> torch.fx.Node:
-    """The kv tensor before Hugging Face's ``repeat_kv``, or ``k`` itself."""
+    """The kv tensor before Hugging Face's ``repeat_kv`` (or a single kv head expanded or
+    repeated to every query head), or ``k`` itself."""
     chain = _back(k)
     for i, m in enumerate(chain):
+        if m.target in (aten.expand.default, aten.repeat.default) and len(_shape(m)) == 4:
+            # one kv head broadcast or tiled to every query head ([B, 1, S, D] -> [B, H, S, D]):
+            # for a single head, tiled and interleaved repeats read the same head
+            src = m.args[0]
+            if _shape(src)[1] == 1 and [x for j, x in enumerate(_shape(src)) if j != 1] == \
+                    [x for j, x in enumerate(_shape(m)) if j != 1]:
+                return src
+            break
         if m.target is aten.expand.default and len(_shape(m)) == 5:
             src = m.args[0]
             while src.target is aten.slice.Tensor and src.args[2] in (0, None) and \

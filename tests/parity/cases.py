@@ -200,6 +200,40 @@ def case_repeat_kv(world: int) -> dict:
     return _run(lambda: Stack(64, 4, 2, 2), (x,), world)
 
 
+class SingleKV(nn.Module):
+    """Multi-query attention written with the one kv head broadcast to every query head by
+    ``expand`` (or tiled by ``repeat``) before SDPA: it crosses the all-to-all unbroadcast."""
+
+    def __init__(self, how: str, dim: int = 64, heads: int = 4) -> None:
+        super().__init__()
+        self.how, self.h, self.d = how, heads, dim // heads
+        self.q = nn.Linear(dim, dim)
+        self.kv = nn.Linear(dim, 2 * self.d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        q = self.q(x).view(b, s, self.h, self.d).transpose(1, 2)
+        k, v = self.kv(x).view(b, s, 2, 1, self.d).permute(2, 0, 3, 1, 4)
+        if self.how == "expand":
+            k, v = k.expand(b, self.h, s, self.d), v.expand(b, self.h, s, self.d)
+        else:
+            k, v = k.repeat(1, self.h, 1, 1), v.repeat(1, self.h, 1, 1)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True).pow(2).mean()
+
+
+def case_single_kv(world: int) -> dict:
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(2, 8 * world, 64, generator=g)
+    out = {}
+    for how in ("expand", "repeat"):
+        out[how] = _run(functools.partial(SingleKV, how), (x,), world)
+        if world > 1:
+            plan = spdsl.plan(spdsl.sp_shard(seq=world)(SingleKV(how)), x)
+            out[how]["a2a_bytes"] = sum(c.bytes for c in plan.collectives
+                                        if c.kind == "all_to_all")
+    return out
+
+
 class PartialToShard(nn.Module):
     """A sum over the sequence (a partial sum on every rank) constrained to be split over
     its features: one reduce-scatter, whose backward all-gathers."""

@@ -184,6 +184,22 @@ def test_flex_attention(results):
                 assert plan_vs_run(out["ran"], out["planned"]) == [], (variant, out)
 
 
+def test_single_kv_head_crosses_unbroadcast(results):
+    """One kv head expanded (or repeated) to every query head before SDPA: exact, the plan's
+    collectives ran, and the all-to-alls move the kv head repeated only up to the degree (the
+    grouped-query floor, worked out here from the shapes), not the 4 broadcast heads."""
+    world, per_rank = _case(results, "single_kv")
+    q = 2 * 8 * world * 64 * 4                     # bytes of q (and of the output)
+    kv = q // 4                                    # one kv head of the four
+    for res in per_rank:
+        for how, out in res["single_kv"].items():
+            assert out["loss"] <= LOSS_RTOL and out["grad"] <= GRAD_RTOL, (how, out)
+            assert out["missing"] == [] and out["extra"] == [], how
+            if world > 1:
+                assert plan_vs_run(out["ran"], out["planned"]) == [], (how, out)
+                assert out["a2a_bytes"] == (q + 2 * kv * world + q) // world, (how, out)
+
+
 def test_every_case_is_checked():
     assert set(TRAINING) | {"sgd_steps", "logits_dtensor", "collectives",
-                            "dtensor_native", "user_errors", "flex"} == set(CASES)
+                            "dtensor_native", "user_errors", "flex", "single_kv"} == set(CASES)

@@ -47,45 +47,27 @@ RESULTS_MD = os.path.join(ROOT, "bench", "RESULTS.md")
 BEGIN, END = "<!-- longest:begin (bench/longest.py) -->", "<!-- longest:end -->"
 
 
-def _ulysses(checkpoint):
+def _build(module: str, factory: str, **kw):
+    """A builder of ``bench.baselines.<module>.<factory>(cfg, False, **kw)`` (eager), imported
+    when the system is tried."""
     def build(cfg):
-        from bench.baselines import ulysses
-        return ulysses.build(cfg, False, checkpoint=checkpoint)
-    return build
-
-
-def _spdsl(remat):
-    def build(cfg):
-        from bench.baselines.spdsl_adapter import SpdslTrainer
-        return SpdslTrainer(cfg, False, remat=remat)
-    return build
-
-
-def _alst(checkpoint):
-    def build(cfg):
-        from bench.baselines import alst_hf
-        return alst_hf.build(cfg, False, checkpoint=checkpoint)
-    return build
-
-
-def _spdsl_hf(remat):
-    def build(cfg):
-        from bench.baselines.hf_model import SpdslHFTrainer
-        return SpdslHFTrainer(cfg, False, remat=remat)
+        import importlib
+        return getattr(importlib.import_module(f"bench.baselines.{module}"), factory)(
+            cfg, False, **kw)
     return build
 
 
 # name -> (builder, Hugging Face model?). ALST last: deepspeed.initialize patches global state.
 SYSTEMS = {
-    "ulysses": (_ulysses(False), False),
-    "ulysses+checkpoint": (_ulysses(True), False),
-    "spdsl remat=none": (_spdsl("none"), False),
-    "spdsl remat=auto": (_spdsl("auto"), False),
-    "spdsl remat=full": (_spdsl("full"), False),
-    "hf: spdsl remat=auto": (_spdsl_hf("auto"), True),
-    "hf: spdsl remat=full": (_spdsl_hf("full"), True),
-    "hf: alst": (_alst(False), True),
-    "hf: alst+checkpoint": (_alst(True), True),
+    "ulysses": (_build("ulysses", "build", checkpoint=False), False),
+    "ulysses+checkpoint": (_build("ulysses", "build", checkpoint=True), False),
+    "spdsl remat=none": (_build("spdsl_adapter", "SpdslTrainer", remat="none"), False),
+    "spdsl remat=auto": (_build("spdsl_adapter", "SpdslTrainer", remat="auto"), False),
+    "spdsl remat=full": (_build("spdsl_adapter", "SpdslTrainer", remat="full"), False),
+    "hf: spdsl remat=auto": (_build("hf_model", "SpdslHFTrainer", remat="auto"), True),
+    "hf: spdsl remat=full": (_build("hf_model", "SpdslHFTrainer", remat="full"), True),
+    "hf: alst": (_build("alst_hf", "build", checkpoint=False), True),
+    "hf: alst+checkpoint": (_build("alst_hf", "build", checkpoint=True), True),
 }
 
 

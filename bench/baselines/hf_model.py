@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from .model import CONFIGS
+from .reference import LossTrainer
 from .systems import RunConfig, Unavailable
 
 
@@ -51,24 +52,13 @@ def hf_loss(model: torch.nn.Module):
     return loss_fn
 
 
-class HFReferenceTrainer:
+class HFReferenceTrainer(LossTrainer):
     """The whole batch in one process (rank 0), the model as an HF user runs it."""
 
     def __init__(self, cfg: RunConfig) -> None:
         self.llama = build_hf_llama(cfg.model, cfg.seed)   # the parameters compared
         self.fn = hf_loss(self.llama)
         self.opt = torch.optim.AdamW(self.llama.parameters(), lr=cfg.lr)
-
-    def zero_grad(self) -> None:
-        self.opt.zero_grad(set_to_none=True)
-
-    def forward_backward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> float:
-        loss = self.fn(input_ids, labels)
-        loss.backward()
-        return loss.item()
-
-    def optimizer_step(self) -> None:
-        self.opt.step()
 
 
 class SpdslHFTrainer(HFReferenceTrainer):

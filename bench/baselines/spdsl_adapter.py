@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 
 from .model import ShiftedLoss, build_llama
+from .reference import LossTrainer
 from .systems import RunConfig, Unavailable
 
 
@@ -31,7 +32,7 @@ def _sp_shard():
     return sp_shard
 
 
-class SpdslTrainer:
+class SpdslTrainer(LossTrainer):
     def __init__(self, cfg: RunConfig, compiled: bool, remat: str | None = None) -> None:
         sp_shard = _sp_shard()
         self.llama = build_llama(cfg.model, cfg.seed)
@@ -40,19 +41,6 @@ class SpdslTrainer:
             kwargs["remat"] = remat
         self.fn = sp_shard(seq=cfg.world, **kwargs)(ShiftedLoss(self.llama))
         self.opt = torch.optim.AdamW(self.llama.parameters(), lr=cfg.lr)
-
-    def zero_grad(self) -> None:
-        self.opt.zero_grad(set_to_none=True)
-
-    def forward_backward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> float:
-        loss = self.fn(input_ids, labels)
-        loss.backward()
-        # A DTensor loss (replicated) is read through its full value.
-        value = loss.full_tensor() if hasattr(loss, "full_tensor") else loss
-        return float(value.detach())
-
-    def optimizer_step(self) -> None:
-        self.opt.step()
 
 
 def build(cfg: RunConfig, compiled: bool) -> SpdslTrainer:

@@ -8,6 +8,7 @@ nothing is sent.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -77,7 +78,6 @@ def fill_shapes(gm: torch.fx.GraphModule, specs: list[TensorSpec], mode=None,
         fill_shapes(local_gm, state_specs + input_specs)
         [n.meta["val"].shape for n in local_gm.graph.nodes if n.op == "call_function"]
     """
-    import contextlib
     with FakeTensorMode(allow_non_fake_inputs=True), torch.no_grad():
         args = [s.fake() for s in specs]
         with mode if mode is not None else contextlib.nullcontext():

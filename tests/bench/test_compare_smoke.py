@@ -10,14 +10,10 @@ Runs::
 from __future__ import annotations
 
 import importlib.util
-import json
-import os
-import subprocess
-import sys
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tests.bench._compare import run_compare
 
 
 @pytest.mark.multirank
@@ -27,15 +23,7 @@ def test_compare_smoke_ulysses_matches_reference(tmp_path):
     if importlib.util.find_spec("deepspeed") is None:
         pytest.skip("deepspeed not installed (bench extra): no hand-written Ulysses to compare")
     out = tmp_path / "smoke.json"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           os.path.join(ROOT, "bench", "compare.py"), "--smoke", "--systems", "ulysses-eager",
-           "--check", "1e-5", "--out", str(out)]
-    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
-                          check=False)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-
-    (result,) = json.loads(out.read_text())
+    (result,) = run_compare(out, "--smoke", "--systems", "ulysses-eager", "--check", "1e-5")
     rows = {(r["system"], r["mode"]): r for r in result["rows"]}
     assert rows[("reference", "eager")]["status"] == "ok"
     ulysses = rows[("ulysses", "eager")]

@@ -8,14 +8,10 @@ Runs::
 from __future__ import annotations
 
 import importlib.util
-import json
-import os
-import subprocess
-import sys
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tests.bench._compare import run_compare
 
 
 @pytest.mark.multirank
@@ -25,14 +21,7 @@ def test_hf_compare_smoke(tmp_path):
         if importlib.util.find_spec(pkg) is None:
             pytest.skip(f"{pkg} not installed: no ALST HF integration to compare")
     out = tmp_path / "hf.json"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           os.path.join(ROOT, "bench", "compare.py"), "--hf", "--smoke", "--out", str(out)]
-    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
-                          check=False)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-
-    (result,) = json.loads(out.read_text())
+    (result,) = run_compare(out, "--hf", "--smoke")
     rows = {(r["system"], r["mode"]): r for r in result["rows"]}
     spdsl, alst = rows[("spdsl", "eager")], rows[("alst", "eager")]
     assert spdsl["status"] == "ok", spdsl["reason"]

@@ -33,6 +33,9 @@ flex_attention_on_cpu()         flex_attention traced and run with gradients on 
                                 eager math runs both ways): flex models stop tracing on CPU
 stack_trace_anchor()            a plain function's lines kept in node stack traces: errors in
                                 ``sp_shard(f)`` for a function ``f`` lose their ``at:`` line
+inductor_schedules()            the memory plan of a compiled step: Inductor's own schedule
+                                of the forward and backward graphs (buffer sizes and
+                                lifetimes) read without generating code; compiled plans stop
 dtensor_op_handlers(),          spdsl's attention handlers for DTensor-authored models
 dtensor_sharding_propagator(),  (spdsl.dtensor_ops) and DTensor's op strategies as a fallback
 dtensor_spec_types()            rule (propagate.rules.dtensor): eager DTensor attention gathers
@@ -106,6 +109,57 @@ def fake_store():
     return FakeStore()
 
 
+class _Scheduled(Exception):
+    """Raised inside Inductor once a graph's schedule is read: no code is generated."""
+
+
+@contextlib.contextmanager
+def inductor_schedules(record):
+    """Inside: ``torch.compile(gm, backend=inductor_schedules.backend)`` runs AOTAutograd and
+    Inductor up to its final kernel order, then stops; for each graph ``record(is_backward,
+    buffers)`` gets every buffer Inductor would hold as ``(name, bytes, first step, last step
+    or -1 for an output, is a graph input)``. The graphs themselves run uncompiled (on fake
+    tensors, say). Inductor's caches are off, so every graph is scheduled."""
+    import torch._inductor.config as inductor_config
+    import torch._inductor.memory as imem
+    from torch._functorch.aot_autograd import make_boxed_func
+    from torch._inductor.compile_fx import compile_fx, compile_fx_inner
+
+    reorder = imem.reorder_for_peak_memory
+    backward = [False]
+
+    def read(nodes, name_to_buf, name_to_fused_node, graph_inputs, graph_outputs):
+        nodes = reorder(nodes, name_to_buf, name_to_fused_node, graph_inputs, graph_outputs)
+        inputs = imem.get_freeable_input_buf(nodes, graph_inputs)
+        infos, _, _ = imem.compute_memory_timeline(nodes, inputs, graph_outputs)
+        names = [getattr(b.buffer, "name", None) or b.buffer.get_name() for b in infos]
+        record(backward[0], [(n, int(b.size_alloc), int(b.start_step), int(b.end_step),
+                              n in inputs) for n, b in zip(names, infos)])
+        read.done = True
+        raise _Scheduled
+
+    def inner(gm, example_inputs, **kwargs):
+        backward[0] = bool(kwargs.get("is_backward", False))
+        read.done = False
+        try:
+            compile_fx_inner(gm, example_inputs, **kwargs)
+        except Exception:              # Inductor wraps _Scheduled in its own InductorError
+            if not read.done:
+                raise
+        return make_boxed_func(gm.forward)
+
+    def backend(gm, example_inputs):
+        return compile_fx(gm, example_inputs, inner_compile=inner)
+
+    imem.reorder_for_peak_memory = read
+    try:
+        with inductor_config.patch(fx_graph_cache=False, reorder_for_peak_memory=True), \
+                functorch_config.patch(enable_autograd_cache=False):
+            yield backend
+    finally:
+        imem.reorder_for_peak_memory = reorder
+
+
 def dtensor_op_handlers() -> dict:
     """DTensor's table of op -> handler that replaces its sharding propagation for an op."""
     from torch.distributed.tensor import DTensor
@@ -143,6 +197,7 @@ __all__ = [
     "flex_attention_on_cpu",
     "functional_collectives",
     "functorch_config",
+    "inductor_schedules",
     "is_traceable_wrapper_subclass",
     "profiler_event_kinds",
     "reparametrize_module",

@@ -13,17 +13,21 @@ import contextlib
 import torch.distributed as dist
 
 from spdsl.lower.graph import lower
+from spdsl.memory.compiled import simulate_compiled
 from spdsl.memory.report import MemoryPlan
 from spdsl.memory.simulate import planning_group, simulate, step_peak
 from spdsl.remat import Remat, apply_remat, local_specs
 
 
 def plan_memory(fn, *args, remat=None, rank: int = 0, optimizer: str = "adamw",
-                **kwargs) -> MemoryPlan:
+                compiled: bool | None = None, **kwargs) -> MemoryPlan:
     """Predicted peak memory of one training step of ``fn(*args, **kwargs)`` on ``rank``.
 
     ``fn`` is an ``sp_shard``/``shard``-wrapped function or module; ``remat`` overrides its
-    own ``remat=``. Arguments may live on the meta device.
+    own ``remat=``, ``compiled`` its ``compile=``: a compiled step is planned from
+    Inductor's own schedule of its forward and backward graphs (``spdsl.memory.compiled``;
+    this compiles, without generating code: seconds to minutes). Arguments may live on the
+    meta device.
 
     Example::
 
@@ -36,27 +40,30 @@ def plan_memory(fn, *args, remat=None, rank: int = 0, optimizer: str = "adamw",
     if not callable(getattr(fn, "build", None)):      # spdsl.Sharded (annotate sits above)
         raise TypeError("plan_memory needs a function wrapped by spdsl.sp_shard or spdsl.shard")
     r = Remat.of(remat) if remat is not None else fn.remat
+    compiled = fn.compile if compiled is None else compiled
     entry = fn.build(args, kwargs)
     if entry.data is not None or entry.sharded:
         # a dp axis or sharded state needs the job's process groups: this rank's own lowering
         local = _off_meta(fn.lowered(entry, args, kwargs))
         state, ins = local_specs(entry, args, kwargs, fn.parts, entry.rank)
         return _finish(fn, local, r, state, ins, optimizer, _local_tokens(entry, ins),
-                       entry.rank)
+                       entry.rank, compiled)
     state, ins = local_specs(entry, args, kwargs, fn.parts, rank)
     tokens = _local_tokens(entry, ins)
     with _group(fn) as group:
         local = _off_meta(lower(entry.prop, rank, group, entry.out_placements))
-        return _finish(fn, local, r, state, ins, optimizer, tokens, rank)
+        return _finish(fn, local, r, state, ins, optimizer, tokens, rank, compiled)
 
 
-def _finish(fn, local, r: Remat, state, ins, optimizer: str, tokens, rank: int) -> MemoryPlan:
+def _finish(fn, local, r: Remat, state, ins, optimizer: str, tokens, rank: int,
+            compiled: bool) -> MemoryPlan:
     if hasattr(fn, "kernels"):      # the same kernel swaps as the real run (api.__call__)
         from spdsl.lower.kernels import swap_kernels
         local = swap_kernels(local, fn.kernels, state, ins)
     local = apply_remat(local, r, state, ins, peak=step_peak)
-    return simulate(local, state, ins, optimizer=optimizer, tokens=tokens,
-                    label=f"{r.describe()}, rank {rank} of {fn.parts}")
+    how = simulate_compiled if compiled else simulate
+    return how(local, state, ins, optimizer=optimizer, tokens=tokens,
+               label=f"{r.describe()}, rank {rank} of {fn.parts}")
 
 
 def _off_meta(gm):

@@ -28,8 +28,8 @@ from spdsl.memory.measure import measure_step, track_cpu_allocations
 CASES = {"tiny_1024": (LlamaConfig.tiny(), 1, 1024), "tiny_2x256": (LlamaConfig.tiny(), 2, 256),
          "small_512": (LlamaConfig.small(), 1, 512)}
 MODES = ("none", "auto", "full")
-# what each SP degree runs, one launch each: (case, compiled); compiled costs minutes, so SP 2 only
-PLAN = {1: [("tiny_1024", False), ("small_512", False)],
+# what each SP degree runs, one launch each: (case, compiled); compiled costs minutes: SP 1 and 2
+PLAN = {1: [("tiny_1024", False), ("small_512", False), ("tiny_2x256", True)],
         2: [("tiny_1024", False), ("small_512", False), ("tiny_2x256", True)],
         4: [("tiny_1024", False), ("small_512", False)]}
 

@@ -1,5 +1,6 @@
 """The planner's peak against the allocator's own count (``spdsl.memory.measure``), per rank:
-tiny and small Llama, remat none/auto/full, SP 1/2/4 eager within 10%; SP 2 compiled reported.
+tiny and small Llama, remat none/auto/full, SP 1/2/4 eager within 10%; compiled within 10% at
+SP 1, reported (an expected failure) at SP 2.
 
 The measurement shares no code with the planner: c10's CPU allocator's running total, read
 from the profiler's memory events (``tests/memory/measured.py`` says what is compared).
@@ -42,7 +43,8 @@ def _rows(world: int, how: str) -> tuple[list[str], list[str]]:
     return rows, bad
 
 
-@pytest.mark.parametrize("world", [1, pytest.param(2, marks=pytest.mark.compile), 4],
+@pytest.mark.parametrize("world", [pytest.param(1, marks=pytest.mark.compile),
+                                   pytest.param(2, marks=pytest.mark.compile), 4],
                          ids=lambda w: f"sp{w}")
 def test_planner_within_10pct_of_allocator_eager(world):
     rows, bad = _rows(world, "/eager")
@@ -52,8 +54,18 @@ def test_planner_within_10pct_of_allocator_eager(world):
 
 
 @pytest.mark.compile
-@pytest.mark.xfail(strict=True, reason="the planner simulates the eager step; Inductor's "
-                   "partitioning and fusion are not modelled (bench/MEMORY.md: -18% to +30%)")
+def test_compiled_planner_within_10pct_of_allocator_one_rank():
+    """Compiled, one rank: the plan read from Inductor's own schedule
+    (``spdsl.memory.compiled``) against the allocator, tiny 2x256, remat none/auto/full."""
+    rows, bad = _rows(1, "/compiled")
+    assert len(rows) == 3
+    assert not bad, "\n".join(bad)
+
+
+@pytest.mark.compile
+@pytest.mark.xfail(strict=True, reason="compiled at SP 2 with remat auto/full the plan reads "
+                   "23-28% low (none: -3%); the collectives' buffers inside the compiled "
+                   "checkpointed backward are not yet accounted (bench/MEMORY.md)")
 def test_planner_within_10pct_of_allocator_compiled():
     rows, bad = _rows(2, "/compiled")
     assert len(rows) == 2 * 3

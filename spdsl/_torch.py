@@ -35,7 +35,8 @@ stack_trace_anchor()            a plain function's lines kept in node stack trac
                                 ``sp_shard(f)`` for a function ``f`` lose their ``at:`` line
 inductor_schedules()            the memory plan of a compiled step: Inductor's own schedule
                                 of the forward and backward graphs (buffer sizes and
-                                lifetimes) read without generating code; compiled plans stop
+                                lifetimes) read without generating code: compiled steps
+                                cannot be planned
 dtensor_op_handlers(),          spdsl's attention handlers for DTensor-authored models
 dtensor_sharding_propagator(),  (spdsl.dtensor_ops) and DTensor's op strategies as a fallback
 dtensor_spec_types()            rule (propagate.rules.dtensor): eager DTensor attention gathers
@@ -115,8 +116,8 @@ class _Scheduled(Exception):
 
 @contextlib.contextmanager
 def inductor_schedules(record):
-    """Inside: ``torch.compile(gm, backend=inductor_schedules.backend)`` runs AOTAutograd and
-    Inductor up to its final kernel order, then stops; for each graph ``record(is_backward,
+    """Yields a ``torch.compile`` backend: ``torch.compile(gm, backend=backend)`` inside runs
+    AOTAutograd and Inductor up to Inductor's final kernel order, then stops; for each graph ``record(is_backward,
     buffers)`` gets every buffer Inductor would hold as ``(name, bytes, first step, last step
     or -1 for an output, is a graph input)``. The graphs themselves run uncompiled (on fake
     tensors, say). Inductor's caches are off, so every graph is scheduled."""

@@ -15,8 +15,9 @@ generated), and reads the buffers Inductor will hold in each graph and when each
   hands them over and lets go); gradients are outputs and stay;
 - optimizer: as in the eager simulation (gradients, AdamW's per-parameter temporaries).
 
-The step's peak is the largest of the three on top of what lives across steps. Kernel scratch
-(``spdsl.memory.workspace``) is added at the step of the kernel that allocates it.
+The step's peak is the largest of the three on top of what lives across steps. Not counted:
+kernel scratch that an extern kernel allocates and frees inside itself (CPU flash attention's
+tiles, ``spdsl.memory.workspace``), which the eager simulation adds and this plan does not yet.
 """
 
 from __future__ import annotations
@@ -94,8 +95,7 @@ def simulate_compiled(gm: torch.nn.Module, state: list[TensorSpec], inputs: list
     """
     eager = simulate(gm, state, inputs, optimizer=optimizer, tokens=tokens, label=label)
     sched = graph_schedules(gm, state, inputs)
-    base = dict(eager.phases["forward"])
-    lasting = {c: base.get(c, 0) for c in ("parameter", "optimizer", "input")}
+    lasting = {c: eager.phases["forward"].get(c, 0) for c in ("parameter", "optimizer", "input")}
     fwd_peak, saved, _ = timeline(sched["forward"], inputs_freed=False)
     bwd_peak, _, bwd_held = timeline(sched["backward"], inputs_freed=True)
     phases = {

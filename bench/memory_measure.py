@@ -1,10 +1,11 @@
 """The planner against the allocator's own count, per rank: the table in bench/MEMORY.md.
 
-    python bench/memory_measure.py                  # SP 1, 2 (with compiled), 4: ~12 min
+    python bench/memory_measure.py                  # SP 1, 2, 4, eager and compiled: ~35 min
     python bench/memory_measure.py --worlds 2       # one degree, merged into the JSON
 
-One launch of gloo ranks per SP degree (``tests/memory/measured.py``: the cases and what is
-compared). Prints a markdown table, writes ``bench/memory_measure.json``.
+One launch of gloo ranks per SP degree, every case eager and compiled
+(``tests/memory/measured.py``: the cases, ``BENCH``, and what is compared). Prints a markdown
+table, writes ``bench/memory_measure.json``.
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--worlds", type=int, nargs="+", default=[1, 2, 4])
     p.add_argument("--out", default=os.path.join(ROOT, "bench", "memory_measure.json"))
     a = p.parse_args(argv)
-    from tests.memory.measured import PLAN, launch
+    from tests.memory.measured import BENCH, launch
 
     results = {}
     if a.worlds != [1, 2, 4] and os.path.exists(a.out):
@@ -54,7 +55,7 @@ def main(argv: list[str] | None = None) -> None:
             results = json.load(fh)                # the other degrees from an earlier run
     for w in a.worlds:
         t = time.time()
-        results[str(w)] = launch(w, PLAN[w])
+        results[str(w)] = launch(w, BENCH[w])
         print(f"SP {w}: {time.time() - t:.0f} s", file=sys.stderr)
     with open(a.out, "w") as fh:
         json.dump(results, fh, indent=1)

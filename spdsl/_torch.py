@@ -33,10 +33,11 @@ flex_attention_on_cpu()         flex_attention traced and run with gradients on 
                                 eager math runs both ways): flex models stop tracing on CPU
 stack_trace_anchor()            a plain function's lines kept in node stack traces: errors in
                                 ``sp_shard(f)`` for a function ``f`` lose their ``at:`` line
-inductor_schedules()            the memory plan of a compiled step: Inductor's own schedule
-                                of the forward and backward graphs (buffer sizes and
-                                lifetimes) read without generating code: compiled steps
-                                cannot be planned
+inductor_programs()             the memory plan of a compiled step: the Python program
+                                Inductor generates for the forward and backward graphs
+                                (``GraphLowering._compile_to_module_lines``), its buffers'
+                                sizes and extern calls, read before any kernel is compiled:
+                                compiled steps cannot be planned
 dtensor_op_handlers(),          spdsl's attention handlers for DTensor-authored models
 dtensor_sharding_propagator(),  (spdsl.dtensor_ops) and DTensor's op strategies as a fallback
 dtensor_spec_types()            rule (propagate.rules.dtensor): eager DTensor attention gathers
@@ -48,6 +49,7 @@ dtensor_spec_types()            rule (propagate.rules.dtensor): eager DTensor at
 from __future__ import annotations
 
 import contextlib
+import types
 
 import torch
 import torch._functorch.config as functorch_config
@@ -110,41 +112,77 @@ def fake_store():
     return FakeStore()
 
 
-class _Scheduled(Exception):
-    """Raised inside Inductor once a graph's schedule is read: no code is generated."""
+class _Generated(Exception):
+    """Raised inside Inductor once a graph's program is generated: nothing is compiled or run."""
 
 
 @contextlib.contextmanager
-def inductor_schedules(record):
+def inductor_programs(record):
     """Yields a ``torch.compile`` backend: ``torch.compile(gm, backend=backend)`` inside runs
-    AOTAutograd and Inductor up to Inductor's final kernel order, then stops; for each graph ``record(is_backward,
-    buffers)`` gets every buffer Inductor would hold as ``(name, bytes, first step, last step
-    or -1 for an output, is a graph input)``. The graphs themselves run uncompiled (on fake
-    tensors, say). Inductor's caches are off, so every graph is scheduled."""
+    AOTAutograd and Inductor as far as the Python program Inductor generates for each graph
+    (the wrapper that allocates, calls the kernels and frees), then stops before compiling any
+    kernel. For each graph ``record(is_backward, source, sizes, external, externs)`` gets the
+    program's source, the bytes of every buffer and graph input by name, the inputs the caller
+    keeps alive (parameters, tangents: Inductor's ``is_nonfreeable_buffers``), and for each
+    extern kernel's buffer the call it makes, ``(op, args, kwargs)`` on meta tensors. The graphs themselves
+    run uncompiled (on fake tensors, say). Inductor's caches are off, so every graph is
+    generated."""
     import torch._inductor.config as inductor_config
-    import torch._inductor.memory as imem
     from torch._functorch.aot_autograd import make_boxed_func
     from torch._inductor.compile_fx import compile_fx, compile_fx_inner
+    from torch._inductor.graph import GraphLowering
+    from torch._inductor.ir import FallbackKernel, MultiOutputLayout
+    from torch._inductor.utils import is_nonfreeable_buffers
 
-    reorder = imem.reorder_for_peak_memory
+    lines = GraphLowering._compile_to_module_lines
     backward = [False]
 
-    def read(nodes, name_to_buf, name_to_fused_node, graph_inputs, graph_outputs):
-        nodes = reorder(nodes, name_to_buf, name_to_fused_node, graph_inputs, graph_outputs)
-        inputs = imem.get_freeable_input_buf(nodes, graph_inputs)
-        infos, _, _ = imem.compute_memory_timeline(nodes, inputs, graph_outputs)
-        names = [getattr(b.buffer, "name", None) or b.buffer.get_name() for b in infos]
-        record(backward[0], [(n, int(b.size_alloc), int(b.start_step), int(b.end_step),
-                              n in inputs) for n, b in zip(names, infos)])
+    def nbytes(graph, node) -> int | None:
+        if not hasattr(node, "get_numel") or isinstance(node.get_output_spec(),
+                                                        MultiOutputLayout):
+            return None
+        try:
+            numel = graph.sizevars.optimization_hint(node.get_numel(), fallback=0)
+            return int(numel) * node.get_dtype().itemsize
+        except (AttributeError, NotImplementedError):
+            return None
+
+    def meta(graph, node) -> torch.Tensor:
+        hint = graph.sizevars.optimization_hints
+        return torch.empty_strided(hint(node.get_size(), fallback=0),
+                                   hint(node.get_stride(), fallback=0),
+                                   dtype=node.get_dtype(), device="meta")
+
+    def extern_call(graph, node):
+        try:
+            return (node.op_overload,
+                    *node.unflatten_args([meta(graph, x) for x in node.inputs],
+                                         node.constant_args))
+        except Exception:  # noqa: BLE001 - an input without a fixed layout: no call to replay
+            return None
+
+    def read(graph, wrapper_code):
+        sizes, externs = {}, {}
+        for name, node in [*graph.graph_inputs.items(), *graph.name_to_buffer.items()]:
+            n = nbytes(graph, node)
+            if n is not None:
+                sizes[name] = n
+            if isinstance(node, FallbackKernel) and getattr(node, "op_overload", None):
+                call = extern_call(graph, node)
+                if call is not None:
+                    externs[name] = call
+        external = {n for n in graph.graph_inputs
+                    if is_nonfreeable_buffers(types.SimpleNamespace(name=n))}
+        record(backward[0], wrapper_code.value, sizes, external, externs)
         read.done = True
-        raise _Scheduled
+        raise _Generated
 
     def inner(gm, example_inputs, **kwargs):
         backward[0] = bool(kwargs.get("is_backward", False))
         read.done = False
         try:
             compile_fx_inner(gm, example_inputs, **kwargs)
-        except Exception:              # Inductor wraps _Scheduled in its own InductorError
+        except Exception:              # Inductor wraps _Generated in its own InductorError
             if not read.done:
                 raise
         return make_boxed_func(gm.forward)
@@ -152,13 +190,13 @@ def inductor_schedules(record):
     def backend(gm, example_inputs):
         return compile_fx(gm, example_inputs, inner_compile=inner)
 
-    imem.reorder_for_peak_memory = read
+    GraphLowering._compile_to_module_lines = read
     try:
-        with inductor_config.patch(fx_graph_cache=False, reorder_for_peak_memory=True), \
+        with inductor_config.patch(fx_graph_cache=False), \
                 functorch_config.patch(enable_autograd_cache=False):
             yield backend
     finally:
-        imem.reorder_for_peak_memory = reorder
+        GraphLowering._compile_to_module_lines = lines
 
 
 def dtensor_op_handlers() -> dict:
@@ -198,7 +236,7 @@ __all__ = [
     "flex_attention_on_cpu",
     "functional_collectives",
     "functorch_config",
-    "inductor_schedules",
+    "inductor_programs",
     "is_traceable_wrapper_subclass",
     "profiler_event_kinds",
     "reparametrize_module",

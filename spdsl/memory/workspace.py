@@ -49,7 +49,9 @@ def _flash_cpu_backward(args, kwargs) -> int:
     buf = threads * 2 * qb * kvb * acc
     buf += threads * 2 * qb * kvb * q.element_size() if reduced else 0
     buf += min(threads, b * h) * qb * acc                  # dsum, one per parallel chunk
-    if not grad_out.is_contiguous():                       # grad_out.contiguous() inside
+    # the kernel takes [B, L, H, E] views and copies grad_out unless that view is contiguous
+    # (flash_attention_backward_kernel_impl: grad_out.contiguous())
+    if not grad_out.transpose(1, 2).is_contiguous():
         buf += grad_out.numel() * grad_out.element_size()
     return buf
 

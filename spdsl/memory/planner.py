@@ -24,9 +24,10 @@ def plan_memory(fn, *args, remat=None, rank: int = 0, optimizer: str = "adamw",
     """Predicted peak memory of one training step of ``fn(*args, **kwargs)`` on ``rank``.
 
     ``fn`` is an ``sp_shard``/``shard``-wrapped function or module; ``remat`` overrides its
-    own ``remat=``, ``compiled`` its ``compile=``: a compiled step is planned from
-    Inductor's own schedule of its forward and backward graphs (``spdsl.memory.compiled``;
-    this compiles, without generating code: seconds to minutes). Arguments may live on the
+    own ``remat=``, ``compiled`` its ``compile=``: a compiled step is planned by
+    replaying the program Inductor generates for its forward and backward graphs
+    (``spdsl.memory.compiled``; this runs Inductor as far as that program, without compiling
+    a kernel: seconds to minutes). Arguments may live on the
     meta device.
 
     Example::

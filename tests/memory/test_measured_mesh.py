@@ -31,16 +31,21 @@ def _modes():
             "full+offload": spdsl.Remat("full", offload=True)}
 
 
-def _case(name: str, dp: int, sp: int, mesh) -> dict:
+def _case(name: str, dp: int, sp: int, mesh, compile: bool = False, modes=None) -> dict:
+    """Every remat mode of ``_modes()`` (or the labels in ``modes``) on one case: the planned
+    and measured peak above the step's start."""
     cfg, batch, seq = CASES[name]
     out = {}
     for label, mode in _modes().items():
+        if modes is not None and label not in modes:
+            continue
         gc.collect()
         torch.manual_seed(0)
         model = Llama(cfg)
         ids = torch.randint(0, cfg.vocab_size, (batch, seq),
                             generator=torch.Generator().manual_seed(1))
-        f = spdsl.sp_shard(model, seq=sp, mesh=mesh, shard_state=True, remat=mode)
+        f = spdsl.sp_shard(model, seq=sp, mesh=mesh, shard_state=True, remat=mode,
+                           compile=compile)
         opt = torch.optim.AdamW(model.parameters(), foreach=False)
 
         def step(f=f, opt=opt, ids=ids):

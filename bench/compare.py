@@ -117,6 +117,8 @@ def run(args: argparse.Namespace) -> list[dict] | None:
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     load_before = os.getloadavg()[0]     # the machine is shared: say how busy it was
     revision = source_revision()         # at the start: the tree may change during a run
+    from spdsl.memory.measure import track_cpu_allocations
+    track_cpu_allocations()      # the allocator counts frees on gloo's threads too (the peaks)
     # Long steps at 16K tokens: time out a stuck collective after 15 min, not gloo's 30.
     dist.init_process_group("gloo", timeout=datetime.timedelta(minutes=15))
     cfg = RunConfig(model=args.model, batch=args.batch, world=world, rank=rank, seed=args.seed,

@@ -170,6 +170,8 @@ def main(argv=None) -> int:
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     load0, revision = os.getloadavg()[0], source_revision()
+    from spdsl.memory.measure import track_cpu_allocations
+    track_cpu_allocations()      # the allocator counts frees on gloo's threads too (the peaks)
     dist.init_process_group("gloo", timeout=datetime.timedelta(minutes=15))
     cfg = RunConfig(model=args.model, batch=args.batch, world=world, rank=rank, seed=args.seed,
                     lr=1e-3)

@@ -156,7 +156,11 @@ def _gloo_input_bytes(event) -> int:
 
 
 def summarize(events, world: int, rank: int) -> StepMeasure:
-    """Turn the profiler's kinetic events into bytes per collective kind and peak memory."""
+    """Turn the profiler's kinetic events into bytes per collective kind and peak memory.
+
+    The peak here is the running sum of the events' sizes: the profiled threads' view, which
+    misses frees on other threads; :func:`profile_step` replaces it with the allocator's
+    total."""
     out = StepMeasure()
     memory = []
     gloo: dict[str, float] = {}
@@ -201,11 +205,21 @@ def top_ops(prof, k: int) -> list[tuple[str, float, int]]:
 
 def profile_step(step: Callable[[], object], world: int, rank: int,
                  top: int = 0) -> StepMeasure:
-    """Run ``step()`` once under the profiler and summarize its collectives and memory."""
+    """Run ``step()`` once under the profiler and summarize its collectives and memory.
+
+    The peak is the allocator's own running total above where the step began
+    (``spdsl.memory.measure.allocator_span``), exact on every thread when the process called
+    ``track_cpu_allocations()`` first (the bench entry points do): gloo's worker threads drop
+    some collective buffers, and a sum of the profiled thread's own events misses those frees
+    (it read up to 4% high at SP 2, ``bench/MEMORY.md``)."""
+    from spdsl.memory.measure import allocator_span, mark
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True,
                  record_shapes=True) as prof:
+        mark()
         step()
+        mark()
     out = summarize(prof.profiler.kineto_results.events(), world, rank)
+    out.peak_bytes = allocator_span(prof)[1]
     if top:
         out.top_ops = top_ops(prof, top)
     return out

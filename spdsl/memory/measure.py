@@ -126,11 +126,31 @@ def _measure_cpu(step) -> StepMemory:
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        # one-byte markers: the allocator's total right before and right after the step
-        torch.empty(1, dtype=torch.uint8)
+        mark()
         step()
         _settle()       # the step's own collective buffers, dropped late by a gloo thread
-        torch.empty(1, dtype=torch.uint8)
+        mark()
+    before, peak, end = allocator_span(prof)
+    return StepMemory(before, peak, end, "torch.profiler memory events")
+
+
+def mark() -> None:
+    """A one-byte allocation: :func:`allocator_span` reads the allocator's total between two."""
+    torch.empty(1, dtype=torch.uint8)
+
+
+def allocator_span(prof) -> tuple[int, int, int]:
+    """(held before, peak above that, held at the end above that), in bytes, between the first
+    and the last :func:`mark` of a ``torch.profiler.profile(profile_memory=True)`` run: the
+    allocator's own running total carried by each allocation event. Exact on every thread
+    once :func:`track_cpu_allocations` has run (else frees on unprofiled threads are missed).
+
+    Example::
+
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            mark(); step(); mark()
+        before, peak, end = allocator_span(prof)
+    """
     kinds = profiler_event_kinds()
     events, todo = [], list(prof.profiler.kineto_results.experimental_event_tree())
     while todo:
@@ -143,5 +163,5 @@ def _measure_cpu(step) -> StepMemory:
     first = next(i for i, e in enumerate(events) if e[1] == 1)
     last = max(i for i, e in enumerate(events) if e[1] == 1)
     before = events[first][2] - 1
-    peak = max(total for _, _, total in events[first + 1:last]) - before
-    return StepMemory(before, peak, events[last][2] - 1 - before, "torch.profiler memory events")
+    peak = max((total for _, _, total in events[first + 1:last]), default=before) - before
+    return before, peak, events[last][2] - 1 - before

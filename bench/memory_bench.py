@@ -1,14 +1,15 @@
-"""Per-rank peak activation memory vs sequence length, and the step-time cost of each remat
+"""Per-rank peak memory of a step vs sequence length, and the step-time cost of each remat
 mode, for a small Llama on CPU: SP 1/2/4 x remat none/auto/full, one launch of gloo ranks per
 SP degree, every mode timed side by side in the same launch.
 
-    python bench/memory_bench.py                      # ~10 min on 2 cores; writes the PNG
+    python bench/memory_bench.py                      # ~12 min on 2 cores; writes the PNG
     python bench/memory_bench.py --seqs 512 1024 --time-seq 1024 --worlds 1 2   # quick
 
-Measured: live tensor bytes (``spdsl.memory.LiveBytes``) of a real forward + backward, minus
-parameters and gradients (activation memory = saved activations + transients at the peak).
-Dashed: the planner's prediction for the same step, extended to lengths not run.
-Outputs ``bench/memory_bench.png`` and ``bench/memory_bench.json``.
+Measured: the most bytes c10's CPU allocator held during a real forward + backward above what
+it held when the step began (``spdsl.memory.measure``, which shares nothing with the planner):
+saved activations, transients and the gradients that exist at that moment; parameters and the
+batch were there before. Dashed: the planner's prediction of the same quantity, extended to
+lengths not run. Outputs ``bench/memory_bench.png`` and ``bench/memory_bench.json``.
 """
 
 from __future__ import annotations
@@ -27,22 +28,15 @@ sys.path.insert(0, ROOT)
 MODES = ("none", "auto", "full")
 
 
-def _activation_peak(f, model, ids) -> int:
-    from spdsl.memory import LiveBytes
+def _step_peak(f, model, ids) -> int:
+    from spdsl.memory.measure import measure_step
 
-    tracker = LiveBytes()
-    tracker.register(model.parameters(), "parameter")
-    hooks = tracker.watch_gradients(model.parameters())
-    with tracker:
+    def step():
         loss = f(ids, ids)
-        tracker.phase = "backward"
         loss.backward()
         del loss
-    for h in hooks:
-        h.remove()
-    model.zero_grad(set_to_none=True)
-    at = tracker.at_peak
-    return tracker.peak - at.get("parameter", 0) - at.get("gradient", 0)
+        model.zero_grad(set_to_none=True)      # the step ends where it began
+    return measure_step(step, warmup=False).peak
 
 
 def run(rank: int, world: int, seqs: list[int], plan_seqs: list[int], time_seq: int,
@@ -50,7 +44,9 @@ def run(rank: int, world: int, seqs: list[int], plan_seqs: list[int], time_seq: 
     import spdsl
     from models.llama import Llama, LlamaConfig
     from spdsl.memory import plan_memory
+    from spdsl.memory.measure import track_cpu_allocations
 
+    track_cpu_allocations()
     cfg = LlamaConfig.small()
     torch.manual_seed(0)
     model = Llama(cfg)
@@ -63,11 +59,11 @@ def run(rank: int, world: int, seqs: list[int], plan_seqs: list[int], time_seq: 
             ids = torch.randint(0, cfg.vocab_size, (1, s))
             f(ids, ids).backward()                 # build + warm up
             model.zero_grad(set_to_none=True)
-            out["measured"][mode][s] = _activation_peak(f, model, ids)
+            out["measured"][mode][s] = _step_peak(f, model, ids)
         for s in sorted(set(seqs) | set(plan_seqs)):
             ids = torch.zeros(1, s, dtype=torch.long)
             p = plan_memory(f, ids, ids, rank=rank, optimizer="none")
-            out["planned"][mode][s] = p.peak - p.parameters - p.gradients
+            out["planned"][mode][s] = p.peak - p.parameters - p.inputs
     # step times side by side: interleave the modes so load drifts hit each alike
     fns = {m: spdsl.sp_shard(seq=world, remat=m)(model) for m in MODES}
     ids = torch.randint(0, cfg.vocab_size, (1, time_seq))
@@ -108,7 +104,7 @@ def plot(results: dict, path: str) -> None:
         ax.set_xscale("log", base=2)
         ax.grid(alpha=0.3)
         ax.legend(title="remat (time vs none)")
-    axes[0].set_ylabel("peak activation memory (MiB)\nsolid: measured, dashed: planner")
+    axes[0].set_ylabel("step peak above its start (MiB)\nsolid: allocator, dashed: planner")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
@@ -118,7 +114,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--seqs", type=int, nargs="+", default=[1024, 2048, 4096])
     p.add_argument("--plan-seqs", type=int, nargs="+", default=[8192, 16384])
     p.add_argument("--time-seq", type=int, default=2048)
-    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--steps", type=int, default=10)
     p.add_argument("--worlds", type=int, nargs="+", default=[1, 2, 4])
     p.add_argument("--out", default=os.path.join(ROOT, "bench", "memory_bench"))
     a = p.parse_args(argv)
@@ -131,9 +127,10 @@ def main(argv: list[str] | None = None) -> None:
         r = results[str(w)]
         print(f"SP {w} ({time.time() - t:.0f} s)")
         for m in MODES:
-            meas = "  ".join(f"{s}:{v / 2 ** 20:.1f}" for s, v in r["measured"][m].items())
+            meas = "  ".join(f"{s}:{v / 2 ** 20:.1f} (planned {r['planned'][m][s] / v - 1:+.2%})"
+                             for s, v in r["measured"][m].items())
             print(f"  {m:5} step {r['step_s'][m]:.3f} s (x{r['step_s'][m] / r['step_s']['none']:.2f})"
-                  f"  activation MiB {meas}")
+                  f"  step peak MiB {meas}")
     with open(a.out + ".json", "w") as fh:
         json.dump(results, fh, indent=1)
     plot(results, a.out + ".png")

@@ -117,14 +117,18 @@ def program_storages(source: str, sizes: dict[str, int], external: set[str],
         return len(rows) - 1
 
     def bind(name: str, storages: list[int], step: int) -> None:
-        drop(name, step)
+        for s in storages:                    # first: ``x = reinterpret_tensor(x, ...)`` keeps x
+            refs[s].add(name)
+        old = where.pop(name, [])
         if storages:
             where[name] = storages
-            for s in storages:
-                refs[s].add(name)
+        release(name, [s for s in old if s not in storages], step)
 
     def drop(name: str, step: int) -> None:
-        for s in where.pop(name, []):
+        release(name, where.pop(name, []), step)
+
+    def release(name: str, storages: list[int], step: int) -> None:
+        for s in storages:
             refs[s].discard(name)
             if not refs[s] and rows[s][3] is None:
                 rows[s][3] = step - 1         # live through the statement before this one

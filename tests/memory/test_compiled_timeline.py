@@ -45,6 +45,7 @@ class Runner:
         del buf5
         buf6 = empty_strided_cpu((2, 2), (1, 4), torch.float64)
         kernel(buf4, buf6)
+        buf4 = reinterpret_tensor(buf4, (3, ), (1, ), 0)
         del buf4
         return (reinterpret_tensor(buf9, (4, 4), (4, 1), 0), buf6, )
 '''
@@ -59,7 +60,8 @@ def test_program_replay_follows_references():
     got = {r[0]: r[1:] for r in rows}
     # statements: 0 unpack, 1 clear, 2 buf0, 3 kernel, 4 del saved_1, 5 reuse, 6 del buf0,
     # 7 buf9, 8 buf5, 9 extern call, 10 del saved_2, 11 buf3, 12 buf4, 13 del buf2, 14 kernel,
-    # 15 del buf1, 16 del buf3, 17 del buf5, 18 buf6, 19 kernel, 20 del buf4, 21 return
+    # 15 del buf1, 16 del buf3, 17 del buf5, 18 buf6, 19 kernel, 20 buf4 rebound to a view of
+    # itself, 21 del buf4, 22 return
     assert got == {
         "saved_1": (40, 0, 3, True),              # freed by its del, the caller keeps no ref
         "saved_2": (24, 0, 9, True),
@@ -67,7 +69,7 @@ def test_program_replay_follows_references():
         "buf9": (64, 7, -1, False),               # returned through a view: stays
         "buf2 (kernel scratch)": (1000, 9, 9, False),
         "buf3": (100, 9, 15, False),              # both outputs allocated by the call
-        "buf4": (12, 9, 19, False),
+        "buf4": (12, 9, 20, False),               # the rebinding keeps it until the del
         "buf6": (8 * (1 + 1 * 1 + 1 * 4), 18, -1, False),   # the strided extent, float64
     }
     peak, end, held = timeline(rows, inputs_freed=True)

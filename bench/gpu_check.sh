@@ -12,8 +12,8 @@
 #             flash backend and torch.compile'd references, bf16 (bench/kernel_bench.py).
 # Results: bench/results/gpu/{kernel_tests.log,train_parity.json,planner.json,
 # kernel_bench.json,gpu_check.json,summary.md}; the summary is printed at the end. The dry run
-# uses LlamaConfig.tiny() models and measures the planner against LiveBytes; its timings mean
-# nothing.
+# uses LlamaConfig.tiny() models and measures the planner against c10's CPU allocator; its
+# timings mean nothing.
 #
 # Usage, from anywhere:
 #   bash bench/gpu_check.sh                 # on the GPU machine

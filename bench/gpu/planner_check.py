@@ -9,9 +9,10 @@ caching allocator's own count, which the planner never sees). Planned:
 state and inputs; the allocator also holds what the planner does not model (the cuBLAS
 workspace, allocator rounding to 512 B blocks), so a ratio a little under 1 is expected.
 
-On CPU (``--tiny``, the dry run) there is no allocator counter: the measurement is live tensor
-bytes (``spdsl.memory.LiveBytes``) of forward + backward minus parameters and gradients, against
-the planner's same quantity with ``optimizer="none"``, as ``bench/memory_bench.py`` does.
+On CPU (``--tiny``, the dry run) the measurement is c10's CPU allocator's own count
+(``spdsl.memory.measure``): the most bytes held during forward + backward above what was held
+when it began, against the planner's same quantity with ``optimizer="none"``, as
+``bench/memory_bench.py`` does.
 
     python -m bench.gpu.planner_check --out bench/results/gpu/planner.json
 """
@@ -56,11 +57,11 @@ def measure_cuda(f, model, ids) -> dict:
 
 
 def measure_cpu(f, model, ids) -> dict:
-    from bench.memory_bench import _activation_peak
+    from bench.memory_bench import _step_peak
 
     f(ids, ids).backward()
     model.zero_grad(set_to_none=True)
-    return {"measured_peak": _activation_peak(f, model, ids)}
+    return {"measured_peak": _step_peak(f, model, ids)}
 
 
 def run(device: str, seq: int, tiny: bool) -> list[dict]:
@@ -86,8 +87,9 @@ def run(device: str, seq: int, tiny: bool) -> list[dict]:
             else:
                 row.update(measure_cpu(f, model, ids))
                 p = plan_memory(f, ids, ids, remat=mode, optimizer="none")
-                row["planned_peak"] = p.peak - p.parameters - p.gradients
-                row["quantity"] = "forward+backward activation peak (LiveBytes, CPU)"
+                row["planned_peak"] = p.peak - p.parameters - p.inputs
+                row["quantity"] = ("forward+backward peak above the step's start (c10's CPU "
+                                   "allocator, spdsl.memory.measure)")
             row["ratio"] = row["planned_peak"] / row["measured_peak"]
             print(f"remat {mode:5}: planned {fmt_bytes(row['planned_peak'])}, measured "
                   f"{fmt_bytes(row['measured_peak'])}, planned/measured {row['ratio']:.3f}",

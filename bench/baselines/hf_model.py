@@ -12,11 +12,16 @@ ALST (``alst_hf.py``) shifts them in its data adapter before sharding, as it pre
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from .model import CONFIGS
 from .reference import LossTrainer
 from .systems import RunConfig, Unavailable
+
+if TYPE_CHECKING:
+    import spdsl
 
 
 def hf_config(name: str):
@@ -64,7 +69,8 @@ class HFReferenceTrainer(LossTrainer):
 class SpdslHFTrainer(HFReferenceTrainer):
     """``spdsl.sp_shard(seq=P)`` over the unmodified HF model's loss; global tensors in."""
 
-    def __init__(self, cfg: RunConfig, compiled: bool, remat: str | None = None) -> None:
+    def __init__(self, cfg: RunConfig, compiled: bool,
+                 remat: str | spdsl.Remat | None = None) -> None:
         import spdsl
 
         super().__init__(cfg)

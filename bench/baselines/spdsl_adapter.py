@@ -14,11 +14,16 @@ reported as not available.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from .model import ShiftedLoss, build_llama
 from .reference import LossTrainer
 from .systems import RunConfig, Unavailable
+
+if TYPE_CHECKING:
+    import spdsl
 
 
 def _sp_shard():
@@ -33,7 +38,8 @@ def _sp_shard():
 
 
 class SpdslTrainer(LossTrainer):
-    def __init__(self, cfg: RunConfig, compiled: bool, remat: str | None = None) -> None:
+    def __init__(self, cfg: RunConfig, compiled: bool,
+                 remat: str | spdsl.Remat | None = None) -> None:
         sp_shard = _sp_shard()
         self.llama = build_llama(cfg.model, cfg.seed)
         kwargs = {"compile": True} if compiled else {}

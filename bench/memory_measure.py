@@ -1,6 +1,6 @@
 """The planner against the allocator's own count, per rank: the table in bench/MEMORY.md.
 
-    python bench/memory_measure.py                  # SP 1, 2, 4, eager and compiled: ~35 min
+    python bench/memory_measure.py                  # SP 1, 2, 4, eager and compiled: ~75 min
     python bench/memory_measure.py --worlds 2       # one degree, merged into the JSON
 
 One launch of gloo ranks per SP degree, every case eager and compiled

@@ -2,7 +2,7 @@
 mode, for a small Llama on CPU: SP 1/2/4 x remat none/auto/full, one launch of gloo ranks per
 SP degree, every mode timed side by side in the same launch.
 
-    python bench/memory_bench.py                      # ~12 min on 2 cores; writes the PNG
+    python bench/memory_bench.py                      # ~15 min on 2 cores; writes the PNG
     python bench/memory_bench.py --seqs 512 1024 --time-seq 1024 --worlds 1 2   # quick
 
 Measured: the most bytes c10's CPU allocator held during a real forward + backward above what

@@ -124,9 +124,9 @@ def inductor_programs(record):
     kernel. For each graph ``record(is_backward, source, sizes, external, externs)`` gets the
     program's source, the bytes of every buffer and graph input by name, the inputs the caller
     keeps alive (parameters, tangents: Inductor's ``is_nonfreeable_buffers``), and for each
-    extern kernel's buffer the call it makes, ``(op, args, kwargs)`` on meta tensors. The graphs themselves
-    run uncompiled (on fake tensors, say). Inductor's caches are off, so every graph is
-    generated."""
+    extern kernel's buffer the call it makes, ``(op, args, kwargs)`` on meta tensors. The
+    graphs themselves run uncompiled (on fake tensors, say). Inductor's caches are off, so
+    every graph is generated."""
     import torch._inductor.config as inductor_config
     from torch._functorch.aot_autograd import make_boxed_func
     from torch._inductor.compile_fx import compile_fx, compile_fx_inner

@@ -7,7 +7,8 @@ began** — parameters, AdamW states, the global input ids and whatever else liv
 
 - planned: ``plan.peak - plan.parameters - plan.optimizer - plan.inputs`` (what the plan says
   exists before the step and lives through it);
-- measured: ``spdsl.memory.measure.measure_step(step).peak`` (c10's CPU allocator, see there).
+- measured: ``spdsl.memory.measure.measure_step(step).peak`` (c10's CPU allocator, see there),
+  the lower of two steps that end where they began (:func:`_clean_measure`).
 
 Absolute figures travel too (``plan.peak`` and ``before + peak``), for the table.
 """
@@ -50,13 +51,32 @@ def run_case(name: str, world: int, rank: int, modes=MODES, compile: bool = Fals
         f = spdsl.sp_shard(seq=world, remat=mode, compile=compile)(model)
         step = _step(f, torch.optim.AdamW(model.parameters(), foreach=False), ids)
         step()                                   # build (and compile), AdamW states created
-        m = measure_step(step)
+        m, samples = _clean_measure(step)
         plan = plan_memory(f, ids, ids, remat=mode, rank=rank)
         before = plan.parameters + plan.optimizer + plan.inputs
         out[mode] = {"planned": plan.peak - before, "measured": m.peak,
                      "planned_abs": plan.peak, "measured_abs": m.before + m.peak,
-                     "end": m.end, "phase": plan.peak_phase}
+                     "end": m.end, "phase": plan.peak_phase, "samples": samples}
     return out
+
+
+def _clean_measure(step, tries: int = 3):
+    """The allocator's count of one step, the lowest peak among up to ``tries`` clean steps.
+
+    A gloo worker thread sometimes drops its reference to a finished collective's buffers a
+    moment late (``spdsl.memory.measure``): across a step boundary the step then ends below or
+    above where it began, inside a step the buffers stay counted past the program's own free.
+    Both only add to what the program holds; a step that does not end where it began is not a
+    steady-state sample. Every sample's (peak, end) travels with the result."""
+    samples, best = [], None
+    for _ in range(tries):
+        m = measure_step(step, warmup=False)
+        samples.append((m.peak, m.end))
+        if m.end == 0 and (best is None or m.peak < best.peak):
+            best = m
+        if best is not None and len(samples) >= 2:
+            break
+    return (best if best is not None else m), samples
 
 
 def _step(f, opt, ids):

@@ -118,8 +118,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--worlds", type=int, nargs="+", default=[1, 2, 4])
     p.add_argument("--out", default=os.path.join(ROOT, "bench", "memory_bench"))
     a = p.parse_args(argv)
+    from bench.compare import source_revision
     from tests.dist import spawn
 
+    print(f"revision {source_revision()}", flush=True)
     results = {}
     for w in a.worlds:
         t = time.time()

@@ -27,7 +27,7 @@ def table(results: dict) -> str:
     lines = [("| SP | model, BxS | exec | remat | planned (rank 0) | measured (rank 0) "
               "| planned / measured, all ranks | absolute: planned / measured (rank 0) |"),
              "| --- | --- | --- | --- | ---: | ---: | ---: | ---: |"]
-    for world in sorted(results, key=int):
+    for world in sorted((k for k in results if k.isdigit()), key=int):
         ranks = results[world]
         for key, modes in ranks[0].items():
             case, how = key.split("/")
@@ -47,18 +47,24 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--worlds", type=int, nargs="+", default=[1, 2, 4])
     p.add_argument("--out", default=os.path.join(ROOT, "bench", "memory_measure.json"))
     a = p.parse_args(argv)
+    from bench.compare import source_revision
     from tests.memory.measured import BENCH, launch
 
     results = {}
     if a.worlds != [1, 2, 4] and os.path.exists(a.out):
         with open(a.out) as fh:
             results = json.load(fh)                # the other degrees from an earlier run
+    revision = source_revision()
     for w in a.worlds:
         t = time.time()
-        results[str(w)] = launch(w, BENCH[w])
-        print(f"SP {w}: {time.time() - t:.0f} s", file=sys.stderr)
-    with open(a.out, "w") as fh:
-        json.dump(results, fh, indent=1)
+        print(f"SP {w}: one launch of {w} rank(s), cases {BENCH[w]}", file=sys.stderr, flush=True)
+        # compiling every case on loaded cores: an hour per launch at most
+        results[str(w)] = launch(w, BENCH[w], timeout=3600)
+        results.setdefault("source", {})[str(w)] = revision
+        with open(a.out, "w") as fh:               # after each degree: a later failure keeps it
+            json.dump(results, fh, indent=1)
+        print(f"SP {w}: {time.time() - t:.0f} s (revision {revision})", file=sys.stderr,
+              flush=True)
     print(table(results))
 
 

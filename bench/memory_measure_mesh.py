@@ -29,7 +29,9 @@ def _run(rank: int, world: int) -> dict:
 
 
 def main() -> None:
+    from bench.compare import source_revision
     from tests.dist import spawn
+    print(f"revision {source_revision()}", flush=True)
     t = time.time()
     results = spawn(_run, 4, timeout=3600)
     print(f"dp=2 x sp=2, tiny 4x256, compiled, shard_state=True ({time.time() - t:.0f} s)")

@@ -44,8 +44,10 @@ from spdsl.memory.workspace import workspace_bytes
 def graph_programs(gm: torch.nn.Module, state: list[TensorSpec],
                    inputs: list[TensorSpec]) -> dict[str, list[tuple]]:
     """The storages Inductor's generated program for the forward and for the backward graph of
-    ``gm``'s step holds: ``{"forward": [...], "backward": [...]}``, each ``(name, bytes, first
-    statement, last statement or -1, is an input)`` (see :func:`program_storages`)."""
+    ``gm``'s step holds: ``{"forward": [...], "backward": [...], "held": bytes}``, each
+    storage ``(name, bytes, first statement, last statement or -1, is an input)`` (see
+    :func:`program_storages`); ``held``: the step's outputs and backward's seeds, which live
+    outside both programs through backward."""
     graphs: list[tuple[bool, list]] = []
 
     def record(bwd, source, sizes, external, externs):
@@ -61,16 +63,25 @@ def graph_programs(gm: torch.nn.Module, state: list[TensorSpec],
         xs = [s.fake() for s in inputs]
         compiled = torch.compile(gm, backend=backend, fullgraph=True, dynamic=False)
         outs = compiled(*params, *xs)
-        roots = [o for o in tree_flatten(outs)[0]
-                 if isinstance(o, torch.Tensor) and o.requires_grad]
+        tensors = [o for o in tree_flatten(outs)[0] if isinstance(o, torch.Tensor)]
+        roots = [o for o in tensors if o.requires_grad]
+        seeds = [torch.ones_like(o) for o in roots]
+        # the caller holds the outputs (the loss) through backward, and backward its seeds:
+        # neither is in the backward program, whose tangents are the caller's
+        held = _distinct_bytes(tensors) + _distinct_bytes(seeds)
         if roots:
-            torch.autograd.backward(roots, [torch.ones_like(o) for o in roots])
+            torch.autograd.backward(roots, seeds)
     fwd = [b for bwd, b in graphs if not bwd]
     bwd = [b for bwd, b in graphs if bwd]
     if len(fwd) != 1 or len(bwd) > 1:
         raise RuntimeError(f"expected one forward and one backward graph, Inductor generated "
                            f"{len(fwd)} and {len(bwd)}")
-    return {"forward": fwd[0], "backward": bwd[0] if bwd else []}
+    return {"forward": fwd[0], "backward": bwd[0] if bwd else [], "held": held}
+
+
+def _distinct_bytes(tensors: list[torch.Tensor]) -> int:
+    storages = {s._cdata: s.nbytes() for s in (t.untyped_storage() for t in tensors)}
+    return sum(storages.values())
 
 
 _ALLOCATORS = ("empty_strided", "empty_strided_cpu", "empty_strided_cuda")
@@ -261,7 +272,8 @@ def simulate_compiled(gm: torch.nn.Module, state: list[TensorSpec], inputs: list
     bwd_peak, _, bwd_held = timeline(sched["backward"], inputs_freed=True)
     phases = {
         "forward": {**lasting, "activation": fwd_peak},
-        "backward": {**lasting, "activation": bwd_held, "transient": bwd_peak - bwd_held},
+        "backward": {**lasting, "activation": bwd_held + sched["held"],
+                     "transient": bwd_peak - bwd_held},
     }
     if "optimizer" in eager.phases:
         phases["optimizer"] = dict(eager.phases["optimizer"])

@@ -98,6 +98,6 @@ def run_all(rank: int, world: int, plan: list[tuple[str, bool]]) -> dict:
     return results
 
 
-def launch(world: int, plan: list[tuple[str, bool]]) -> list[dict]:
+def launch(world: int, plan: list[tuple[str, bool]], timeout: float = 1200) -> list[dict]:
     from tests.dist import spawn
-    return spawn(run_all, world, plan, timeout=1200)
+    return spawn(run_all, world, plan, timeout=timeout)

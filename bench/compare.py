@@ -100,13 +100,15 @@ def source_revision() -> str:
     """The repository revision measured (spdsl changes fast: results must say which one).
 
     ``-dirty`` when code differs from the commit; documents and result files (``*.md``,
-    ``bench/results``), which change while a suite runs, do not count.
+    ``bench/results``, the memory benchmarks' ``bench/memory_*.json``), which change while a
+    suite runs, do not count.
     """
     try:
         head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, check=True,
                               capture_output=True, text=True).stdout.strip()
         clean = subprocess.run(["git", "diff", "--quiet", "HEAD", "--", ".", ":!*.md",
-                                ":!bench/results", ":!*.png"], cwd=ROOT, check=False).returncode
+                                ":!bench/results", ":!bench/memory_*.json", ":!*.png"],
+                               cwd=ROOT, check=False).returncode
         return head + ("" if clean == 0 else "-dirty")
     except (OSError, subprocess.CalledProcessError):
         return "unknown"

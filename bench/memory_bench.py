@@ -125,7 +125,9 @@ def main(argv: list[str] | None = None) -> None:
     results = {}
     for w in a.worlds:
         t = time.time()
-        results[str(w)] = spawn(run, w, a.seqs, a.plan_seqs, a.time_seq, a.steps)[0]
+        # an hour a launch: on loaded cores SP 1 alone has taken over 10 minutes
+        results[str(w)] = spawn(run, w, a.seqs, a.plan_seqs, a.time_seq, a.steps,
+                                timeout=3600)[0]
         r = results[str(w)]
         print(f"SP {w} ({time.time() - t:.0f} s)")
         for m in MODES:

@@ -8,7 +8,8 @@ began** — parameters, AdamW states, the global input ids and whatever else liv
 - planned: ``plan.peak - plan.parameters - plan.optimizer - plan.inputs`` (what the plan says
   exists before the step and lives through it);
 - measured: ``spdsl.memory.measure.measure_step(step).peak`` (c10's CPU allocator, see there),
-  the lower of two steps that end where they began (:func:`_clean_measure`).
+  the lowest peak among the steps that end where they began, of two or three measured
+  (:func:`_clean_measure`).
 
 Absolute figures travel too (``plan.peak`` and ``before + peak``), for the table.
 """

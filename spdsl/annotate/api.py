@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import os
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -30,6 +31,7 @@ from spdsl.lower.graph import lower
 from spdsl.lower.kernels import KernelChoice, swap_kernels
 from spdsl.memory.simulate import step_peak
 from spdsl.propagate.engine import Propagator
+from spdsl.propagate.modes import describe_change, global_modes, module_modes, run_modes
 from spdsl.propagate.placement import (
     REPLICATE,
     Placement,
@@ -39,6 +41,8 @@ from spdsl.propagate.placement import (
 )
 from spdsl.propagate.trace import Traced, reachable_modules, trace, tracing
 from spdsl.remat import Remat, apply_remat, local_specs
+
+_RETRACE_WARN = 8     # programs traced by one step before it says why
 
 
 def with_sharding_constraint(x: torch.Tensor, spec: P) -> torch.Tensor:
@@ -105,6 +109,7 @@ class Sharded:
         self.axis = axis or _axis_of(in_specs) or "sp"
         self._parts = parts
         self._cache: dict[Any, _Compiled] = {}
+        self._traces, self._last_key = 0, None     # programs traced, the last one's key
         functools.update_wrapper(self, getattr(fn, "forward", fn), updated=())
         if isinstance(fn, torch.nn.Module):
             self.module = fn
@@ -327,15 +332,21 @@ class Sharded:
         return flat
 
     # -- build and run --------------------------------------------------------------------
-    def _key(self, leaves, spec) -> Any:
-        return (spec, tuple((tuple(x.shape), x.dtype, isinstance(x, DTensor), x.requires_grad)
-                            if isinstance(x, torch.Tensor) else ("c", repr(x)) for x in leaves))
+    def _key(self, args, kwargs, leaves, spec) -> tuple:
+        """What the program depends on besides the inputs' values (``propagate.modes``):
+        a change picks (or traces) the program made under the same state."""
+        inputs = (spec, tuple((tuple(x.shape), x.dtype, x.device, isinstance(x, DTensor),
+                               x.requires_grad)
+                              if isinstance(x, torch.Tensor) else ("c", repr(x))
+                              for x in leaves))
+        return inputs, (global_modes(), module_modes(reachable_modules(self.fn, args, kwargs)))
 
     def build(self, args: tuple, kwargs: dict) -> _Compiled:
         leaves, spec = tree_flatten((args, kwargs))
-        key = self._key(leaves, spec)
+        key = self._key(args, kwargs, leaves, spec)
         if key in self._cache and not self._cache[key].stale():
             return self._cache[key]
+        self._note_retrace(key)
         specs = self._specs_for(args, kwargs, leaves)
         placements = self._leaf_placements(leaves, specs)
         data_in = [self._data_placement_of(x, specs[i] if specs is not None else None, i)
@@ -381,6 +392,20 @@ class Sharded:
                           data=dprop, data_in=data_in, data_out=data_out, sharded=sharded)
         self._cache[key] = entry
         return entry
+
+    def _note_retrace(self, key: tuple) -> None:
+        """A step that keeps tracing anew is slow, and usually a sign of state that changes
+        every call (a counter on a module): say what changed, once."""
+        self._traces += 1
+        last, self._last_key = self._last_key, key
+        if self._traces == _RETRACE_WARN and last is not None:
+            what = describe_change(last[1], key[1]) if last[0] == key[0] else \
+                "the inputs' shapes, dtypes, devices or specs"
+            name = getattr(self, "__name__", "a sharded step")
+            warnings.warn(f"spdsl: {name} traced {self._traces} programs; the last "
+                          f"change: {what}. Each train/eval, autocast, grad-mode or shape "
+                          "change picks its own program; state that changes every call "
+                          "retraces every call", stacklevel=4)
 
     def _global_args(self, args, kwargs, leaves, data_in):
         """``batch="local"``: each dp group passed its own rows; the trace sees the global
@@ -518,7 +543,8 @@ class Sharded:
         if self.debug:
             self._check_same_inputs(leaves)
         state = [t.to_local() if isinstance(t, DTensor) else t for t in entry.traced.state]
-        outs = entry.local(*state, *self._local_inputs(entry, args, kwargs))
+        with run_modes():    # the trace's casts are ops of the program already
+            outs = entry.local(*state, *self._local_inputs(entry, args, kwargs))
         data_out = entry.data_out or [REPLICATE] * len(entry.out_placements)
         wrapped = [self._wrap(o, p, node, dp) for o, p, node, dp in zip(
             outs, entry.out_placements, _out_nodes(entry.traced), data_out)]

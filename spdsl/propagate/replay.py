@@ -34,12 +34,12 @@ from torch.fx.experimental.proxy_tensor import (
 )
 
 from spdsl._torch import OpOverload, tree_flatten, tree_unflatten
+from spdsl.propagate.modes import MODULE_KEYS as _MODULE_KEYS
+from spdsl.propagate.modes import SIMPLE as _SIMPLE
+from spdsl.propagate.modes import global_modes
 
-# attributes every nn.Module has; anything else in a block's __dict__ is the user's
-_MODULE_KEYS = frozenset(vars(nn.Module())) - {"training"}
 _HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks",
           "_state_dict_hooks", "_forward_hooks_with_kwargs", "_forward_pre_hooks_with_kwargs")
-_SIMPLE = (int, float, bool, str, type(None), torch.dtype, torch.device, torch.Size)
 
 
 def _attr_key(v: Any) -> Any:
@@ -132,7 +132,7 @@ class LayerReplay:
             arg_nodes = [_node(x, tracer) for x in leaves if isinstance(x, torch.Tensor)]
             if any(n is None for n in arg_nodes):
                 return orig(*args, **kwargs)
-            sig = (spec, tuple(_leaf_sig(x) for x in leaves), _alias(arg_nodes), _modes())
+            sig = (spec, tuple(_leaf_sig(x) for x in leaves), _alias(arg_nodes), global_modes())
             rec = self.records.get(group)
             if rec is not None and rec.sig == sig:
                 out = self._replay(rec, mod, leaves, arg_nodes, tracer)
@@ -236,12 +236,6 @@ def _leaf_sig(x: Any) -> Any:
     if isinstance(x, torch.Tensor):
         return ("t", tuple(x.shape), x.stride(), x.dtype, x.requires_grad, x.device.type)
     return ("c", _attr_key(x))
-
-
-def _modes() -> tuple[bool, ...]:
-    # grad mode and autocast change which aten ops a forward records
-    return (torch.is_grad_enabled(), torch.is_autocast_enabled("cpu"),
-            torch.is_autocast_enabled("cuda"))
 
 
 def _alias(nodes: list[torch.fx.Node]) -> tuple[int, ...]:

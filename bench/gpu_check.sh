@@ -84,7 +84,7 @@ try:
     print(f"triton {triton.__version__}, TRITON_INTERPRET={os.environ.get('TRITON_INTERPRET')}")
 except ImportError as e:
     print(f"triton missing: {e}")
-import spdsl, spdsl.kernels, models.llama  # noqa: E401 - the imports every section needs
+import spdsl, spdsl.kernels, spdsl.models.llama  # noqa: E401 - the imports every section needs
 print("import spdsl: ok")
 if os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
     assert torch.cuda.is_available(), "no CUDA device: use --dry-run on a CPU machine"

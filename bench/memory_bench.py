@@ -42,9 +42,9 @@ def _step_peak(f, model, ids) -> int:
 def run(rank: int, world: int, seqs: list[int], plan_seqs: list[int], time_seq: int,
         steps: int) -> dict:
     import spdsl
-    from models.llama import Llama, LlamaConfig
     from spdsl.memory import plan_memory
     from spdsl.memory.measure import track_cpu_allocations
+    from spdsl.models.llama import Llama, LlamaConfig
 
     track_cpu_allocations()
     cfg = LlamaConfig.small()

@@ -27,7 +27,7 @@ from torch.distributed.tensor import DTensor
 from train_llama_sp import batch, progress  # this script's neighbour
 
 import spdsl
-from models.llama import Llama, LlamaConfig
+from spdsl.models.llama import Llama, LlamaConfig
 
 
 def build(seed: int, mesh, args):

@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 import spdsl
-from models.llama import Llama, LlamaConfig
+from spdsl.models.llama import Llama, LlamaConfig
 
 N_KEYS, QUERY = 16, 255      # keys are tokens 0..15; the query marker is the last token
 N_ASK = 8                    # QUERY/key pairs at the end of each sequence

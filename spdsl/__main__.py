@@ -2,8 +2,8 @@
 
 Example::
 
-    python -m spdsl plan models.llama:LlamaConfig.llama3_8b --seq 131072 --sp 8
-    python -m spdsl memory --model models.llama:LlamaConfig.llama3_8b --sp 8 --device-memory 80GiB --max-seq
+    python -m spdsl plan spdsl.models.llama:LlamaConfig.llama3_8b --seq 131072 --sp 8
+    python -m spdsl memory --model spdsl.models.llama:LlamaConfig.llama3_8b --sp 8 --device-memory 80GiB --max-seq
 """
 
 from __future__ import annotations

@@ -4,10 +4,10 @@ of its own.
 
 ``EXPR`` is evaluated in the module's namespace and may be
 
-- a model instance or an expression building one: ``models.llama:Llama(LlamaConfig.tiny())``;
+- a model instance or an expression building one: ``spdsl.models.llama:Llama(LlamaConfig.tiny())``;
 - an ``nn.Module`` class: built with ``cls(cls.Config())`` when it has a ``Config`` class,
-  else ``cls()``: ``models.toys:GPT2Like``;
-- a config, or a preset returning one: ``models.llama:LlamaConfig.llama3_8b``; the model is
+  else ``cls()``: ``spdsl.models.toys:GPT2Like``;
+- a config, or a preset returning one: ``spdsl.models.llama:LlamaConfig.llama3_8b``; the model is
   the module's ``nn.Module`` class named like the config without ``Config`` (``Llama``), or
   else the only one whose ``__init__`` takes that config.
 """
@@ -60,12 +60,12 @@ def build_model(spec: str, device: str = "meta") -> nn.Module:
 
     Example::
 
-        model = build_model("models.llama:LlamaConfig.llama3_8b")    # Llama on meta
+        model = build_model("spdsl.models.llama:LlamaConfig.llama3_8b")    # Llama on meta
     """
     mod_name, sep, expr = spec.partition(":")
     if not sep or not expr:
         raise SystemExit(f"spdsl: model spec {spec!r} must look like MODULE:EXPR, e.g. "
-                         "models.llama:LlamaConfig.llama3_8b")
+                         "spdsl.models.llama:LlamaConfig.llama3_8b")
     module = importlib.import_module(mod_name)
     namespace = vars(module)
     with torch.device(device):
@@ -85,19 +85,19 @@ def load_config(spec: str) -> Any:
 
     Example::
 
-        cfg = load_config("models.llama:LlamaConfig.llama3_8b")
+        cfg = load_config("spdsl.models.llama:LlamaConfig.llama3_8b")
     """
     mod_name, sep, expr = spec.partition(":")
     if not sep or not expr:
         raise SystemExit(f"spdsl: model spec {spec!r} must look like MODULE:EXPR naming a "
-                         "config, e.g. models.llama:LlamaConfig.llama3_8b")
+                         "config, e.g. spdsl.models.llama:LlamaConfig.llama3_8b")
     obj = eval(expr, dict(vars(importlib.import_module(mod_name))))
     if callable(obj) and not isinstance(obj, (type, nn.Module)):
         obj = obj()
     if isinstance(obj, (type, nn.Module)):
         raise SystemExit(f"spdsl: {spec!r} names a model, not a config; the memory search "
                          "builds the model at several depths from its config (e.g. "
-                         "models.llama:LlamaConfig.llama3_8b)")
+                         "spdsl.models.llama:LlamaConfig.llama3_8b)")
     model_class_for(obj)            # fails early, with the candidates, if none is found
     return obj
 

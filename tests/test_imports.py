@@ -1,6 +1,7 @@
 """Imports go one way: each layer imports only layers below it (at module level and inside
-functions alike); private PyTorch names only through ``spdsl._torch``; no example ``models``;
-``import spdsl`` changes nothing in PyTorch."""
+functions alike); private PyTorch names only through ``spdsl._torch``; the example models
+(``spdsl/models``) are a bottom layer of their own that imports nothing of spdsl, and nothing in
+the library imports them; ``import spdsl`` changes nothing in PyTorch."""
 
 from __future__ import annotations
 
@@ -12,8 +13,10 @@ import sys
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent / "spdsl"
 
-# low -> high; a module may import its own layer's package and any layer below
+# low -> high; a module may import its own layer's package and any layer below ("models" is
+# below everything, and the tests further down keep it apart from the rest both ways)
 LAYERS = [
+    {"models"},
     {"_torch", "errors", "modelspec"},
     {"kernels", "state", "checkpoint"},
     {"propagate"},
@@ -70,10 +73,57 @@ def test_layers_import_downward_only():
     assert not bad, "\n".join(bad)
 
 
+def _all_imports(path: pathlib.Path):
+    """Every import, relative ones as ``.``-prefixed module names (``..state``)."""
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            yield node.lineno, "." * node.level + (node.module or ""), [a.name for a in node.names]
+        elif isinstance(node, ast.Import):
+            for a in node.names:
+                yield node.lineno, a.name, []
+
+
+def _is_models(path: pathlib.Path) -> bool:
+    return _unit(path) == "models"
+
+
 def test_the_library_never_imports_the_example_models():
-    bad = [f"{f.relative_to(ROOT.parent)}:{line}: {module}" for f in _files()
-           for line, module, _ in _imports(f) if module.split(".")[0] == "models"]
+    bad = []
+    for f in _files():
+        if _is_models(f):
+            continue
+        for line, module, names in _all_imports(f):
+            parts = module.split(".")
+            if (parts[0] == "models" or parts[:2] == ["spdsl", "models"]
+                    or (module == "spdsl" and "models" in names)
+                    or (module.startswith(".") and "models" in parts + names)):
+                bad.append(f"{f.relative_to(ROOT.parent)}:{line}: {module} {names}")
     assert not bad, "\n".join(bad)
+
+
+def test_the_example_models_import_nothing_of_spdsl():
+    # the model files know nothing of distribution: torch (and einops) only
+    files = [f for f in _files() if _is_models(f)]
+    assert {f.name for f in files} >= {"llama.py", "toys.py"}, files
+    bad = [f"{f.relative_to(ROOT.parent)}:{line}: {module}" for f in files
+           for line, module, _ in _all_imports(f)
+           if module.split(".")[0] == "spdsl" or module.startswith("..")]
+    assert not bad, "\n".join(bad)
+
+
+def test_importing_an_example_model_loads_nothing_heavy():
+    # ``import spdsl.models.llama`` runs spdsl/__init__.py; that must not pull in a compiler,
+    # Triton or transformers
+    probe = (
+        "import sys\n"
+        "import spdsl.models.llama, spdsl.models.toys\n"
+        "heavy = ('triton', 'transformers', 'torch._inductor', 'deepspeed', 'matplotlib')\n"
+        "loaded = [m for m in heavy if m in sys.modules]\n"
+        "assert not loaded, loaded\n"
+    )
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=False,
+                         cwd=ROOT.parent)
+    assert out.returncode == 0, out.stderr
 
 
 _PRIVATE_MODULE = re.compile(r"^torch(\.\w+)*\._")

@@ -18,7 +18,7 @@ So ``floor = L * 2 * (2H + 2KV') * B*S*Dh/P * (P-1)/P * 4 + 2 (P-1)/P * n_params
 
 from __future__ import annotations
 
-from models.llama import LlamaConfig, num_params
+from spdsl.models.llama import LlamaConfig, num_params
 
 from .model import kv_repeat
 

@@ -1,7 +1,7 @@
 """The Hugging Face side of the benchmark: a tiny random ``LlamaForCausalLM`` and the two systems
 an HF user starts from: the single-process model, and spdsl on the unmodified model.
 
-The HF config mirrors ``models.llama.LlamaConfig.tiny()`` (or ``small()``): same widths, heads,
+The HF config mirrors ``spdsl.models.llama.LlamaConfig.tiny()`` (or ``small()``): same widths, heads,
 kv heads, depth, vocabulary, norm epsilon and RoPE base; SDPA attention, dropout off, fp32,
 built from the config (no download) with the same seed in every process and for every system.
 

@@ -1,4 +1,4 @@
-"""The benchmarked model: ``models.llama.Llama``, with the loss taken on pre-shifted labels.
+"""The benchmarked model: ``spdsl.models.llama.Llama``, with the loss taken on pre-shifted labels.
 
 Labels: the Hugging Face shift inside ``Llama.forward`` (``logits[:, :-1]`` against
 ``labels[:, 1:]``) crosses shard boundaries. AutoSP and a hand-written Ulysses slice the labels
@@ -16,7 +16,7 @@ Two forward paths over the same parameters:
   positions per rank and AutoSP can only slice a *tagged input* (on the model's own
   ``torch.arange(S)`` it fails to compile: the RoPE table keeps length S while q is S // P).
   Loss and gradient parity against the reference would catch any drift between the mirror and
-  ``models/llama.py``.
+  ``spdsl/models/llama.py``.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ import torch.nn.functional as F
 import torch.utils.checkpoint
 from torch import nn
 
-from models.llama import Llama, LlamaConfig, apply_rotary
+from spdsl.models.llama import Llama, LlamaConfig, apply_rotary
 
 CONFIGS: dict[str, Callable[[], LlamaConfig]] = {
     "tiny": LlamaConfig.tiny,
@@ -102,7 +102,7 @@ def rope_tables(inv_freq: torch.Tensor, position_ids: torch.Tensor):
 
 
 def _attention(attn, x: torch.Tensor, cos, sin, attend: Attend) -> torch.Tensor:
-    # Mirrors models.llama.Attention.forward with the SDPA call made pluggable.
+    # Mirrors spdsl.models.llama.Attention.forward with the SDPA call made pluggable.
     B, S, _ = x.shape
     q = attn.wq(x).view(B, S, attn.n_heads, attn.head_dim).transpose(1, 2)
     k = attn.wk(x).view(B, S, attn.n_kv_heads, attn.head_dim).transpose(1, 2)

@@ -28,8 +28,8 @@ import torch
 
 import spdsl
 from bench.gpu.common import close_group, device_info, one_rank_mesh, write_json
-from models.llama import Llama, LlamaConfig
 from spdsl.memory import fmt_bytes, plan_memory
+from spdsl.models.llama import Llama, LlamaConfig
 
 MODES = ("none", "auto", "full")
 

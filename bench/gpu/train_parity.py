@@ -1,7 +1,7 @@
 """One training step (forward + backward) of a Llama with spdsl's kernels on, against the same
 step with them off, on one device.
 
-"Off" is the model's own PyTorch (``models/llama.py``, SDPA attention, full-logits loss);
+"Off" is the model's own PyTorch (``spdsl/models/llama.py``, SDPA attention, full-logits loss);
 "on" is ``spdsl.sp_shard(seq=1, kernels="on", remat="none")`` on the same module, with the
 Triton backend forced, so flash attention, RMSNorm, RoPE and the fused linear + cross-entropy
 run as Triton kernels (the swaps made are listed in the output). Both use the same weights and
@@ -32,8 +32,8 @@ import torch
 
 import spdsl
 from bench.gpu.common import close_group, device_info, median_ms, one_rank_mesh, sync, write_json
-from models.llama import Llama, LlamaConfig, num_params
 from spdsl.kernels import kernel_backend
+from spdsl.models.llama import Llama, LlamaConfig, num_params
 
 FP32_TOL = {"loss_rel": 1e-5, "grad_max_rel": 1e-4}
 BF16_FLOOR = {"loss_rel": 1e-3, "grad_norm_rel": 1e-2, "grad_max_rel": 2e-2}

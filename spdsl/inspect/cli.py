@@ -7,8 +7,8 @@ ids and labels, ``[batch, seq]`` int64 on meta), or ``model(ids)`` with ``--no-l
 
 Example::
 
-    python -m spdsl plan models.llama:LlamaConfig.llama3_8b --seq 131072 --sp 8
-    python -m spdsl plan models.llama:LlamaConfig.llama3_70b --seq 1048576 --sp 32 --dtype bf16 \\
+    python -m spdsl plan spdsl.models.llama:LlamaConfig.llama3_8b --seq 131072 --sp 8
+    python -m spdsl plan spdsl.models.llama:LlamaConfig.llama3_70b --seq 1048576 --sp 32 --dtype bf16 \\
         --html plan70b.html --json plan70b.json
 """
 
@@ -35,7 +35,7 @@ def _parser() -> argparse.ArgumentParser:
     sub.add_parser("memory", add_help=False,
                    help="per-rank memory of a training step and the longest sequence that "
                         "fits (python -m spdsl memory --help)")
-    q.add_argument("model", help="MODULE:EXPR, e.g. models.llama:LlamaConfig.llama3_8b")
+    q.add_argument("model", help="MODULE:EXPR, e.g. spdsl.models.llama:LlamaConfig.llama3_8b")
     q.add_argument("--seq", type=int, required=True, help="global sequence length")
     q.add_argument("--sp", type=int, required=True, help="sequence-parallel degree")
     q.add_argument("--batch", type=int, default=1)
@@ -55,7 +55,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     Example::
 
-        main(["plan", "models.llama:LlamaConfig.tiny", "--seq", "64", "--sp", "4"])
+        main(["plan", "spdsl.models.llama:LlamaConfig.tiny", "--seq", "64", "--sp", "4"])
     """
     import spdsl
 

@@ -155,7 +155,7 @@ def kernel_report(local) -> list[dict]:
         step(ids, ids)
         entry = next(iter(step._cache.values()))
         for r in kernel_report(entry.local):
-            print(r["kernel"], r["source"], r["module"])   # rms_norm models/llama.py:150 norm
+            print(r["kernel"], r["source"], r["module"])   # rms_norm spdsl/models/llama.py:150 norm
     """
     local = getattr(local, "_orig_mod", local)      # torch.compile's OptimizedModule
     local = getattr(local, "gm", local)             # spdsl.lower.compile.CompiledLocal

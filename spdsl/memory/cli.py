@@ -2,11 +2,11 @@
 
 Examples::
 
-    python -m spdsl memory --model models.llama:LlamaConfig.llama3_8b --sp 8 --state-shards 8 --offload --max-seq
-    python -m spdsl memory --model models.llama:LlamaConfig.llama3_70b --sp 32 --state-shards all --offload --max-seq
-    python -m spdsl memory --model models.llama:LlamaConfig.llama3_8b --sp 8 --seq 131072 --remat full
-    python -m spdsl memory --model models.llama:LlamaConfig.llama3_8b --sp 4 --dp 2 --state-shards all --max-seq
-    python -m spdsl memory --model models.llama:LlamaConfig.small --sp 4 --seq 8192 --dtype fp32 --kernels auto --json
+    python -m spdsl memory --model spdsl.models.llama:LlamaConfig.llama3_8b --sp 8 --state-shards 8 --offload --max-seq
+    python -m spdsl memory --model spdsl.models.llama:LlamaConfig.llama3_70b --sp 32 --state-shards all --offload --max-seq
+    python -m spdsl memory --model spdsl.models.llama:LlamaConfig.llama3_8b --sp 8 --seq 131072 --remat full
+    python -m spdsl memory --model spdsl.models.llama:LlamaConfig.llama3_8b --sp 4 --dp 2 --state-shards all --max-seq
+    python -m spdsl memory --model spdsl.models.llama:LlamaConfig.small --sp 4 --seq 8192 --dtype fp32 --kernels auto --json
 
 Modes (--remat): none, auto, full, and best: the longest-sequence combination of remat mode,
 recomputed all-to-alls and offload (when --offload allows it) the planner finds, named in its
@@ -40,7 +40,7 @@ def parser() -> argparse.ArgumentParser:
                                 epilog=__doc__.split("\n", 2)[2],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", required=True, metavar="MODULE:EXPR",
-                   help="a model config, e.g. models.llama:LlamaConfig.llama3_8b (the model "
+                   help="a model config, e.g. spdsl.models.llama:LlamaConfig.llama3_8b (the model "
                         "is built from it at several depths; spdsl.modelspec)"),
     p.add_argument("--sp", type=int, default=8, help="sequence-parallel degree")
     p.add_argument("--dp", type=int, default=1,
@@ -141,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
 
     Example::
 
-        main(["--model", "models.llama:LlamaConfig.small", "--sp", "2", "--seq", "4096", "--dtype", "fp32"])
+        main(["--model", "spdsl.models.llama:LlamaConfig.small", "--sp", "2", "--seq", "4096", "--dtype", "fp32"])
     """
     a = parser().parse_args(argv)
     cfg, dtype = load_config(a.model), _DTYPES[a.dtype]

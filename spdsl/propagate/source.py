@@ -24,6 +24,9 @@ def _package_dir(name: str) -> str | None:
 # path: a checkout in a folder called ``spdsl`` (a clone's default name) holds the user's code too.
 _SKIP_DIRS = tuple(d for d in map(_package_dir, ("torch", "spdsl", "einops")) if d)
 _SKIP_FILES = (os.path.realpath(contextlib.__file__),)
+# spdsl's example models (spdsl/models) are a user's code to a plan: their lines are the ones
+# errors and plans point at.
+_KEEP_DIRS = tuple(os.path.join(d, "models") + os.sep for d in map(_package_dir, ("spdsl",)) if d)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -31,7 +34,7 @@ def _skipped(path: str) -> bool:
     if path.startswith("<"):
         return True
     real = os.path.realpath(path)
-    return real.startswith(_SKIP_DIRS) or real in _SKIP_FILES
+    return (real.startswith(_SKIP_DIRS) and not real.startswith(_KEEP_DIRS)) or real in _SKIP_FILES
 
 
 def source_of(node: torch.fx.Node) -> str:

@@ -101,7 +101,7 @@ def _train_eval(world: int) -> dict:
 def _autocast(world: int) -> dict:
     """The Llama plain then under bf16 autocast, and autocast first then plain."""
     import spdsl
-    from models.llama import Llama, LlamaConfig
+    from spdsl.models.llama import Llama, LlamaConfig
     ids = torch.randint(0, 256, (1, 64), generator=torch.Generator().manual_seed(2))
     out = {}
     for order in (("plain", "bf16"), ("bf16", "plain")):

@@ -1,5 +1,5 @@
 """The benchmark's model plumbing, single process: the mirrored forward that the hand-written
-baselines and AutoSP use must compute exactly what ``models/llama.py`` computes."""
+baselines and AutoSP use must compute exactly what ``spdsl/models/llama.py`` computes."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from bench.baselines.model import (
     repeated_kv,
     sdpa,
 )
-from models.llama import LlamaConfig
+from spdsl.models.llama import LlamaConfig
 from tests._util import assert_close
 
 

@@ -8,7 +8,7 @@ import torch
 from torch.distributed.checkpoint.state_dict import get_state_dict
 from torch.distributed.tensor import DTensor
 
-from models.llama import Llama, LlamaConfig
+from spdsl.models.llama import Llama, LlamaConfig
 
 # vocab 67 and ffn 42: dim-0 sizes that 4 ranks split unevenly (torch.chunk: 17,17,17,16)
 CFG = LlamaConfig.tiny().replace(vocab_size=67, dim=40, n_heads=4, n_kv_heads=2, n_layers=1,

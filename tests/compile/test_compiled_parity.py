@@ -59,8 +59,8 @@ def _errs(model, ref, loss, loss_ref) -> dict:
 
 def _training(world: int, kernels: str) -> dict:
     import spdsl
-    from models.llama import Llama, LlamaConfig
     from spdsl.lower.kernels import kernel_report
+    from spdsl.models.llama import Llama, LlamaConfig
 
     torch.manual_seed(0)
     ref = Llama(LlamaConfig.tiny().replace(n_layers=1))

@@ -84,7 +84,7 @@ def grad_errors(model, ref) -> dict:
 
 def _tied_plain_model() -> torch.nn.Module:
     """A plain PyTorch language model whose output projection is its input embedding."""
-    from models.llama import Llama, LlamaConfig
+    from spdsl.models.llama import Llama, LlamaConfig
     return Llama(LlamaConfig.tiny().replace(tie_embeddings=True, n_layers=2))
 
 

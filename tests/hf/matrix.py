@@ -154,7 +154,7 @@ def main() -> None:
               "dropout at 0, eval mode computes the same loss and gradients."),
               "", "## What each family exercises", "", "| family | exercises |", "|---|---|"]
     lines += [f"| {f.name} | {f.exercises} |" for f in FAMILIES.values()]
-    lines.append("| plain_tied | a plain PyTorch Llama (`models/llama.py`) tying its input "
+    lines.append("| plain_tied | a plain PyTorch Llama (`spdsl/models/llama.py`) tying its input "
                  "and output embeddings |")
     with open(args.out, "w") as fh:
         fh.write("\n".join(lines) + "\n")

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import spdsl
-from models.llama import Llama, LlamaConfig
+from spdsl.models.llama import Llama, LlamaConfig
 
 
 @pytest.fixture(scope="package")

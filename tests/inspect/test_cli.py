@@ -9,18 +9,18 @@ from pathlib import Path
 
 import pytest
 
-from models.llama import Llama
-from models.toys import GPT2Like
 from spdsl.inspect.cli import build_model, main
+from spdsl.models.llama import Llama
+from spdsl.models.toys import GPT2Like
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.parametrize("spec,cls", [
-    ("models.llama:LlamaConfig.tiny", Llama),                      # a config preset
-    ("models.llama:LlamaConfig.tiny()", Llama),                    # a config
-    ("models.llama:Llama(LlamaConfig.tiny().replace(n_layers=1))", Llama),
-    ("models.toys:GPT2Like", GPT2Like),                            # a class with .Config
+    ("spdsl.models.llama:LlamaConfig.tiny", Llama),                      # a config preset
+    ("spdsl.models.llama:LlamaConfig.tiny()", Llama),                    # a config
+    ("spdsl.models.llama:Llama(LlamaConfig.tiny().replace(n_layers=1))", Llama),
+    ("spdsl.models.toys:GPT2Like", GPT2Like),                            # a class with .Config
 ])
 def test_model_specs(spec, cls):
     model = build_model(spec)
@@ -30,13 +30,13 @@ def test_model_specs(spec, cls):
 
 def test_bad_spec_says_what_it_wants():
     with pytest.raises(SystemExit, match="MODULE:EXPR"):
-        build_model("models.llama")
+        build_model("spdsl.models.llama")
 
 
 def test_table_json_html_and_explain(tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(ROOT)
     out_json, out_html = tmp_path / "p.json", tmp_path / "p.html"
-    rc = main(["plan", "models.llama:LlamaConfig.tiny", "--seq", "64", "--sp", "4",
+    rc = main(["plan", "spdsl.models.llama:LlamaConfig.tiny", "--seq", "64", "--sp", "4",
                "--dtype", "bf16", "--json", str(out_json), "--html", str(out_html),
                "--explain", "layers.1.attention"])
     assert rc == 0
@@ -45,19 +45,19 @@ def test_table_json_html_and_explain(tmp_path, capsys, monkeypatch):
     assert "because: " in out and "planned in" in err
     assert f"wrote the HTML plan to {out_html}" in err and f"wrote the JSON plan to {out_json}" in err
     d = json.loads(out_json.read_text())
-    assert d["title"] == "models.llama:LlamaConfig.tiny seq=64 sp=4"
+    assert d["title"] == "spdsl.models.llama:LlamaConfig.tiny seq=64 sp=4"
     assert d["totals"]["floor_fwd"] == 2 * 4 * 64 * 64 * 2 // 4
     assert "layers.0-1" in out_html.read_text()
 
 
 def test_sharding_errors_exit_with_status_2(capsys):
-    rc = main(["plan", "models.llama:LlamaConfig.tiny", "--seq", "64", "--sp", "8"])
+    rc = main(["plan", "spdsl.models.llama:LlamaConfig.tiny", "--seq", "64", "--sp", "8"])
     assert rc == 2
     assert "[divisible heads]" in capsys.readouterr().err
 
 
 def test_module_entry_point_prints_json(capsys, monkeypatch):
-    monkeypatch.setattr(sys, "argv", ["spdsl", "plan", "models.toys:GPT2Like", "--seq", "32",
+    monkeypatch.setattr(sys, "argv", ["spdsl", "plan", "spdsl.models.toys:GPT2Like", "--seq", "32",
                                       "--sp", "2", "--json"])
     with pytest.raises(SystemExit) as e:
         runpy.run_module("spdsl", run_name="__main__")

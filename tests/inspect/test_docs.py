@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import spdsl
-from models.llama import Llama, LlamaConfig
+from spdsl.models.llama import Llama, LlamaConfig
 from spdsl.propagate.rules import RULES
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "plan.md"

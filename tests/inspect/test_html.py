@@ -24,7 +24,7 @@ def test_page_is_self_contained_and_has_the_plan(tiny_plan, tmp_path):
     assert "spdsl sharding plan · tiny Llama" in page
     assert "layers.0-1" in page and "×2 identical" in page
     assert page.count("<i></i>") == 2                     # one square per folded layer
-    assert "models/llama.py:" in page                     # source locations
+    assert "spdsl/models/llama.py:" in page                     # source locations
     assert 'class="badge ulysses"' in page and "all_to_all · ulysses · 24.0 KiB" in page
     assert "1.00x" in page
 

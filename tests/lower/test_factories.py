@@ -9,10 +9,10 @@ import torch
 from torch import nn
 
 import spdsl
-from models.llama import Llama, LlamaConfig
 from spdsl import collectives as C
 from spdsl.lower.graph import lower
 from spdsl.memory.simulate import planning_group
+from spdsl.models.llama import Llama, LlamaConfig
 
 aten = torch.ops.aten
 

@@ -11,10 +11,10 @@ import operator
 import torch
 
 import spdsl
-from models.llama import Llama, LlamaConfig
 from spdsl import collectives as C
 from spdsl.lower.graph import bucket_gradient_reduces, lower
 from spdsl.memory.simulate import planning_group
+from spdsl.models.llama import Llama, LlamaConfig
 
 
 def _local(model, seq: int = 64):

@@ -14,9 +14,9 @@ import torch.nn.functional as F
 from torch import nn
 
 import spdsl
-from models.llama import Llama, LlamaConfig
 from spdsl.kernels import kernel_backend, triton_available
 from spdsl.lower.kernels import DEFAULT, KernelChoice, kernel_report
+from spdsl.models.llama import Llama, LlamaConfig
 
 pytestmark = pytest.mark.usefixtures("one_rank")
 aten = torch.ops.aten
@@ -144,7 +144,7 @@ def test_llama_every_pattern_swapped_and_exact(remat):
             kernels="on", remat=remat)
     assert _counts(local) == LLAMA_SWAPS
     report = kernel_report(local)
-    assert all(r["source"].startswith("models/llama.py:") for r in report), report
+    assert all(r["source"].startswith("spdsl/models/llama.py:") for r in report), report
     assert {r["module"] for r in report if r["kernel"] == "rms_norm"} == \
         {"layers.0.attention_norm", "layers.0.ffn_norm", "norm"}
     assert all(r["backend"] == "reference" for r in report)

@@ -12,8 +12,8 @@ import functools
 import torch
 
 import spdsl
-from models.llama import Llama, LlamaConfig
 from spdsl.memory import LiveBytes, plan_memory
+from spdsl.models.llama import Llama, LlamaConfig
 from spdsl.remat import Remat
 
 TILED = Remat("auto", tile_mlp=True, tile_loss=True, mlp_chunks=4)

@@ -21,9 +21,9 @@ import gc
 import torch
 
 import spdsl
-from models.llama import Llama, LlamaConfig
 from spdsl.memory import plan_memory
 from spdsl.memory.measure import measure_step, track_cpu_allocations
+from spdsl.models.llama import Llama, LlamaConfig
 
 # (name, config, batch, global sequence length): 1024 tokens reach the CPU flash-attention
 # kernels' large blocks (q_len >= 768 after the all-to-all gathers the sequence)

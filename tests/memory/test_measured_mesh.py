@@ -14,9 +14,9 @@ import pytest
 import torch
 
 import spdsl
-from models.llama import Llama, LlamaConfig
 from spdsl.memory import plan_memory
 from spdsl.memory.measure import measure_step, track_cpu_allocations
+from spdsl.models.llama import Llama, LlamaConfig
 from tests.dist import spawn
 
 pytestmark = [pytest.mark.multirank, pytest.mark.slow]

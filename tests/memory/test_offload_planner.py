@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from models.llama import LlamaConfig
 from spdsl.memory.cli import main, state_shards
 from spdsl.memory.report import MemoryPlan
 from spdsl.memory.search import Estimator, bytes_per_token_per_layer, model_plan
+from spdsl.models.llama import LlamaConfig
 from spdsl.remat import Remat, parse_bytes
 
 pytestmark = pytest.mark.slow
@@ -58,8 +58,8 @@ def test_state_shards_count_the_gathered_weights():
 
 
 def test_gathered_bytes_are_the_largest_unit():
-    from models.llama import Llama
     from spdsl.memory.search import gathered_bytes
+    from spdsl.models.llama import Llama
 
     with torch.device("meta"):
         model = Llama(LlamaConfig.llama3_8b()).bfloat16()
@@ -74,7 +74,7 @@ def test_state_shards_option():
 
 
 def test_cli_offload_and_mesh(capsys):
-    assert main(["--model", "models.llama:LlamaConfig.tiny", "--sp", "2", "--dp", "2",
+    assert main(["--model", "spdsl.models.llama:LlamaConfig.tiny", "--sp", "2", "--dp", "2",
                  "--seq", "1024", "--dtype", "fp32", "--remat", "full", "--offload",
                  "--recompute-collectives", "--state-shards", "all", "--kernels", "auto"]) == 0
     out = capsys.readouterr()
@@ -84,7 +84,7 @@ def test_cli_offload_and_mesh(capsys):
 
 def test_nothing_fits_names_the_options(capsys):
     """Llama-3.1-8B with replicated state does not fit 80 GiB: the CLI says which options do."""
-    assert main(["--model", "models.llama:LlamaConfig.llama3_8b", "--sp", "8", "--remat", "full",
+    assert main(["--model", "spdsl.models.llama:LlamaConfig.llama3_8b", "--sp", "8", "--remat", "full",
                  "--max-seq", "--no-verify", "--kernels", "auto"]) == 0
     out = capsys.readouterr().out
     assert "longest sequence 0 tokens" in out

@@ -9,10 +9,10 @@ import pytest
 import torch
 
 import spdsl
-from models.llama import Llama, LlamaConfig
 from spdsl.memory import plan_memory
 from spdsl.memory.cli import main
 from spdsl.memory.search import bytes_per_token_per_layer
+from spdsl.models.llama import Llama, LlamaConfig
 from spdsl.remat import Remat
 
 pytestmark = pytest.mark.slow
@@ -67,7 +67,7 @@ def test_state_shards(sp4):
 
 
 def test_cli_plans_one_length(capsys):
-    assert main(["--model", "models.llama:LlamaConfig.tiny", "--sp", "2", "--seq", "512",
+    assert main(["--model", "spdsl.models.llama:LlamaConfig.tiny", "--sp", "2", "--seq", "512",
                  "--dtype", "fp32", "--remat", "full"]) == 0
     out = capsys.readouterr().out
     assert "remat=full" in out and "peak" in out and "optimizer state" in out
@@ -75,7 +75,7 @@ def test_cli_plans_one_length(capsys):
 
 def test_plan_memory_is_reachable_from_the_sharding_plan():
     import spdsl
-    from models.llama import Llama, LlamaConfig
+    from spdsl.models.llama import Llama, LlamaConfig
 
     model = Llama(LlamaConfig.tiny())
     ids = torch.randint(0, 256, (1, 64))

@@ -1,4 +1,4 @@
-"""Single-device tests of models/toys.py: shapes, losses, masks, and the einops head split."""
+"""Single-device tests of spdsl/models/toys.py: shapes, losses, masks, and the einops head split."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from models.toys import EinopsNet, GPT2Like, MeanPoolClassifier
+from spdsl.models.toys import EinopsNet, GPT2Like, MeanPoolClassifier
 from tests._util import assert_close
 
 VOCAB = 256

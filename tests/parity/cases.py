@@ -14,9 +14,9 @@ import torch.nn.functional as F
 from torch import nn
 
 import spdsl
-from models.llama import Llama, LlamaConfig
-from models.toys import EinopsNet, GPT2Like, MeanPoolClassifier
 from spdsl import P
+from spdsl.models.llama import Llama, LlamaConfig
+from spdsl.models.toys import EinopsNet, GPT2Like, MeanPoolClassifier
 
 
 def _errs(model: nn.Module, ref: nn.Module, loss, loss_ref) -> dict:

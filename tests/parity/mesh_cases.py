@@ -12,9 +12,9 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 import spdsl
-from models.llama import Llama, LlamaConfig
-from models.toys import EinopsNet, GPT2Like, MeanPoolClassifier
 from spdsl import P
+from spdsl.models.llama import Llama, LlamaConfig
+from spdsl.models.toys import EinopsNet, GPT2Like, MeanPoolClassifier
 from tests.parity.cases import _errs, _ids, _pair
 
 MESHES = [(2, 2), (1, 4), (4, 1)]

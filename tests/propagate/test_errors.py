@@ -8,8 +8,8 @@ import torch
 from torch import nn
 
 import spdsl
-from models.llama import Llama, LlamaConfig
 from spdsl import P, ShardingError
+from spdsl.models.llama import Llama, LlamaConfig
 
 
 def _plan(model, parts, *args):
@@ -33,7 +33,7 @@ def test_query_heads_not_divisible():
     msg = str(e.value)
     assert "[divisible heads]" in msg
     assert "f32[1,4,64@sp,16]" in msg
-    assert "models/llama.py:" in msg and "(layers.0.attention)" in msg
+    assert "spdsl/models/llama.py:" in msg and "(layers.0.attention)" in msg
     assert "divides 4" in msg
 
 

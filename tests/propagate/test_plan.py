@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import spdsl
-from models.llama import Llama, LlamaConfig
+from spdsl.models.llama import Llama, LlamaConfig
 
 
 def _llama_plan(cfg: LlamaConfig, b: int, s: int, parts: int):
@@ -52,7 +52,7 @@ def test_llama_placements_read_in_dsl_notation():
     att = [v for v in plan.values if v.op == "spdsl.attention.default"]
     assert [v.typed for v in att] == ["f32[2,4,64@sp,16]"] * 2
     assert att[0].module == "layers.0.attention"
-    assert att[0].source.startswith("models/llama.py:")
+    assert att[0].source.startswith("spdsl/models/llama.py:")
     assert att[0].origin == "attention.ulysses"
     # the RoPE table is built whole from torch.arange and sliced where it meets q
     assert by_name["arange"].placement == "Replicate()"

@@ -15,8 +15,8 @@ import pytest
 import torch
 
 import spdsl
-from models.llama import Llama, LlamaConfig
-from models.toys import GPT2Like
+from spdsl.models.llama import Llama, LlamaConfig
+from spdsl.models.toys import GPT2Like
 
 GOLDEN = Path(__file__).parent / "golden"
 ROOT = Path(__file__).resolve().parents[2]

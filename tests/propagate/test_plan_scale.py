@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import spdsl
-from models.llama import Llama, LlamaConfig, num_params
+from spdsl.models.llama import Llama, LlamaConfig, num_params
 
 pytestmark = pytest.mark.slow
 

@@ -6,8 +6,8 @@ import pytest
 import torch
 from torch import nn
 
-from models.llama import Llama, LlamaConfig
-from models.toys import GPT2Like
+from spdsl.models.llama import Llama, LlamaConfig
+from spdsl.models.toys import GPT2Like
 from spdsl.propagate import replay as replay_mod
 from spdsl.propagate.trace import trace
 

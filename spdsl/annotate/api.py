@@ -23,8 +23,8 @@ from torch.distributed.tensor import Shard as DShard
 from spdsl._torch import tree_flatten, tree_unflatten
 from spdsl.annotate.mesh import axis_size
 from spdsl.annotate.mesh import mesh as make_mesh
-from spdsl.annotate.spec import P
-from spdsl.errors import ShardingError
+from spdsl.annotate.spec import P, as_spec
+from spdsl.errors import ShardingError, user_line
 from spdsl.inspect.plan import ShardingPlan, build_plan
 from spdsl.lower.compile import compile_local
 from spdsl.lower.graph import lower
@@ -94,13 +94,16 @@ class Sharded:
     def __init__(self, fn: Callable, *, mesh=None, in_specs=None, out_specs=None,
                  axis: str | None = None, parts: int | None = None, seq_dim: int | None = None,
                  compile: bool = False, debug: bool | None = None, remat=None,
-                 kernels="auto", shard_state: bool = False, batch: str = "global") -> None:
+                 kernels="auto", shard_state: bool = False, batch: str = "global",
+                 strict: bool = False) -> None:
         if batch not in ("global", "local"):
             raise ShardingError(rule="batch", detail=f"batch={batch!r}",
                                 fix='use batch="global" (every rank passes the whole batch) '
                                     'or batch="local" (each dp group passes its own rows)')
+        _check_specs(in_specs, "in_specs")
+        _check_specs(out_specs, "out_specs")
         self.fn, self._mesh, self.in_specs, self.out_specs = fn, mesh, in_specs, out_specs
-        self.shard_state, self.batch = shard_state, batch
+        self.shard_state, self.batch, self.strict = shard_state, batch, strict
         self._state_mesh = None
         self.remat = Remat.of(remat)     # spdsl.remat: "none" | "full" | "auto" | budget
         self.kernels = KernelChoice.of(kernels)   # spdsl.lower.kernels: "auto"|"on"|"off"|names
@@ -228,16 +231,15 @@ class Sharded:
         return REPLICATE
 
     def _placement_of(self, x: torch.Tensor, spec, i: int) -> Placement:
+        spec = as_spec(spec, f"in_specs[{i}]", x.dim())
         if spec is None:
             return REPLICATE
-        if not isinstance(spec, P):
-            spec = P(*spec)
         if len(spec) and len(spec) != x.dim():
             raise ShardingError(
                 rule="spec rank", value=typed_shape(x.shape, x.dtype, REPLICATE, self.axis),
                 where=f"argument {i}",
                 detail=f"spec {spec!r} has {len(spec)} entries for a {x.dim()}-d tensor",
-                fix=f"give one entry per dim, e.g. P({', '.join(['None'] * x.dim())})")
+                fix="give one entry per dim: " + _respelled(spec, x.dim()))
         data = self.data_axis
         split = [(d, ax) for d, ax in spec.sharded() if ax != data or data is None]
         for _, ax in split:
@@ -372,7 +374,7 @@ class Sharded:
                 val = node.meta["val"]
                 node.meta["spdsl_constraint"] = self._placement_of(val, sp, -1) if len(sp) \
                     else REPLICATE
-        prop = Propagator(gm, self.parts, self.axis)
+        prop = Propagator(gm, self.parts, self.axis, gathers="error" if self.strict else "warn")
         prop.run(inputs)
         outs = self._out_placements(traced, prop)
         dprop, data_out = None, []
@@ -670,13 +672,13 @@ def _axis_of(specs, skip: str | None = None) -> str | None:
 
 def shard(fn: Callable | None = None, *, mesh, in_specs, out_specs=None,
           compile: bool = False, debug: bool | None = None, remat=None, kernels="auto",
-          shard_state: bool = False, batch: str = "global"
+          shard_state: bool = False, batch: str = "global", strict: bool = False
           ) -> Sharded | Callable[[Callable], Sharded]:
     """Run ``fn`` split over a mesh axis: ``in_specs`` mirror the positional arguments (one
     ``P`` per tensor, or None for replicated), ``out_specs`` the outputs (scalars: ``P()``).
     Every rank passes the same global tensors (or DTensors). Usable as a decorator. Takes the
-    same ``compile``/``remat``/``kernels``/``debug``/``shard_state``/``batch`` options as
-    ``sp_shard``. On a two-axis mesh, a spec naming the data axis on the batch dim
+    same ``compile``/``remat``/``kernels``/``debug``/``shard_state``/``batch``/``strict``
+    options as ``sp_shard``. On a two-axis mesh, a spec naming the data axis on the batch dim
     (``P("dp", "sp")``) splits the batch over it.
 
     Example::
@@ -689,13 +691,14 @@ def shard(fn: Callable | None = None, *, mesh, in_specs, out_specs=None,
     def wrap(f: Callable) -> Sharded:
         return Sharded(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, compile=compile,
                        debug=debug, remat=remat, kernels=kernels, shard_state=shard_state,
-                       batch=batch)
+                       batch=batch, strict=strict)
     return wrap(fn) if fn is not None else wrap
 
 
 def sp_shard(fn: Callable | None = None, *, seq: int, seq_dim: int = 1, axis: str = "sp",
              mesh=None, compile: bool = False, debug: bool | None = None, remat=None,
-             kernels="auto", shard_state: bool = False, batch: str = "global"):
+             kernels="auto", shard_state: bool = False, batch: str = "global",
+             strict: bool = False):
     """Sequence parallelism for a forward: tensor arguments whose dim ``seq_dim`` has the
     sequence length are split over ``seq`` ranks of axis ``axis``; everything else, parameters
     included, is replicated. Scalars come back as the exact global value; sequence-shaped
@@ -705,7 +708,9 @@ def sp_shard(fn: Callable | None = None, *, seq: int, seq_dim: int = 1, axis: st
     ``remat`` is ``"none"``, ``"full"``, ``"auto"`` (default, sequence-aware selective
     checkpointing) or a byte budget; ``kernels`` swaps in spdsl's Triton kernels
     (``"auto"``: on CUDA; ``"on"``/``"off"``); ``debug=True`` checks every rank passed the
-    same batch.
+    same batch. An op that needs the whole sequence on every rank because it sorts, selects or
+    scans along it (sort, topk, cumsum, FFT, ...) gathers it there and warns; ``strict=True``
+    makes that a ``ShardingError``.
 
     Scale: on a mesh with a second axis (``mesh=spdsl.mesh(dp=2, sp=4)``, or more ranks than
     ``seq``), the batch (dim 0) is split over it too and the loss is the exact mean over every
@@ -723,10 +728,12 @@ def sp_shard(fn: Callable | None = None, *, seq: int, seq_dim: int = 1, axis: st
         step = spdsl.sp_shard(model, seq=2, mesh=spdsl.mesh(dp=2, sp=2), shard_state=True)
         opt = torch.optim.AdamW(model.parameters())       # sharded optimizer state
     """
+    _check_degree(seq, seq_dim)
+
     def wrap(f: Callable) -> Sharded:
         return Sharded(f, mesh=mesh, axis=axis, parts=seq, seq_dim=seq_dim, compile=compile,
                        debug=debug, remat=remat, kernels=kernels, shard_state=shard_state,
-                       batch=batch)
+                       batch=batch, strict=strict)
     return wrap(fn) if fn is not None else wrap
 
 
@@ -746,6 +753,48 @@ def plan(fn: Callable, *args, **kwargs) -> ShardingPlan:
         world = dist.get_world_size() if dist.is_initialized() else 1
         fn = Sharded(fn, parts=world, seq_dim=1)
     return fn.build(args, kwargs).plan
+
+
+def _check_degree(seq, seq_dim) -> None:
+    """``sp_shard``'s ``seq`` is a number of ranks, ``seq_dim`` a dim counted from the front."""
+    if isinstance(seq, bool) or not isinstance(seq, int) or seq < 1:
+        raise ShardingError(
+            rule="sequence-parallel degree", value=f"seq={seq!r}", where=user_line(),
+            detail="seq is the number of ranks the sequence is split over",
+            fix="give a positive int, e.g. sp_shard(seq=4) (seq=1 runs unsplit); the sequence "
+                "length itself comes from the inputs")
+    if isinstance(seq_dim, bool) or not isinstance(seq_dim, int) or seq_dim < 0:
+        raise ShardingError(
+            rule="sequence dim", value=f"seq_dim={seq_dim!r}", where=user_line(),
+            detail="seq_dim is the dim of the inputs that holds the sequence, counted from the "
+                   "front (inputs of different ranks share it)",
+            fix="give a non-negative int, e.g. seq_dim=1 for [batch, seq, ...] inputs")
+
+
+def _check_specs(specs, what: str) -> None:
+    """A spec given as a bare string (``in_specs="sp"``, ``in_specs=("sp",)``) is refused
+    here, when the function is wrapped (``as_spec`` says what to write instead)."""
+    if isinstance(specs, str):
+        as_spec(specs, what)
+    if isinstance(specs, (tuple, list)) and not isinstance(specs, P):
+        for i, s in enumerate(specs):
+            if isinstance(s, str):
+                as_spec(s, f"{what}[{i}]")
+
+
+def _respelled(spec: P, ndim: int) -> str:
+    """``spec`` spelled with ``ndim`` entries, keeping its axes: ``P('sp')`` for a 2-d tensor
+    -> ``P(None, 'sp')`` (the sequence of ``[batch, seq]``) or ``P('sp', None)``."""
+    axes = [e for e in spec if e is not None]
+    if not axes or ndim == 0:
+        return repr(P(*[None] * ndim))
+    if len(axes) == 1:
+        def at(d: int) -> str:
+            seq = ", the sequence of [batch, seq, ...]" if d == 1 else ""
+            return f"{P(*[axes[0] if e == d else None for e in range(ndim)])!r} (dim {d}{seq})"
+        return " or ".join(at(d) for d in sorted(range(ndim), key=lambda d: (d != 1, d))[:4])
+    kept = [e for e in spec][:ndim] if len(spec) > ndim else list(spec)
+    return repr(P(*(kept + [None] * (ndim - len(kept)))))
 
 
 def _step_peak():

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
+from spdsl.errors import ShardingError, user_line
+
 
 class P(tuple):
     """A partition spec, as ``jax.sharding.PartitionSpec``: ``P(None, "sp", None)`` splits dim 1
@@ -38,3 +40,22 @@ class P(tuple):
 
     def __reduce__(self):
         return (P, tuple(self))
+
+
+def as_spec(spec, what: str, ndim: int | None = None) -> P | None:
+    """``spec`` as a ``P`` (a tuple or list of entries is one), or None; ``what`` names it in
+    errors (``in_specs[0]``). A bare string is refused: ``P(*"sp")`` would read as the axes
+    ``'s'`` and ``'p'``."""
+    if spec is None or isinstance(spec, P):
+        return spec
+    if isinstance(spec, str):
+        n = 2 if ndim is None or ndim < 2 else ndim
+        fix = P(*[spec if d == 1 else None for d in range(n)])
+        shape = "[batch, seq]" if n == 2 else "[batch, seq, ...]"
+        raise ShardingError(
+            rule="spec type", value=f"{what}={spec!r}", where=user_line(),
+            detail="a spec is a P with one entry per dim; a bare string would be read as one "
+                   "axis per character",
+            fix=f"write {fix!r} to split dim 1 (the sequence of a {shape} tensor) over "
+                f"{spec!r}")
+    return P(*spec)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import math
+import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,11 +25,12 @@ from spdsl.propagate.placement import (
     REPLICATE,
     Placement,
     Replicate,
+    Shard,
     typed_shape,
 )
 from spdsl.propagate.rules import RuleCtx, Strategy
 from spdsl.propagate.rules.dtensor import strategy_from_dtensor
-from spdsl.propagate.source import where
+from spdsl.propagate.source import module_of, source_of, where
 from spdsl.propagate.viewmap import atoms_through_view
 
 aten = torch.ops.aten
@@ -37,6 +39,12 @@ INF = float("inf")
 _VIEWS = {aten.view.default, aten._unsafe_view.default, aten.reshape.default}
 _SAME_SHAPE_ATOMS = {aten.clone.default, aten._to_copy.default, aten.alias.default,
                      aten.detach.default}
+# ops that sort, select or scan along a dim: along the split sequence each rank needs all of
+# it, so the engine gathers it (an all-gather of the whole value, then every rank does the
+# whole op); Propagator(gathers=...) says so
+_ALONG_SEQUENCE = {aten.sort, aten.topk, aten.cumsum, aten.cumprod, aten.cummax, aten.cummin,
+                   aten.logcumsumexp, aten.kthvalue, aten.median, aten.mode, aten._fft_r2c,
+                   aten._fft_c2c, aten._fft_c2r}
 
 
 @dataclass
@@ -93,8 +101,13 @@ def _view_atoms(in_shape: tuple, atoms: tuple, out_shape: tuple) -> tuple:
 
 
 class Propagator:
-    def __init__(self, gm: torch.fx.GraphModule, parts: int, axis: str) -> None:
-        self.gm, self.parts, self.axis = gm, parts, axis
+    """Placements for every node of ``gm`` split over ``parts`` ranks of ``axis``.
+    ``gathers``: what a sort, top-k, scan or FFT along the split dim does, which gathers the
+    whole value on every rank: None (nothing), ``"warn"`` or ``"error"`` (``strict=True``)."""
+
+    def __init__(self, gm: torch.fx.GraphModule, parts: int, axis: str,
+                 gathers: str | None = None) -> None:
+        self.gm, self.parts, self.axis, self.gathers = gm, parts, axis, gathers
         self.decisions: dict[torch.fx.Node, Decision] = {}
         self.constraints: dict[torch.fx.Node, tuple[Placement, torch.fx.Node]] = {}
 
@@ -172,6 +185,8 @@ class Propagator:
                 d.redistribute[i] = (c, r)
                 d.moves[i] = Move(c, r, nbytes(ins[i].meta["val"]), self.parts)
         d.fused = fused(d.moves)
+        if self.gathers and d.moves and self.parts > 1:
+            self._gathered_along(node, ins, d)
         split_out = any(not isinstance(o, Replicate) for o in
                         (best.output if isinstance(best.output, tuple) else (best.output,)))
         if split_out:
@@ -236,8 +251,47 @@ class Propagator:
             fix="keep shapes fixed: torch.where(mask, x, 0) or x.masked_fill(~mask, 0) "
                 "instead of x[mask], then reduce")
 
+    def _gathered_along(self, node, ins, d: Decision) -> None:
+        """A sort/top-k/scan/FFT whose input is gathered: it runs along the split dim. Integer
+        bookkeeping (document ids from position ids, say) is left alone: it is small, and
+        Hugging Face's packed-sequence check scans position ids on purpose."""
+        move = d.moves.get(0)
+        packet = getattr(node.target, "overloadpacket", None)
+        if packet not in _ALONG_SEQUENCE or move is None or not isinstance(
+                move.src, Shard) or not isinstance(move.dst, Replicate):
+            return
+        if not (ins[0].meta["val"].is_floating_point() or ins[0].meta["val"].is_complex()):
+            return
+        err = ShardingError(
+            rule="sequence gathered", value=self.typed(ins[0]), where=where(node),
+            detail=f"{node.target} runs along the split dim {move.src.dim}: every rank "
+                   "gathers the whole sequence and runs it whole",
+            fix="run it along another dim, or gather on purpose with "
+                "spdsl.with_sharding_constraint(x, P()) before it (strict=False warns instead)")
+        if self.gathers == "error":
+            raise err
+        # reported at the user's line, which the warning's own location would not be
+        path, _, line = source_of(node).rpartition(":")
+        mod = module_of(node)
+        warnings.warn_explicit(
+            f"spdsl: {node.target} on {err.value}{f' in {mod}' if mod else ''} gathers the "
+            f"whole sequence on every rank (dim {move.src.dim} is split over {self.axis!r}); "
+            "strict=True makes this an error", UserWarning, path or "spdsl",
+            int(line) if line.isdigit() else 0)
+
     def _unknown(self, node, ins, cur) -> None:
         op = node.target
+        name = getattr(getattr(op, "overloadpacket", None), "__name__", "")
+        if name.endswith("_") and not name.endswith("__"):
+            raise ShardingError(
+                rule="in-place write to a traced value",
+                value=", ".join(self.typed(a) for a in ins), where=where(node),
+                detail=f"{op} writes into a value split over {self.axis!r}; each rank holds "
+                       "a piece of it, so a write through an index or slice of the whole "
+                       "cannot be planned",
+                fix="write it out of place: y = x.masked_fill(mask, v) or "
+                    "y = torch.where(mask, v, x) instead of x[mask] = v, x[:, :n] = v or "
+                    "x.fill_(v)")
         raise ShardingError(
             rule="unknown op",
             value=", ".join(self.typed(a) for a in ins), where=where(node),

@@ -14,6 +14,8 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from spdsl.errors import ShardingError, user_line
+
 MODES = ("none", "auto", "full")
 _UNITS = {"": 1, "b": 1, "kb": 10 ** 3, "mb": 10 ** 6, "gb": 10 ** 9, "tb": 10 ** 12,
           "kib": 2 ** 10, "mib": 2 ** 20, "gib": 2 ** 30, "tib": 2 ** 40}
@@ -110,7 +112,18 @@ class Remat:
             return Remat("auto", budget=int(total * value))
         if isinstance(value, bool):
             raise TypeError("remat=True/False is ambiguous: use 'full' or 'none'")
-        return Remat("auto", budget=parse_bytes(value))
+        try:
+            budget = parse_bytes(value)
+            if budget < 0:
+                raise ValueError(value)
+            return Remat("auto", budget=budget)
+        except (ValueError, TypeError):
+            raise ShardingError(
+                rule="remat mode", value=f"remat={value!r}", where=user_line(),
+                detail="remat is a mode, a per-rank byte budget or a fraction of device "
+                       "memory",
+                fix="use remat='none', 'auto' or 'full', a budget such as '60GiB' or "
+                    "60 * 2**30, a fraction such as 0.8, or spdsl.Remat(...)") from None
 
     def with_(self, **changes) -> Remat:
         """A copy with some fields changed."""

@@ -19,6 +19,7 @@ from spdsl._torch import OpOverload
 from spdsl.propagate.engine import Decision, Propagator, nbytes, tensor_inputs
 from spdsl.propagate.forms import form_of
 from spdsl.propagate.heads import kv_repeat
+from spdsl.propagate.masks import MASK
 from spdsl.propagate.moves import Move
 from spdsl.propagate.placement import Partial, Replicate, Shard, typed_shape
 from spdsl.propagate.source import module_of, source_of
@@ -77,6 +78,8 @@ class Attention:
     module: str
     source: str
     floor: int
+    mask: str = ""       # how its mask is carried: none, a function of per-token values
+    #                      (spdsl.propagate.masks), or a dense tensor and its bytes per rank
 
 
 @dataclass
@@ -247,7 +250,8 @@ def _attention(node: torch.fx.Node, prop: Propagator, ins: list) -> Attention | 
     if P == 1:
         return None
     flex = node.target is torch.ops.higher_order.flex_attention
-    if (node.target is torch.ops.spdsl.attention.default or flex) and len(ins) >= 3:
+    fn = node.target is torch.ops.spdsl.attention_fn.default
+    if (node.target is torch.ops.spdsl.attention.default or flex or fn) and len(ins) >= 3:
         q, k, v = (ins[j].meta["val"] for j in range(3))
         if q.dim() != 4:
             return None
@@ -255,7 +259,7 @@ def _attention(node: torch.fx.Node, prop: Propagator, ins: list) -> Attention | 
         rep = kv_repeat(q.shape[1], k.shape[1], P)    # kv heads repeated up to the degree
         floor = (nbytes(q) + (nbytes(k) + nbytes(v)) * rep + nbytes(out)) / P
         return Attention(node.name, form_of(node).name, module_of(node), source_of(node),
-                         int(floor))
+                         int(floor), _mask_words(node, ins, fn, flex))
     if node.target is torch.ops.aten.bmm.default and len(ins) == 2:
         a, b = (prop.placement(x) if not isinstance(prop.decisions[x].output, tuple)
                 else None for x in ins)
@@ -264,6 +268,17 @@ def _attention(node: torch.fx.Node, prop: Propagator, ins: list) -> Attention | 
             return Attention(node.name, "eager", module_of(node), source_of(node),
                              int(2 * (nbytes(q) + nbytes(k)) / P))
     return None
+
+
+def _mask_words(node: torch.fx.Node, ins: list, fn: bool, flex: bool) -> str:
+    if fn:
+        return node.meta.get(MASK, "function")
+    if flex:
+        return "BlockMask"
+    if len(ins) > 3:
+        m = ins[3].meta["val"]
+        return f"dense tensor {typed_shape(m.shape, m.dtype, Replicate())} ({nbytes(m):,} B on every rank)"
+    return "causal" if len(node.args) > 5 and node.args[5] else "none"
 
 
 def build_plan(prop: Propagator, requires: dict[torch.fx.Node, bool],

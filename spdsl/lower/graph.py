@@ -346,6 +346,13 @@ class Lowering:
             return self.graph.call_function(target, (args[0], shape) + tuple(args[2:]), kwargs)
         if low == "constraint" or node.target is torch.ops.spdsl.constraint.default:
             return args[0]
+        if low == "ulysses" and node.target is torch.ops.spdsl.attention_fn.default:
+            q, k, v, leaves, program, _, is_causal, scale = args[:8]
+            out = self.graph.call_function(
+                ops.ulysses_attention_fn, (q, k, v, leaves, program, bool(is_causal), scale,
+                                           P, r, g), _dtypes(node))
+            out.meta[FORM] = form_of(node).name
+            return out
         if low == "ulysses":
             a = list(args) + [None] * (8 - len(args))
             q, k, v, mask, dropout_p, is_causal, scale, gqa = a[:8]
@@ -380,6 +387,13 @@ class Lowering:
             index = node.args[2] % src.shape[dim]
             lo, hi = chunk_bounds(src.shape[dim], P, r)
             return self.call(ops.select_owner, args[0], dim, index, lo, hi)
+        if node.target is torch.ops.spdsl.attention_fn.default:    # replicated attention
+            q, k, v, leaves, program, _, is_causal, scale = args[:8]
+            out = self.graph.call_function(
+                ops.ulysses_attention_fn, (q, k, v, leaves, program, bool(is_causal), scale,
+                                           1, 0, g), _dtypes(node))
+            out.meta[FORM] = form_of(node).name
+            return out
         if node.target is torch.ops.spdsl.attention.default:    # replicated attention
             out = self.graph.call_function(ops.local_attention, args,
                                            {**kwargs, **written_out(node)})
@@ -388,14 +402,19 @@ class Lowering:
         return self.graph.call_function(node.target, args, kwargs)
 
 
+def _dtypes(node: torch.fx.Node) -> dict:
+    """The casts around attention that ``uncast_attention`` moved past the exchange."""
+    return {k: node.meta[m] for k, m in (("compute_dtype", COMPUTE_DTYPE),
+                                         ("out_dtype", OUT_DTYPE)) if m in node.meta}
+
+
 def written_out(node: torch.fx.Node) -> dict:
     """How each rank computes its heads, by the node's attention form: with the user's own
     ops (attention written out), or with the kernel the user called."""
     form = form_of(node)
     return {**({"written_out": True} if form.written_out else {}),
             **({"kernel": True} if form.runs_kernel else {}),
-            **{k: node.meta[m] for k, m in (("compute_dtype", COMPUTE_DTYPE),
-                                            ("out_dtype", OUT_DTYPE)) if m in node.meta}}
+            **_dtypes(node)}
 
 
 GRAD_BUCKET_BYTES = 32 * 2 ** 20

@@ -7,6 +7,7 @@ import torch.nn.functional as F
 
 from spdsl.collectives import all_reduce, all_to_all, all_to_all_many
 from spdsl.kernels import flash_attn
+from spdsl.kernels import masked_attn as _masked_attn  # noqa: F401  (spdsl::masked_attn)
 from spdsl.propagate.heads import kv_repeat
 
 aten = torch.ops.aten
@@ -90,6 +91,29 @@ def ulysses_flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, score_mod, b
         qh, kh, vh, score_mod, tuple(bm), scale, kernel_options, tuple(score_bufs),
         tuple(mask_bufs))
     return all_to_all(out, _HEADS, _SEQ, parts, group), lse, mx
+
+
+def ulysses_attention_fn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, leaves: list,
+                         program: str, is_causal: bool, scale: float | None, parts: int,
+                         rank: int, group: str, compute_dtype: torch.dtype | None = None,
+                         out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``ulysses_attention`` for a mask given as a program of per-token ``leaves``
+    (``spdsl.propagate.masks``): the rank's heads over the whole sequence, a block of queries
+    at a time (``spdsl.kernels.masked_attn``); per-head leaves (ALiBi slopes) are cut to the
+    rank's heads."""
+    hq = q.shape[1]
+    if parts > 1:
+        q, k, v = _to_heads(q, k, v, parts, group)
+        n = hq // parts
+        leaves = [t.narrow(1, rank * n, n) if t.shape[1] == hq and hq > 1 else t
+                  for t in leaves]
+    if compute_dtype is not None:
+        q, k, v = (t.to(compute_dtype) for t in (q, k, v))
+    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    o = torch.ops.spdsl.masked_attn(q, k, v, list(leaves), program, is_causal, scale)[0]
+    if out_dtype is not None:
+        o = o.to(out_dtype)
+    return all_to_all(o, _HEADS, _SEQ, parts, group) if parts > 1 else o
 
 
 def local_attention(q, k, v, mask=None, dropout_p=0.0, is_causal=False, scale=None,

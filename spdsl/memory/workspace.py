@@ -56,10 +56,30 @@ def _flash_cpu_backward(args, kwargs) -> int:
     return buf
 
 
+def _masked_attn(args, kwargs) -> int:
+    from spdsl.kernels.masked_attn import workspace_bytes as masked
+    q, k = args[0], args[1]
+    b, h, s_q = q.shape[:3]
+    return masked(b, h, s_q, k.shape[2])
+
+
+def _masked_attn_backward(args, kwargs) -> int:
+    return _masked_attn(args[1:], kwargs)
+
+
 WORKSPACE = {
     aten._scaled_dot_product_flash_attention_for_cpu.default: _flash_cpu_forward,
     aten._scaled_dot_product_flash_attention_for_cpu_backward.default: _flash_cpu_backward,
 }
+
+
+def _masked_entries() -> None:
+    from spdsl.kernels import masked_attn  # noqa: F401  (registers the ops)
+    WORKSPACE[torch.ops.spdsl.masked_attn.default] = _masked_attn
+    WORKSPACE[torch.ops.spdsl.masked_attn_backward.default] = _masked_attn_backward
+
+
+_masked_entries()
 
 
 def workspace_bytes(func, args, kwargs) -> int:

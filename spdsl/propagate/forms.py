@@ -172,7 +172,7 @@ register_form(AttentionForm(
     capture=lambda: F.scaled_dot_product_attention, to_node=_sdpa_node,
     kernel="flash_attn", kernel_ok=_no_mask_no_dropout,
     ops=tuple(op.default for op in _FLASH), backward_ops=tuple(op.default for op in _FLASH_BWD),
-    dtensor=True))
+    custom_ops=("spdsl::masked_attn",), dtensor=True))
 
 register_form(AttentionForm(
     name="written_out",
@@ -183,7 +183,7 @@ register_form(AttentionForm(
     masks="one additive mask after every scale; float32 or input-dtype softmax; dropout with "
           "p == 0 (p > 0, masked_fill masks and returned weights: left as ops, still exact)",
     saves="what the policy keeps of its ops (its matmuls; the softmax is recomputed)",
-    find=_find_written_out, written_out=True))
+    find=_find_written_out, written_out=True, custom_ops=("spdsl::masked_attn",)))
 
 register_form(AttentionForm(
     name="flash_kernel",

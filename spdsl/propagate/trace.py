@@ -37,6 +37,7 @@ from spdsl._torch import functorch_config as _functorch_config
 from spdsl.errors import ShardingError
 from spdsl.propagate.eager_attention import uncast_attention, unrepeat_kv
 from spdsl.propagate.forms import captured, find_all
+from spdsl.propagate.masks import masks_as_functions
 from spdsl.propagate.replay import LayerReplay
 from spdsl.propagate.source import user_frame
 
@@ -313,6 +314,7 @@ def trace(fn: Callable, args: tuple, kwargs: dict) -> Traced:
     find_all(gm)                   # attention written out in ops becomes one node too (forms)
     unrepeat_kv(gm)                # grouped kv heads cross the all-to-all unrepeated
     uncast_attention(gm)           # and in their narrow dtype, where upcast just before
+    masks_as_functions(gm)         # masks built from per-token values: no [S, S] tensor
     return Traced(gm, state_names, state, arg_spec, tensor_leaf_index, out_spec_box[-1])
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import torch
 
+import spdsl.propagate.masks  # noqa: F401  (defines torch.ops.spdsl.attention_fn)
 import spdsl.propagate.trace  # noqa: F401  (defines torch.ops.spdsl.*)
 from spdsl.errors import ShardingError
 from spdsl.propagate.heads import UNREPEATED
@@ -46,7 +47,7 @@ def check_heads(ctx: RuleCtx, where: str = "") -> None:
             fix=f"use a sequence-parallel degree that divides or is a multiple of {Hk}")
 
 
-@rule(torch.ops.spdsl.attention, name="attention.ulysses")
+@rule(torch.ops.spdsl.attention, torch.ops.spdsl.attention_fn, name="attention.ulysses")
 def attention(ctx: RuleCtx) -> list[Strategy]:
     if all(isinstance(p, Replicate) for p in ctx.placements):
         return [Strategy(tuple(REPLICATE for _ in ctx.inputs), REPLICATE, None, "attention")]

@@ -1,0 +1,204 @@
+"""Masks as functions: an attention mask built elementwise from per-token values becomes a
+program over those values, evaluated a block of queries at a time by the attention kernel;
+the ``[B, 1, S, S]`` tensor is never made, on any rank, forward or backward.
+
+What is recognised. Walking back from an attention node's mask, a *pair* value is one whose
+last two dims are the query and key lengths (``[.., S_q, S_k]``); a *token* value is any
+other (``[B, 1, 1, S]``, ``[S, 1]``, a scalar). Hugging Face builds its masks as pair values
+from token values by broadcasting: ``kv_idx <= q_idx`` (causal), ``q_idx - kv_idx < window``
+(sliding window), ``padding[batch_idx, kv_idx]`` (the 2-D mask, indexed to ``[B, 1, 1, S]``),
+``doc[batch_idx, q_idx] == doc[batch_idx, kv_idx]`` (packed documents from restarting
+positions), then ``&``, ``where(keep, 0, finfo.min)`` and ``expand``. So does written-out
+attention's additive mask and an ALiBi bias (``slope * (k_pos - q_pos)``). When every pair
+value in the mask's cone is an elementwise op (or a broadcast ``expand``, a full-range
+slice) and is read by nothing but attention masks, the cone becomes one program whose
+inputs, the *leaves*, are the token values it reads (each reshaped to 4-D). The token values
+stay ordinary graph values: O(S) each, replicated like any small tensor.
+
+What is not: a mask passed in as a tensor ``[B, 1, S, S]``, one read by other ops, one with a
+gather or a reduction over a pair value, attention dropout ``p > 0`` (the kernel has none),
+or a bias that needs a gradient: those keep the dense mask and the plan lists its bytes.
+
+The result is an ``spdsl.attention_fn(q, k, v, leaves, program, dropout_p, is_causal,
+scale, enable_gqa)`` node in place of ``spdsl.attention``; ``SPDSL_MASK_FUNCTIONS=0`` turns
+the pass off.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from spdsl._torch import OpOverload
+from spdsl.kernels.masked_attn import register_mask_program
+
+aten = torch.ops.aten
+MASK = "spdsl_mask"       # on an attention_fn node: what its mask is, in words, for the plan
+
+_ELEMENTWISE = {aten.clone.default, aten._to_copy.default, aten.alias.default,
+                aten.masked_fill.Scalar, aten.masked_fill.Tensor, aten.where.self,
+                aten.where.ScalarOther, aten.where.ScalarSelf, aten.where.Scalar,
+                aten.type_as.default, aten.clamp.default, aten.lift_fresh_copy.default}
+_RANDOM = {aten.rand_like.default, aten.randn_like.default, aten.bernoulli.default,
+           aten.bernoulli.p, aten.native_dropout.default}
+_BROADCAST = {aten.expand.default}
+
+
+@torch.library.custom_op("spdsl::attention_fn", mutates_args=())
+def attention_fn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, leaves: list[torch.Tensor],
+                 program: str, dropout_p: float, is_causal: bool, scale: float | None,
+                 enable_gqa: bool) -> torch.Tensor:
+    from spdsl.kernels.masked_attn import masked_attn
+    return masked_attn(q, k, v, mask_fn=program, leaves=leaves, causal=is_causal, scale=scale)
+
+
+@attention_fn.register_fake
+def _(q, k, v, leaves, program, dropout_p, is_causal, scale, enable_gqa):
+    return q.new_empty(q.shape[:-1] + v.shape[-1:])
+
+
+def _val(n):
+    return n.meta.get("val") if isinstance(n, torch.fx.Node) else None
+
+
+def _is_pair(n, s_q: int, s_k: int) -> bool:
+    v = _val(n)
+    return isinstance(v, torch.Tensor) and v.dim() >= 2 and tuple(v.shape[-2:]) == (s_q, s_k)
+
+
+def _elementwise(n: torch.fx.Node) -> bool:
+    t = n.target
+    if t in _RANDOM:
+        return False
+    if t in _ELEMENTWISE or t in _BROADCAST:
+        return True
+    if t is aten.slice.Tensor:       # a slice over the whole dim (HF's mask[..., :S_k])
+        v, src = _val(n), _val(n.args[0])
+        return v is not None and src is not None and tuple(v.shape) == tuple(src.shape)
+    return isinstance(t, OpOverload) and torch.Tag.pointwise in t.tags
+
+
+def _cone(mask: torch.fx.Node, s_q: int, s_k: int) -> tuple[list, list] | None:
+    """The pair nodes computing ``mask`` (topological order) and the token leaves they read;
+    None when a pair value is not elementwise (a tensor passed in, a gather, a reduction)."""
+    pairs, leaves, seen = [], [], set()
+
+    def visit(n) -> bool:
+        if n in seen:
+            return True
+        seen.add(n)
+        if not _is_pair(n, s_q, s_k):
+            v = _val(n)
+            if not isinstance(v, torch.Tensor) or v.dim() > 4 or v.requires_grad:
+                return False
+            shape = (1,) * (4 - v.dim()) + tuple(v.shape)
+            if shape[-2] not in (1, s_q) or shape[-1] not in (1, s_k):
+                return False
+            leaves.append(n)
+            return True
+        if n.op != "call_function" or not _elementwise(n) or _val(n).requires_grad:
+            return False
+        if not all(visit(a) for a in n.all_input_nodes):
+            return False
+        pairs.append(n)
+        return True
+
+    return (pairs, leaves) if visit(mask) else None
+
+
+def _program(pairs: list, leaves: list, mask: torch.fx.Node) -> torch.fx.GraphModule:
+    """The cone as a graph of its own over 4-D leaves; ``expand`` and full slices dropped
+    (the kernel broadcasts)."""
+    g = torch.fx.Graph()
+    env = {leaf: g.placeholder(f"leaf{i}") for i, leaf in enumerate(leaves)}
+    for n in pairs:
+        if n.target in _BROADCAST or n.target is aten.slice.Tensor:
+            env[n] = env[n.args[0]]
+            continue
+        env[n] = g.node_copy(n, lambda a: env[a])
+    g.output(env[mask])
+    return torch.fx.GraphModule(torch.nn.Module(), g)
+
+
+def _describe(pairs: list, leaves: list, causal: bool) -> str:
+    ops = {n.target.overloadpacket.__name__ for n in pairs if hasattr(n.target, "overloadpacket")}
+    kinds = []
+    if causal or ops & {"le", "ge", "lt", "gt"}:
+        kinds.append("position comparison (causal / window)")
+    if ops & {"eq", "ne"}:
+        kinds.append("equal ids (documents)")
+    if any(_val(x).dim() >= 2 and _val(x).shape[0] > 1 for x in leaves):
+        kinds.append("per-row values (padding)")
+    if any(_val(n).dtype.is_floating_point for n in pairs[-1:]) and ops & {"mul", "sub", "abs"}:
+        kinds.append("bias")
+    return f"function of {len(leaves)} per-token values: " + (", ".join(kinds) or "elementwise")
+
+
+def masks_as_functions(gm: torch.fx.GraphModule) -> int:
+    """Rewrite every ``spdsl.attention`` whose mask is a program of per-token values into
+    ``spdsl.attention_fn``; returns how many were rewritten."""
+    if os.environ.get("SPDSL_MASK_FUNCTIONS", "1") == "0":
+        return 0
+    g = gm.graph
+    nodes = [n for n in g.nodes if n.target is torch.ops.spdsl.attention.default
+             and len(n.args) > 3 and isinstance(n.args[3], torch.fx.Node)]
+    programs: dict[torch.fx.Node, tuple] = {}
+    done = 0
+    for att in nodes:
+        q, k = _val(att.args[0]), _val(att.args[1])
+        dropout = att.args[4] if len(att.args) > 4 else 0.0
+        if dropout or q is None or q.dim() != 4:
+            continue
+        mask = att.args[3]
+        if mask not in programs:
+            found = _cone(mask, q.shape[2], k.shape[2])
+            if found is None or not _read_by_attention_only(found[0], mask):
+                programs[mask] = None
+                continue
+            pairs, leaves = found
+            programs[mask] = (register_mask_program(_program(pairs, leaves, mask)), pairs,
+                              leaves)
+        entry = programs[mask]
+        if entry is None:
+            continue
+        key, pairs, leaves = entry
+        with g.inserting_before(att):
+            four = [g.call_function(aten.reshape.default, (x, _four(x))) for x in leaves]
+            for x, f in zip(leaves, four):
+                f.meta["val"] = _val(x).reshape(_four(x))
+            a = list(att.args) + [None] * (8 - len(att.args))
+            new = g.call_function(torch.ops.spdsl.attention_fn.default,
+                                  (a[0], a[1], a[2], four, key, float(a[4] or 0.0), bool(a[5]),
+                                   a[6], bool(a[7])))
+        new.meta.update(att.meta)
+        new.meta[MASK] = _describe(pairs, leaves, bool(a[5]))
+        att.replace_all_uses_with(new)
+        g.erase_node(att)
+        done += 1
+    for mask, entry in programs.items():     # the pair values nobody reads any more
+        if entry is not None:
+            for n in reversed(entry[1]):
+                if not n.users:
+                    g.erase_node(n)
+    if done:
+        gm.recompile()
+    return done
+
+
+def _four(x: torch.fx.Node) -> tuple[int, ...]:
+    v = _val(x)
+    return (1,) * (4 - v.dim()) + tuple(v.shape)
+
+
+def _read_by_attention_only(pairs: list, mask: torch.fx.Node) -> bool:
+    inside = set(pairs)
+    for n in pairs:
+        for u in n.users:
+            if u in inside:
+                continue
+            if u.target is torch.ops.spdsl.attention.default and n is mask and \
+                    u.args[3] is mask and not (len(u.args) > 4 and u.args[4]):
+                continue
+            return False
+    return True

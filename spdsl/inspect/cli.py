@@ -1,20 +1,24 @@
 """``python -m spdsl plan MODEL --seq S --sp P``: plan a model without running it.
 
-``MODEL`` is ``MODULE:EXPR`` (``spdsl.modelspec``: a model, a model class, or a config).
+``MODEL`` is ``MODULE:EXPR`` (a model, a model class, or a config) or ``hf:CONFIG`` (a Hugging
+Face causal LM from a directory with a config.json, or a built-in tiny one such as
+``hf:llama-tiny``; nothing is downloaded); see ``spdsl.modelspec``.
 
-The model is built on the meta device (no memory) and called as ``model(ids, ids)`` (input
-ids and labels, ``[batch, seq]`` int64 on meta), or ``model(ids)`` with ``--no-labels``.
+The model is built on the meta device (no memory), cast to ``--dtype`` and called as
+``model(ids, ids)`` (input ids and labels, ``[batch, seq]`` int64 on meta), or ``model(ids)``
+with ``--no-labels``. A mistake (a bad spec, option, or a sharding rule the model breaks) is
+one line on stderr and exit status 2.
 
 Example::
 
     python -m spdsl plan spdsl.models.llama:LlamaConfig.llama3_8b --seq 131072 --sp 8
-    python -m spdsl plan spdsl.models.llama:LlamaConfig.llama3_70b --seq 1048576 --sp 32 --dtype bf16 \\
+    python -m spdsl plan spdsl.models.llama:LlamaConfig.llama3_70b --seq 1048576 --sp 32 \\
         --html plan70b.html --json plan70b.json
+    python -m spdsl plan hf:llama-tiny --seq 4096 --sp 4
 """
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 import time
@@ -22,25 +26,45 @@ from collections.abc import Sequence
 
 import torch
 
+from spdsl.errors import ShardingError
 from spdsl.modelspec import build_model
+from spdsl.modelspec.cli import (
+    DEFAULT_DTYPE,
+    DTYPE_HELP,
+    DTYPE_METAVAR,
+    DTYPES,
+    HelpFormatter,
+    Parser,
+    UsageError,
+    dtype_name,
+    fail,
+    parse,
+    positive,
+    version,
+)
 
-_DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}
 
-
-def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m spdsl", description=__doc__.split("\n\n")[0])
+def _parser() -> Parser:
+    p = Parser(prog="python -m spdsl", formatter_class=HelpFormatter,
+               description="A model's sequence parallelism (plan) and its per-rank memory "
+                           "(memory),\nplanned without running it.")
+    p.add_argument("--version", action="version", version=f"spdsl {version()}")
     sub = p.add_subparsers(dest="command", required=True)
-    q = sub.add_parser("plan", help="plan a model's sequence parallelism without running it")
+    q = sub.add_parser("plan", help="plan a model's sequence parallelism without running it",
+                       description=__doc__, formatter_class=HelpFormatter,
+                       prog="python -m spdsl plan")
     # parsed by spdsl.memory.cli; listed here so that --help names every subcommand
     sub.add_parser("memory", add_help=False,
                    help="per-rank memory of a training step and the longest sequence that "
                         "fits (python -m spdsl memory --help)")
-    q.add_argument("model", help="MODULE:EXPR, e.g. spdsl.models.llama:LlamaConfig.llama3_8b")
-    q.add_argument("--seq", type=int, required=True, help="global sequence length")
-    q.add_argument("--sp", type=int, required=True, help="sequence-parallel degree")
-    q.add_argument("--batch", type=int, default=1)
-    q.add_argument("--axis", default="sp", help="mesh axis name (default sp)")
-    q.add_argument("--dtype", choices=sorted(_DTYPES), help="cast the model's weights first")
+    q.add_argument("model", help="MODULE:EXPR (e.g. spdsl.models.llama:LlamaConfig.llama3_8b) "
+                                 "or hf:CONFIG (e.g. hf:llama-tiny, hf:/path/to/model_dir)")
+    q.add_argument("--seq", type=positive, required=True, help="global sequence length")
+    q.add_argument("--sp", type=positive, required=True, help="sequence-parallel degree")
+    q.add_argument("--batch", type=positive, default=1, help="sequences per step")
+    q.add_argument("--axis", default="sp", help="mesh axis name")
+    q.add_argument("--dtype", type=dtype_name, default=DEFAULT_DTYPE, help=DTYPE_HELP,
+                   metavar=DTYPE_METAVAR)
     q.add_argument("--no-labels", action="store_true", help="call model(ids), not model(ids, ids)")
     q.add_argument("--json", nargs="?", const="-", metavar="PATH",
                    help="write the JSON plan to PATH (or stdout) instead of the table")
@@ -51,40 +75,58 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of ``python -m spdsl``; returns the exit status.
+    """Entry point of ``python -m spdsl``; returns the exit status (2: the user's mistake,
+    said on one line of stderr).
 
     Example::
 
         main(["plan", "spdsl.models.llama:LlamaConfig.tiny", "--seq", "64", "--sp", "4"])
     """
+    args = parse(_parser(), argv)
+    if isinstance(args, int):
+        return args
+    try:
+        return _plan(args)
+    except (UsageError, ShardingError) as e:
+        return fail("python -m spdsl plan", e)
+
+
+def _plan(args) -> int:
     import spdsl
 
-    args = _parser().parse_args(argv)
     t0 = time.perf_counter()
-    model = build_model(args.model)
-    if args.dtype:
-        model = model.to(_DTYPES[args.dtype])
+    model = build_model(args.model).to(DTYPES[args.dtype])
     ids = torch.empty(args.batch, args.seq, dtype=torch.long, device="meta")
     inputs = (ids,) if args.no_labels else (ids, ids)
     t1 = time.perf_counter()
-    try:
-        plan = spdsl.plan(spdsl.sp_shard(seq=args.sp, axis=args.axis)(model), *inputs)
-    except spdsl.ShardingError as e:
-        print(f"spdsl plan: {e}", file=sys.stderr)
-        return 2
+    plan = spdsl.plan(spdsl.sp_shard(seq=args.sp, axis=args.axis)(model), *inputs)
     t2 = time.perf_counter()
     plan.title = f"{args.model} seq={args.seq} {args.axis}={args.sp}"
+    explained = [_explain(plan, name) for name in args.explain]
     # files first: a reader closing stdout early (``| head``) must not lose them
     if args.html:
-        plan.to_html(args.html)
-        print(f"wrote the HTML plan to {os.path.abspath(args.html)}", file=sys.stderr)
+        _write(args.html, plan.to_html(), "HTML")
     if args.json and args.json != "-":
-        with open(args.json, "w", encoding="utf-8") as f:
-            f.write(plan.to_json())
-        print(f"wrote the JSON plan to {os.path.abspath(args.json)}", file=sys.stderr)
+        _write(args.json, plan.to_json(), "JSON")
     print(plan.to_json() if args.json == "-" else plan)
-    for name in args.explain:
+    for text in explained:
         print()
-        print(plan.explain(name))
+        print(text)
     print(f"built the model in {t1 - t0:.1f} s, planned in {t2 - t1:.1f} s", file=sys.stderr)
     return 0
+
+
+def _explain(plan, name: str) -> str:
+    try:
+        return str(plan.explain(name))
+    except KeyError as e:
+        raise UsageError(f"--explain {name}: {e.args[0] if e.args else e}") from None
+
+
+def _write(path: str, text: str, what: str) -> None:
+    try:
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(text)
+    except OSError as e:
+        raise UsageError(f"cannot write the {what} plan to {path}: {e.strerror}") from None
+    print(f"wrote the {what} plan to {os.path.abspath(path)}", file=sys.stderr)

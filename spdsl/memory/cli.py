@@ -7,16 +7,21 @@ Examples::
     python -m spdsl memory --model spdsl.models.llama:LlamaConfig.llama3_8b --sp 8 --seq 131072 --remat full
     python -m spdsl memory --model spdsl.models.llama:LlamaConfig.llama3_8b --sp 4 --dp 2 --state-shards all --max-seq
     python -m spdsl memory --model spdsl.models.llama:LlamaConfig.small --sp 4 --seq 8192 --dtype fp32 --kernels auto --json
+    python -m spdsl memory --model hf:llama-tiny --sp 4 --seq 65536 --remat auto
 
-Modes (--remat): none, auto, full, and best: the longest-sequence combination of remat mode,
-recomputed all-to-alls and offload (when --offload allows it) the planner finds, named in its
-header. Parameters, gradients and AdamW state are split over --state-shards ranks (ZeRO-3 over
-the dp x sp mesh: `all` = dp*sp), with the gathered weights of the layer in flight counted
-(forward: one layer's weights; backward: its weights gathered again plus its whole gradients).
-Host memory: --host-memory per rank (default 192GiB: a 1.5 TiB node of 8 GPUs; such nodes have
-1-2 TiB). Device figures plan the GPU run (--kernels triton: spdsl's Triton kernels swapped in);
---reserve is kept back from --device-memory for what the tensor planner cannot see (the CUDA
-context, NCCL buffers, kernel workspaces, allocator fragmentation).
+Modes (--remat), as remat= of sp_shard: none; auto (remat="auto": saves per op by recompute
+FLOPs per saved byte); full; a per-rank budget such as 60GiB (remat="60GiB": the least
+recomputation that fits it). Two more for this search: lean, auto's leanest policy
+(Remat("auto", budget=0): attention saved, all else recomputed, MLP and loss tiled); and best:
+the longest-sequence combination of remat mode, recomputed all-to-alls and offload (when
+--offload allows it) the planner finds, named in its header. Parameters, gradients and AdamW
+state are split over --state-shards ranks (ZeRO-3 over the dp x sp mesh: `all` = dp*sp), with
+the gathered weights of the layer in flight counted (forward: one layer's weights; backward: its
+weights gathered again plus its whole gradients). Host memory: --host-memory per rank (192GiB: a
+1.5 TiB node of 8 GPUs; such nodes have 1-2 TiB). Device figures plan the GPU run (--kernels
+triton: spdsl's Triton kernels swapped in); --reserve is kept back from --device-memory for what
+the tensor planner cannot see (the CUDA context, NCCL buffers, kernel workspaces, allocator
+fragmentation). --max-seq says on stderr each length it simulates and whether it fits.
 """
 
 from __future__ import annotations
@@ -24,37 +29,78 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
+from dataclasses import dataclass
 
-import torch
-
+from spdsl.errors import ShardingError
 from spdsl.memory.report import fmt_bytes
 from spdsl.memory.search import Estimator, bytes_per_token_per_layer, max_seq, model_plan
 from spdsl.modelspec import field, load_config
+from spdsl.modelspec.cli import (
+    DEFAULT_DTYPE,
+    DTYPE_HELP,
+    DTYPE_METAVAR,
+    DTYPES,
+    HelpFormatter,
+    Parser,
+    UsageError,
+    dtype_name,
+    fail,
+    parse,
+    positive,
+    version,
+)
 from spdsl.remat import Remat, parse_bytes
 
-_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+MODES = ("none", "auto", "lean", "full", "best")
+
+
+def _size(text: str) -> int:
+    try:
+        return parse_bytes(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _modes(text: str) -> list[str]:
+    """``--remat``: comma-separated modes (``MODES``) or per-rank budgets (``60GiB``)."""
+    out = [m.strip() for m in text.split(",") if m.strip()]
+    for m in out:
+        if m not in MODES:
+            try:
+                parse_bytes(m)
+            except ValueError:
+                raise argparse.ArgumentTypeError(
+                    f"{m!r} is not a remat mode: use {', '.join(MODES)} or a per-rank budget "
+                    "such as 60GiB") from None
+    if not out:
+        raise argparse.ArgumentTypeError(f"name at least one of {', '.join(MODES)}")
+    return out
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m spdsl memory", description=__doc__.split("\n")[0],
-                                epilog=__doc__.split("\n", 2)[2],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", required=True, metavar="MODULE:EXPR",
-                   help="a model config, e.g. spdsl.models.llama:LlamaConfig.llama3_8b (the model "
-                        "is built from it at several depths; spdsl.modelspec)"),
-    p.add_argument("--sp", type=int, default=8, help="sequence-parallel degree")
-    p.add_argument("--dp", type=int, default=1,
+    p = Parser(prog="python -m spdsl memory", description=__doc__.split("\n")[0],
+               epilog=__doc__.split("\n", 2)[2], formatter_class=HelpFormatter)
+    p.add_argument("--version", action="version", version=f"spdsl {version()}")
+    p.add_argument("--model", required=True, metavar="MODULE:EXPR|hf:CONFIG",
+                   help="a model config, e.g. spdsl.models.llama:LlamaConfig.llama3_8b, or a "
+                        "Hugging Face one: hf:llama-tiny, hf:/path/to/model_dir (the model is "
+                        "built from it at several depths; spdsl.modelspec)")
+    p.add_argument("--sp", type=positive, default=8, help="sequence-parallel degree")
+    p.add_argument("--dp", type=positive, default=1,
                    help="data-parallel degree (mesh dp x sp); only state sharding sees it")
-    p.add_argument("--seq", type=int, default=None, help="global sequence length to plan")
-    p.add_argument("--batch", type=int, default=1, help="sequences per dp replica")
-    p.add_argument("--dtype", choices=sorted(_DTYPES), default="bf16")
-    p.add_argument("--remat", default="none,auto,full,best",
-                   help="comma-separated modes (none, auto, full, best) or one budget like 60GiB")
-    p.add_argument("--device-memory", default="80GiB", help="per-rank device memory, e.g. 80GiB")
-    p.add_argument("--reserve", default="2GiB",
-                   help="kept back from --device-memory for what no tensor shows (default 2GiB)")
-    p.add_argument("--host-memory", default="192GiB",
-                   help="per-rank host memory for offloaded activations (default 192GiB)")
+    p.add_argument("--seq", type=positive, default=None, help="global sequence length to plan")
+    p.add_argument("--batch", type=positive, default=1, help="sequences per dp replica")
+    p.add_argument("--dtype", type=dtype_name, default=DEFAULT_DTYPE, help=DTYPE_HELP,
+                   metavar=DTYPE_METAVAR)
+    p.add_argument("--remat", type=_modes, default="none,auto,lean,full,best",
+                   help=f"comma-separated modes ({', '.join(MODES)}) or budgets like 60GiB")
+    p.add_argument("--device-memory", type=_size, default="80GiB",
+                   help="per-rank device memory, e.g. 80GiB")
+    p.add_argument("--reserve", type=_size, default="2GiB",
+                   help="kept back from --device-memory for what no tensor shows")
+    p.add_argument("--host-memory", type=_size, default="192GiB",
+                   help="per-rank host memory for offloaded activations")
     p.add_argument("--optimizer", choices=("adamw", "sgd", "none"), default="adamw",
                    help="adamw: two fp32 states per parameter")
     p.add_argument("--state-shards", default="1",
@@ -66,13 +112,14 @@ def parser() -> argparse.ArgumentParser:
                         "True))")
     p.add_argument("--offload", action="store_true",
                    help="what checkpointed layers keep lives in host memory (Remat(offload="
-                        "True)); auto and full modes, and a choice for best")
+                        "True)); auto, lean and full modes, and a choice for best")
     p.add_argument("--kernels", choices=("triton", "auto"), default="triton",
                    help="triton: plan the GPU run (spdsl's kernels); auto: what runs here")
     p.add_argument("--max-seq", action="store_true",
                    help="search the longest sequence that fits --device-memory")
-    p.add_argument("--granularity", type=int, default=1024)
-    p.add_argument("--probe", type=int, default=131072,
+    p.add_argument("--granularity", type=positive, default=1024,
+                   help="--max-seq answers a multiple of this")
+    p.add_argument("--probe", type=positive, default=131072,
                    help="first lengths tried by --max-seq: N/4 and N (then refined near the "
                         "answer)")
     p.add_argument("--no-verify", action="store_true",
@@ -83,16 +130,20 @@ def parser() -> argparse.ArgumentParser:
 
 def state_shards(text: str, dp: int, sp: int) -> int:
     """``--state-shards``: ``all`` is every rank of the dp x sp mesh."""
-    n = dp * sp if str(text).strip().lower() == "all" else int(text)
+    try:
+        n = dp * sp if str(text).strip().lower() == "all" else int(text)
+    except ValueError:
+        n = 0
     if n < 1 or (n > 1 and (dp * sp) % n):
-        raise SystemExit(f"--state-shards {text}: use 1, 'all' or a divisor of dp*sp = {dp * sp}")
+        raise UsageError(f"--state-shards {text}: use 1, 'all' or a divisor of dp*sp = "
+                         f"{dp * sp}")
     return n
 
 
-def _search_remat(mode: str, a) -> Remat:
-    # under a budget "auto" goes as lean as it may: attention saved, everything else
-    # recomputed, MLP and loss tiled (budget=0 names that policy)
-    r = Remat("auto", budget=0) if mode == "auto" else Remat.of(mode)
+def remat_of(mode: str, a) -> Remat:
+    """The ``Remat`` a ``--remat`` mode names: what ``sp_shard(remat=mode)`` would use
+    (``lean``: ``Remat("auto", budget=0)``), with the collective and offload flags."""
+    r = Remat("auto", budget=0) if mode == "lean" else Remat.of(mode)
     if a.recompute_collectives:
         r = r.with_(recompute_collectives=True)
     if a.offload and r.mode != "none":
@@ -108,15 +159,45 @@ def best_candidates(offload: bool) -> list[Remat]:
 
 
 def _name(r: Remat) -> str:
+    base = r.mode if r.mode != "auto" or r.budget is None else \
+        "lean" if r.budget == 0 else f"auto({fmt_bytes(r.budget)})"
     extra = [k for k in ("recompute_collectives", "offload") if getattr(r, k)]
-    return "+".join([r.mode] + extra)
+    return "+".join([base] + extra)
+
+
+@dataclass
+class _Saying(Estimator):
+    """An ``Estimator`` that says on stderr each length it simulates and whether it fits:
+    a search over an 8B model takes minutes."""
+
+    budget: int = 0
+    host_budget: int | None = None
+
+    def phases(self, seq: int) -> dict[str, int]:
+        said = self.__dict__.setdefault("_said", set())
+        if seq in said:
+            return super().phases(seq)
+        said.add(seq)
+        print(f"  {_name(self.remat)}: probing {seq:,} tokens ...", end="", file=sys.stderr,
+              flush=True)
+        t0 = time.perf_counter()
+        p = super().phases(seq)
+        peak = max(v for k, v in p.items() if k != "host")
+        host_over = self.host_budget is not None and p.get("host", 0) > self.host_budget
+        verdict = "fits" if peak <= self.budget and not host_over else \
+            "too long for the host" if peak <= self.budget else "too long"
+        host = f", host {fmt_bytes(p['host'])}" if self.host_budget is not None else ""
+        print(f" {verdict} ({fmt_bytes(peak)}{host}; {time.perf_counter() - t0:.0f} s)",
+              file=sys.stderr, flush=True)
+        return p
 
 
 def _longest(cfg, a, remat: Remat, shards: int, budget: int, host: int, verify: bool):
-    est = Estimator(cfg, a.sp, remat, _DTYPES[a.dtype], a.batch, a.optimizer, shards, a.kernels)
+    host_budget = host if remat.offload else None
+    est = _Saying(cfg, a.sp, remat, DTYPES[a.dtype], a.batch, a.optimizer, shards, a.kernels,
+                  budget=budget, host_budget=host_budget)
     return max_seq(est, budget, granularity=a.granularity, verify=verify,
-                   host_budget=host if remat.offload else None,
-                   probes=(a.probe // 4, a.probe))
+                   host_budget=host_budget, probes=(a.probe // 4, a.probe))
 
 
 def suggest(cfg, a, budget: int, host: int) -> str:
@@ -137,60 +218,71 @@ def suggest(cfg, a, budget: int, host: int) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of the ``memory`` subcommand (``spdsl.__main__`` dispatches here).
+    """Entry point of the ``memory`` subcommand (``spdsl.__main__`` dispatches here); returns
+    the exit status (2: the user's mistake, said on one line of stderr).
 
     Example::
 
         main(["--model", "spdsl.models.llama:LlamaConfig.small", "--sp", "2", "--seq", "4096", "--dtype", "fp32"])
     """
-    a = parser().parse_args(argv)
-    cfg, dtype = load_config(a.model), _DTYPES[a.dtype]
-    total, reserve = parse_bytes(a.device_memory), parse_bytes(a.reserve)
-    budget, host = total - reserve, parse_bytes(a.host_memory)
+    a = parse(parser(), argv)
+    if isinstance(a, int):
+        return a
+    try:
+        return _run(a)
+    except (UsageError, ShardingError) as e:
+        return fail("python -m spdsl memory", e)
+
+
+def _run(a) -> int:
+    if a.seq is None and not a.max_seq:
+        raise UsageError("give --seq N to plan one length, or --max-seq to search")
+    cfg, dtype = load_config(a.model), DTYPES[a.dtype]
+    total, reserve, host = a.device_memory, a.reserve, a.host_memory
+    budget = total - reserve
+    if budget <= 0:
+        raise UsageError(f"--reserve {fmt_bytes(reserve)} leaves nothing of --device-memory "
+                         f"{fmt_bytes(total)}")
     shards = state_shards(a.state_shards, a.dp, a.sp)
-    modes = [m.strip() for m in a.remat.split(",") if m.strip()]
     h = field(cfg, "hidden")
     print(f"{a.model}: {a.dtype}, mesh dp {a.dp} x sp {a.sp}, batch {a.batch} per dp replica, "
           f"{a.optimizer}, state {'replicated' if shards == 1 else f'split {shards} ways'}, "
           f"device {fmt_bytes(total)} - {fmt_bytes(reserve)} reserve = {fmt_bytes(budget)} per "
           f"rank, host {fmt_bytes(host)} per rank, kernels {a.kernels}", file=sys.stderr)
-    for mode in modes:
-        cands = best_candidates(a.offload) if mode == "best" else [_search_remat(mode, a)]
-        if a.max_seq:
-            found = [(_longest(cfg, a, r, shards, budget, host, verify=False), r) for r in cands]
-            (seq, plan), remat = max(found, key=lambda x: x[0][0])
-            label = mode if mode != "best" else f"best = {_name(remat)}"
-            if seq and not a.no_verify:
-                plan = model_plan(cfg, seq, a.sp, remat, dtype=dtype, batch=a.batch,
-                                  optimizer=a.optimizer, state_shards=shards, kernels=a.kernels)
-            per = bytes_per_token_per_layer(cfg, a.sp, remat, dtype=dtype, kernels=a.kernels)
-            per_host = bytes_per_token_per_layer(cfg, a.sp, remat, dtype=dtype,
-                                                 kernels=a.kernels, host=True) \
-                if remat.offload else 0.0
-            if a.json:
-                print(json.dumps({"mode": mode, "remat": _name(remat), "max_seq": seq,
-                                  "bytes_per_token_per_layer": per,
-                                  "host_bytes_per_token_per_layer": per_host,
-                                  "plan": plan.to_dict() if plan else None}))
-                continue
-            print(f"\n== remat={label}: longest sequence {seq:,} tokens ({seq // a.sp:,} per "
-                  f"rank); activations kept on the device {per:,.0f} B/token/layer = "
-                  f"{per / h:.1f}*h, on the host {per_host:,.0f} = {per_host / h:.1f}*h "
-                  f"(analytic: 34*h = {34 * h:,} without checkpointing, 2*h = {2 * h:,} full)")
-            if seq == 0:
-                print("   nothing fits: " + suggest(cfg, a, budget, host))
-            if plan is not None:
-                print(plan)
-        else:
-            if a.seq is None:
-                raise SystemExit("give --seq N to plan one length, or --max-seq to search")
+    plan_kw = {"dtype": dtype, "batch": a.batch, "optimizer": a.optimizer,
+               "state_shards": shards, "kernels": a.kernels}
+    for mode in a.remat:
+        cands = best_candidates(a.offload) if mode == "best" else [remat_of(mode, a)]
+        if not a.max_seq:
             for remat in cands:
-                plan = model_plan(cfg, a.seq, a.sp, remat, dtype=dtype, batch=a.batch,
-                                  optimizer=a.optimizer, state_shards=shards, kernels=a.kernels)
+                plan = model_plan(cfg, a.seq, a.sp, remat, **plan_kw)
                 print(plan.to_json() if a.json else
                       f"\n== remat={_name(remat)}, seq {a.seq:,}\n{plan}")
+            continue
+        found = [(_longest(cfg, a, r, shards, budget, host, verify=False), r) for r in cands]
+        (seq, plan), remat = max(found, key=lambda x: x[0][0])
+        label = _name(remat) if mode != "best" else f"best = {_name(remat)}"
+        if seq and not a.no_verify:
+            print(f"  {_name(remat)}: verifying {seq:,} tokens at full depth ...",
+                  file=sys.stderr, flush=True)
+            plan = model_plan(cfg, seq, a.sp, remat, **plan_kw)
+        print(f"  {_name(remat)}: activations per token per layer (1- and 2-layer models) ...",
+              file=sys.stderr, flush=True)
+        per = bytes_per_token_per_layer(cfg, a.sp, remat, dtype=dtype, kernels=a.kernels)
+        per_host = bytes_per_token_per_layer(cfg, a.sp, remat, dtype=dtype, kernels=a.kernels,
+                                             host=True) if remat.offload else 0.0
+        if a.json:
+            print(json.dumps({"mode": mode, "remat": _name(remat), "max_seq": seq,
+                              "bytes_per_token_per_layer": per,
+                              "host_bytes_per_token_per_layer": per_host,
+                              "plan": plan.to_dict() if plan else None}))
+            continue
+        print(f"\n== remat={label}: longest sequence {seq:,} tokens ({seq // a.sp:,} per "
+              f"rank); activations kept on the device {per:,.0f} B/token/layer = "
+              f"{per / h:.1f}*h, on the host {per_host:,.0f} = {per_host / h:.1f}*h "
+              f"(analytic: 34*h = {34 * h:,} without checkpointing, 2*h = {2 * h:,} full)")
+        if seq == 0:
+            print("   nothing fits: " + suggest(cfg, a, budget, host))
+        if plan is not None:
+            print(plan)
     return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

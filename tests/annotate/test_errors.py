@@ -159,10 +159,7 @@ def test_no_warning_along_other_dims_on_integers_or_after_a_chosen_gather():
 
 def test_a_model_with_labels_plans_quietly():
     """The label shift gathers a neighbour's token (a halo), not the sequence: no warning."""
-    try:
-        from spdsl.models.llama import Llama, LlamaConfig
-    except ImportError:                         # before the example models moved into spdsl
-        from models.llama import Llama, LlamaConfig
+    from spdsl.models.llama import Llama, LlamaConfig
     ids = torch.randint(0, 256, (1, 64))
     _quiet(Llama(LlamaConfig.tiny()), ids, ids, strict=True)
 

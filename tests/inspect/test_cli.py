@@ -12,6 +12,7 @@ import pytest
 from spdsl.inspect.cli import build_model, main
 from spdsl.models.llama import Llama
 from spdsl.models.toys import GPT2Like
+from spdsl.modelspec.cli import UsageError
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -29,7 +30,7 @@ def test_model_specs(spec, cls):
 
 
 def test_bad_spec_says_what_it_wants():
-    with pytest.raises(SystemExit, match="MODULE:EXPR"):
+    with pytest.raises(UsageError, match="MODULE:EXPR"):
         build_model("spdsl.models.llama")
 
 
@@ -68,7 +69,14 @@ def test_module_entry_point_prints_json(capsys, monkeypatch):
 
 
 def test_help_lists_every_subcommand(capsys):
-    with pytest.raises(SystemExit):
-        main(["--help"])
+    assert main(["--help"]) == 0
     out = capsys.readouterr().out
-    assert "plan" in out and "memory" in out
+    assert "plan" in out and "memory" in out and "--version" in out
+
+
+def test_sharding_error_is_one_line_without_a_traceback(capsys):
+    rc = main(["plan", "spdsl.models.llama:LlamaConfig.tiny", "--seq", "64", "--sp", "8"])
+    err = capsys.readouterr().err
+    assert rc == 2 and err.count("\n") == 1 and "Traceback" not in err
+    assert err.startswith("python -m spdsl plan: [divisible heads]")
+    assert "value: bf16[1,4,64@sp,16]" in err and "fix: use a sequence-parallel degree" in err

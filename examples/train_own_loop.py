@@ -9,7 +9,7 @@ matmuls over its own tokens and are then summed across ranks.
 What retraces: the step is cached per program. A new sequence length, ``train()`` vs ``eval()``,
 autocast on or off, grad mode (``torch.no_grad()``), input dtypes: each is its own program,
 traced the first time it is seen and reused after (here: training, evaluation, and the parity
-step in fp32 when training ran under ``--bf16``). A step that keeps retracing warns after 8.
+step in fp32 when training ran under ``--bf16``). A step that keeps retracing warns after 16.
 
     torchrun --standalone --nproc_per_node=4 examples/train_own_loop.py
     torchrun --standalone --nproc_per_node=4 examples/train_own_loop.py --bf16 --accum 2

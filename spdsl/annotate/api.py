@@ -42,7 +42,9 @@ from spdsl.propagate.placement import (
 from spdsl.propagate.trace import Traced, reachable_modules, trace, tracing
 from spdsl.remat import Remat, apply_remat, local_specs
 
-_RETRACE_WARN = 8     # programs traced by one step before it says why
+# programs traced by one step before it says why: train/eval x autocast x grad mode x a few
+# lengths are legitimately that many; state that changes every call reaches it at once
+_RETRACE_WARN = 16
 
 
 def with_sharding_constraint(x: torch.Tensor, spec: P) -> torch.Tensor:
@@ -397,12 +399,12 @@ class Sharded:
 
     def _note_retrace(self, key: tuple) -> None:
         """A step that keeps tracing anew is slow, and usually a sign of state that changes
-        every call (a counter on a module): say what changed, once."""
+        every call (a counter on a module): at the ``_RETRACE_WARN``-th program, say what
+        changed from the one before, once. Programs picked again from the cache count once."""
         self._traces += 1
         last, self._last_key = self._last_key, key
         if self._traces == _RETRACE_WARN and last is not None:
-            what = describe_change(last[1], key[1]) if last[0] == key[0] else \
-                "the inputs' shapes, dtypes, devices or specs"
+            what = describe_change(last, key)
             name = getattr(self, "__name__", "a sharded step")
             warnings.warn(f"spdsl: {name} traced {self._traces} programs; the last "
                           f"change: {what}. Each train/eval, autocast, grad-mode or shape "

@@ -61,7 +61,7 @@ def to_dict(plan: ShardingPlan) -> dict[str, Any]:
                     "ratio_fwd": _ratio(b.ratio)} for b in plan.layers],
         "outputs": [{"value": n, "placement": p} for n, p in plan.outputs],
         "attention": [{"name": a.name, "kind": a.kind, "module": a.module, "source": a.source,
-                       "floor_fwd": a.floor} for a in plan.attention],
+                       "floor_fwd": a.floor, "mask": a.mask} for a in plan.attention],
         "collectives": [_collective(c) for c in plan.collectives],
         "values": [_value(v) for v in plan.values],
     }
@@ -93,7 +93,8 @@ def from_json(text: str) -> ShardingPlan:
     colls = [Collective(c["kind"], c["axis"], c["bytes"], c["bytes_bwd"], c["purpose"],
                         tuple(c["values"]), c["source"], c["module"], c["node"])
              for c in d["collectives"]]
-    att = [Attention(a["name"], a["kind"], a["module"], a["source"], a["floor_fwd"])
+    att = [Attention(a["name"], a["kind"], a["module"], a["source"], a["floor_fwd"],
+                     a.get("mask", ""))
            for a in d["attention"]]
     return ShardingPlan(d["axis"], d["parts"], values, colls,
                         [(o["value"], o["placement"]) for o in d["outputs"]], att, d["title"])

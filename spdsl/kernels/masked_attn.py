@@ -26,6 +26,7 @@ eager attention computes it; the last padding row's output predicts the first re
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 from collections.abc import Callable
 
@@ -37,8 +38,14 @@ _IDS = itertools.count()
 
 
 def register_mask_program(fn: Callable, name: str = "mask") -> str:
-    """Store ``fn(*leaves) -> keep (bool) or bias (float)``; returns the key the op takes."""
-    key = f"{name}#{next(_IDS)}"
+    """Store ``fn(*leaves) -> keep (bool) or bias (float)``; returns the key the op takes.
+    A program with source code (an FX graph's ``code``) is keyed by it: the same mask traced
+    twice gets the same key (equal graphs, one compiled program)."""
+    code = getattr(fn, "code", None)
+    if isinstance(code, str):
+        key = f"{name}@{hashlib.sha1(code.encode()).hexdigest()[:16]}"
+    else:
+        key = f"{name}#{next(_IDS)}"
     _PROGRAMS[key] = fn
     return key
 

@@ -11,6 +11,9 @@ Each is plain single-device PyTorch with a config dataclass (also reachable as
   labels already shifted by the caller.
 - ``MeanPoolClassifier``: one non-causal attention block, then a mean over the sequence and a
   per-sequence class label: the sequence is reduced inside the model.
+- ``AlibiNet``: no position embedding; ALiBi (Press et al.): a per-head linear bias on the
+  query-key distance plus causal ``-inf``, given to SDPA as a float ``attn_mask``, optionally
+  written out (``softmax(q @ k^T * scale + bias) @ v``) instead.
 
 Shapes: B batch, S sequence, D model dim, H heads, Dh head dim, V vocabulary, C classes.
 """
@@ -26,6 +29,8 @@ from einops import rearrange
 from torch import nn
 
 __all__ = [
+    "AlibiNet",
+    "AlibiNetConfig",
     "EinopsNet",
     "EinopsNetConfig",
     "GPT2Like",
@@ -251,3 +256,88 @@ class MeanPoolClassifier(nn.Module):
         if labels is None:
             return logits
         return F.cross_entropy(logits, labels)
+
+
+# ---------------------------------------------------------------------------------------------
+# AlibiNet
+
+
+@dataclass(frozen=True)
+class AlibiNetConfig:
+    """AlibiNet hyper-parameters; the defaults are a tiny CPU model."""
+
+    vocab_size: int = 256
+    dim: int = 64
+    n_layers: int = 2
+    n_heads: int = 4
+    written_out: bool = False      # softmax(q k^T * scale + bias) v in ops instead of SDPA
+
+
+def alibi_slopes(n_heads: int) -> torch.Tensor:
+    """The geometric slopes of ALiBi: 2^(-8 i / H) for head i = 1..H."""
+    return torch.tensor([2.0 ** (-8.0 * (i + 1) / n_heads) for i in range(n_heads)])
+
+
+class _AlibiBlock(nn.Module):
+    def __init__(self, cfg: AlibiNetConfig) -> None:
+        super().__init__()
+        self.n_heads, self.written_out = cfg.n_heads, cfg.written_out
+        self.norm_1 = nn.LayerNorm(cfg.dim)
+        self.qkv = nn.Linear(cfg.dim, 3 * cfg.dim, bias=False)
+        self.wo = nn.Linear(cfg.dim, cfg.dim, bias=False)
+        self.norm_2 = nn.LayerNorm(cfg.dim)
+        self.mlp = nn.Sequential(nn.Linear(cfg.dim, 2 * cfg.dim), nn.GELU(),
+                                 nn.Linear(2 * cfg.dim, cfg.dim))
+        self.register_buffer("slopes", alibi_slopes(cfg.n_heads), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        S = x.shape[1]
+        q, k, v = rearrange(self.qkv(self.norm_1(x)), "b s (three h d) -> three b h s d",
+                            three=3, h=self.n_heads)                        # [B, H, S, Dh] each
+        pos = torch.arange(S, device=x.device)                               # [S]
+        dist = pos[None, :] - pos[:, None]                                   # [S, S]: k - q
+        bias = self.slopes[:, None, None] * dist                             # [H, S, S]
+        bias = bias.masked_fill(dist > 0, float("-inf"))                     # causal
+        if self.written_out:
+            scores = q @ k.transpose(-2, -1) * q.shape[-1] ** -0.5 + bias    # [B, H, S, S]
+            out = torch.softmax(scores, dim=-1) @ v
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias)
+        x = x + self.wo(rearrange(out, "b h s d -> b s (h d)"))
+        return x + self.mlp(self.norm_2(x))
+
+
+class AlibiNet(nn.Module):
+    """Causal decoder whose only position signal is ALiBi's distance bias.
+
+    ``labels`` [B, S] are the tokens themselves; the shift is inside the model (Hugging Face
+    style), -100 is ignored.
+
+    Example::
+
+        model = AlibiNet(AlibiNet.Config())
+        ids = torch.randint(0, 256, (2, 32))
+        loss = model(ids, labels=ids)
+    """
+
+    Config = AlibiNetConfig
+
+    def __init__(self, cfg: AlibiNetConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.blocks = nn.ModuleList(_AlibiBlock(cfg) for _ in range(cfg.n_layers))
+        self.norm = nn.LayerNorm(cfg.dim)
+        self.head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+
+    def forward(self, input_ids: torch.Tensor,
+                labels: torch.Tensor | None = None) -> torch.Tensor:
+        h = self.embed(input_ids)                                             # [B, S, D]
+        for block in self.blocks:
+            h = block(h)
+        logits = self.head(self.norm(h))                                      # [B, S, V]
+        if labels is None:
+            return logits
+        V = logits.shape[-1]
+        return F.cross_entropy(logits[:, :-1].reshape(-1, V), labels[:, 1:].reshape(-1),
+                               ignore_index=-100)

@@ -43,6 +43,10 @@ _ELEMENTWISE = {aten.clone.default, aten._to_copy.default, aten.alias.default,
 _RANDOM = {aten.rand_like.default, aten.randn_like.default, aten.bernoulli.default,
            aten.bernoulli.p, aten.native_dropout.default}
 _BROADCAST = {aten.expand.default}
+# a constant [S_q, S_k] made in forward (torch.ones(S, S)): one scalar in the program
+_FACTORIES = {aten.ones.default: 1, aten.zeros.default: 0, aten.full.default: None}
+# tril / triu of a pair value: a comparison of positions in the program (qpos, kpos leaves)
+_TRIANGLES = {aten.tril.default: "tril", aten.triu.default: "triu"}
 
 
 @torch.library.custom_op("spdsl::attention_fn", mutates_args=())
@@ -97,7 +101,12 @@ def _cone(mask: torch.fx.Node, s_q: int, s_k: int) -> tuple[list, list] | None:
                 return False
             leaves.append(n)
             return True
-        if n.op != "call_function" or not _elementwise(n) or _val(n).requires_grad:
+        if n.op != "call_function" or _val(n).requires_grad:
+            return False
+        if n.target in _FACTORIES and tuple(_val(n).shape) == (s_q, s_k):
+            pairs.append(n)
+            return True
+        if not (_elementwise(n) or n.target in _TRIANGLES):
             return False
         if not all(visit(a) for a in n.all_input_nodes):
             return False
@@ -107,32 +116,46 @@ def _cone(mask: torch.fx.Node, s_q: int, s_k: int) -> tuple[list, list] | None:
     return (pairs, leaves) if visit(mask) else None
 
 
-def _program(pairs: list, leaves: list, mask: torch.fx.Node) -> torch.fx.GraphModule:
-    """The cone as a graph of its own over 4-D leaves; ``expand`` and full slices dropped
-    (the kernel broadcasts)."""
+def _program(pairs: list, leaves: list, mask: torch.fx.Node,
+             positions: bool) -> torch.fx.GraphModule:
+    """The cone as a graph of its own over 4-D leaves (then the query and key positions,
+    when a triangle needs them); ``expand`` and full slices dropped (the kernel broadcasts),
+    constant factories become scalars."""
     g = torch.fx.Graph()
     env = {leaf: g.placeholder(f"leaf{i}") for i, leaf in enumerate(leaves)}
+    qpos, kpos = (g.placeholder("qpos"), g.placeholder("kpos")) if positions else (None, None)
     for n in pairs:
         if n.target in _BROADCAST or n.target is aten.slice.Tensor:
             env[n] = env[n.args[0]]
-            continue
-        env[n] = g.node_copy(n, lambda a: env[a])
+        elif n.target in _FACTORIES:
+            v = _val(n)
+            fill = _FACTORIES[n.target]
+            fill = n.args[1] if fill is None else fill
+            env[n] = g.call_function(aten.full.default, ([], fill),
+                                     {"dtype": v.dtype, "device": v.device})
+        elif n.target in _TRIANGLES:
+            diag = n.args[1] if len(n.args) > 1 else n.kwargs.get("diagonal", 0)
+            off = g.call_function(aten.sub.Tensor, (kpos, qpos))         # k - q
+            cmp = aten.le.Scalar if n.target is aten.tril.default else aten.ge.Scalar
+            inside = g.call_function(cmp, (off, diag))
+            x = env[n.args[0]]
+            env[n] = g.call_function(aten.bitwise_and.Tensor, (inside, x)) \
+                if _val(n).dtype == torch.bool else \
+                g.call_function(aten.where.ScalarOther, (inside, x, 0))
+        else:
+            env[n] = g.node_copy(n, lambda a: env[a])
     g.output(env[mask])
     return torch.fx.GraphModule(torch.nn.Module(), g)
 
 
-def _describe(pairs: list, leaves: list, causal: bool) -> str:
-    ops = {n.target.overloadpacket.__name__ for n in pairs if hasattr(n.target, "overloadpacket")}
-    kinds = []
-    if causal or ops & {"le", "ge", "lt", "gt"}:
-        kinds.append("position comparison (causal / window)")
-    if ops & {"eq", "ne"}:
-        kinds.append("equal ids (documents)")
-    if any(_val(x).dim() >= 2 and _val(x).shape[0] > 1 for x in leaves):
-        kinds.append("per-row values (padding)")
-    if any(_val(n).dtype.is_floating_point for n in pairs[-1:]) and ops & {"mul", "sub", "abs"}:
-        kinds.append("bias")
-    return f"function of {len(leaves)} per-token values: " + (", ".join(kinds) or "elementwise")
+def _describe(pairs: list, leaves: list, positions: bool) -> str:
+    """The plan's words for a mask program: what it reads and the ops it applies."""
+    ops = sorted({n.target.overloadpacket.__name__ for n in pairs
+                  if hasattr(n.target, "overloadpacket") and n.target not in _BROADCAST
+                  and n.target is not aten.slice.Tensor})
+    reads = [f"{len(leaves)} per-token value{'s' if len(leaves) != 1 else ''}"] + \
+        (["positions"] if positions else [])
+    return f"function of {' and '.join(reads)} ({', '.join(ops)}), no [S, S] tensor"
 
 
 def masks_as_functions(gm: torch.fx.GraphModule) -> int:
@@ -141,10 +164,10 @@ def masks_as_functions(gm: torch.fx.GraphModule) -> int:
     if os.environ.get("SPDSL_MASK_FUNCTIONS", "1") == "0":
         return 0
     g = gm.graph
+    done = _unmasked_written_out(g)
     nodes = [n for n in g.nodes if n.target is torch.ops.spdsl.attention.default
              and len(n.args) > 3 and isinstance(n.args[3], torch.fx.Node)]
     programs: dict[torch.fx.Node, tuple] = {}
-    done = 0
     for att in nodes:
         q, k = _val(att.args[0]), _val(att.args[1])
         dropout = att.args[4] if len(att.args) > 4 else 0.0
@@ -157,22 +180,30 @@ def masks_as_functions(gm: torch.fx.GraphModule) -> int:
                 programs[mask] = None
                 continue
             pairs, leaves = found
-            programs[mask] = (register_mask_program(_program(pairs, leaves, mask)), pairs,
-                              leaves)
+            positions = any(n.target in _TRIANGLES for n in pairs)
+            programs[mask] = (register_mask_program(_program(pairs, leaves, mask, positions)),
+                              pairs, leaves, positions)
         entry = programs[mask]
         if entry is None:
             continue
-        key, pairs, leaves = entry
+        key, pairs, leaves, positions = entry
         with g.inserting_before(att):
             four = [g.call_function(aten.reshape.default, (x, _four(x))) for x in leaves]
             for x, f in zip(leaves, four):
                 f.meta["val"] = _val(x).reshape(_four(x))
+            if positions:
+                four += _positions(g, q, k)
+            for f in four:     # where the plan and the layer folding place them: the attention's
+                f.meta.update({m: v for m, v in att.meta.items() if m not in f.meta})
+                if f.args[0].op == "call_function" and f.args[0].target is aten.arange.default:
+                    f.args[0].meta.update({m: v for m, v in att.meta.items()
+                                           if m not in f.args[0].meta})
             a = list(att.args) + [None] * (8 - len(att.args))
             new = g.call_function(torch.ops.spdsl.attention_fn.default,
                                   (a[0], a[1], a[2], four, key, float(a[4] or 0.0), bool(a[5]),
                                    a[6], bool(a[7])))
         new.meta.update(att.meta)
-        new.meta[MASK] = _describe(pairs, leaves, bool(a[5]))
+        new.meta[MASK] = _describe(pairs, leaves, positions)
         att.replace_all_uses_with(new)
         g.erase_node(att)
         done += 1
@@ -184,6 +215,40 @@ def masks_as_functions(gm: torch.fx.GraphModule) -> int:
     if done:
         gm.recompile()
     return done
+
+
+def _unmasked_written_out(g: torch.fx.Graph) -> int:
+    """Written-out attention without a mask (bidirectional; ``nn.MultiheadAttention``) runs
+    in the same kernel: its user's ops would materialise ``[S, S]`` scores per head."""
+    from spdsl.propagate.forms import form_of
+    done = 0
+    for att in [n for n in g.nodes if n.target is torch.ops.spdsl.attention.default]:
+        a = list(att.args) + [None] * (8 - len(att.args))
+        if a[3] is not None or a[4] or not form_of(att).written_out or \
+                _val(a[0]) is None or _val(a[0]).dim() != 4:
+            continue
+        with g.inserting_before(att):
+            new = g.call_function(torch.ops.spdsl.attention_fn.default,
+                                  (a[0], a[1], a[2], [], "", 0.0, bool(a[5]), a[6],
+                                   bool(a[7])))
+        new.meta.update(att.meta)
+        new.meta[MASK] = "causal" if a[5] else "none"
+        att.replace_all_uses_with(new)
+        g.erase_node(att)
+        done += 1
+    return done
+
+
+def _positions(g: torch.fx.Graph, q: torch.Tensor, k: torch.Tensor) -> list:
+    """``[1, 1, S_q, 1]`` and ``[1, 1, 1, S_k]`` positions, made in the graph (O(S))."""
+    out = []
+    for n, shape in ((q.shape[2], (1, 1, q.shape[2], 1)), (k.shape[2], (1, 1, 1, k.shape[2]))):
+        a = g.call_function(aten.arange.default, (n,), {"device": q.device})
+        a.meta["val"] = q.new_empty((n,), dtype=torch.long)
+        r = g.call_function(aten.reshape.default, (a, shape))
+        r.meta["val"] = q.new_empty(shape, dtype=torch.long)
+        out.append(r)
+    return out
 
 
 def _four(x: torch.fx.Node) -> tuple[int, ...]:

@@ -51,9 +51,20 @@ def module_modes(roots: list[nn.Module]) -> tuple:
 
 
 def describe_change(old: tuple, new: tuple) -> str:
-    """What differs between two ``(global_modes(), module_modes())`` keys, in a few words."""
-    (g0, m0), (g1, m1) = old, new
-    said = [f"{k0}: {v0!r} -> {v1!r}" for (k0, v0), (_, v1) in zip(g0, g1) if v0 != v1]
+    """What differs between two step keys (``(inputs, (global_modes(), module_modes()))``,
+    inputs being ``(spec, one (shape, dtype, device, ...) per leaf)``), in a few words."""
+    (i0, (g0, m0)), (i1, (g1, m1)) = old, new
+    said = []
+    if i0[0] != i1[0] or len(i0[1]) != len(i1[1]):
+        said.append("the arguments' structure")
+    else:
+        for j, (a, b) in enumerate(zip(i0[1], i1[1])):
+            if a != b:
+                what = ("shape", "dtype", "device", "DTensor", "requires_grad")
+                diff = [f"{w} {x!r} -> {y!r}" for w, x, y in zip(what, a, b) if x != y] \
+                    if len(a) == len(b) == 5 else [f"{a!r} -> {b!r}"]
+                said.append(f"argument leaf {j}: {', '.join(diff)}")
+    said += [f"{k0}: {v0!r} -> {v1!r}" for (k0, v0), (_, v1) in zip(g0, g1) if v0 != v1]
     mods0 = dict(m0)
     for name, attrs in m1:
         before = dict(mods0.get(name, ()))
@@ -62,7 +73,7 @@ def describe_change(old: tuple, new: tuple) -> str:
                 said.append(f"{name}.{k}: {before[k]!r} -> {v!r}")
     if len(said) > 4:
         said = said[:4] + [f"and {len(said) - 4} more"]
-    return "; ".join(said) or "the inputs' shapes, dtypes or devices"
+    return "; ".join(said) or "nothing visible (a parameter frozen or unfrozen)"
 
 
 def run_modes() -> Any:

@@ -311,6 +311,7 @@ def trace(fn: Callable, args: tuple, kwargs: dict) -> Traced:
         h1.remove()
         h2.remove()
     _assign_module_paths(gm, events)
+    _no_python_scalars(gm)
     find_all(gm)                   # attention written out in ops becomes one node too (forms)
     unrepeat_kv(gm)                # grouped kv heads cross the all-to-all unrepeated
     uncast_attention(gm)           # and in their narrow dtype, where upcast just before
@@ -326,13 +327,29 @@ def _data_dependent(e: Exception) -> ShardingError:
     """A Python decision on a tensor's value (``if x < p:``, ``.item()``, an output whose
     shape depends on data): tracing at global shapes sees no values."""
     return ShardingError(
-        rule="data-dependent control flow", where=user_frame(e.__traceback__),
+        rule="data-dependent control flow",
+        where=user_frame(e.__traceback__) if e is not None else "",
         detail="the function decides something in Python from a tensor's value (a branch "
                "on it, .item(), or a shape that depends on data); spdsl traces one program at "
                "the inputs' shapes, without their values",
         fix="compute it with tensor ops instead (torch.where, masks); for Hugging Face models "
             "whose training mode draws layerdrop in Python (OPT), call model.eval() when every "
             "dropout probability is 0: eval mode gives the same loss and gradients")
+
+
+def _no_python_scalars(gm: torch.fx.GraphModule) -> None:
+    """``.item()`` (``float(x)``, ``int(x)``) traces to a Python number read from a tensor;
+    on a rank that tensor is the rank's piece, not the global value, and the per-rank program
+    cannot be built from it: the same error as any other read of a value."""
+    from spdsl.propagate.source import where
+    for n in gm.graph.nodes:
+        if n.target is torch.ops.aten._local_scalar_dense.default:
+            e = _data_dependent(None)
+            raise ShardingError(
+                rule=e.rule, where=where(n), fix=e.fix,
+                detail="the function reads a tensor's value into Python (.item(), float(x), "
+                       "int(x)); spdsl traces one program at the inputs' shapes, without "
+                       "their values, and on a rank the tensor is only its piece")
 
 
 def _anchor_user_code(fn: Callable) -> None:

@@ -42,7 +42,8 @@ def test_unpacked_batch_attends_with_is_causal_not_a_full_mask():
     """HF checks position ids for packed documents by their values; on the traced (fake)
     tensors it would build a full [S, S] mask. Positions HF makes itself are evaluated for real
     while spdsl traces: no mask, SDPA's is_causal, nothing of size S x S. Packed position ids
-    passed by the caller keep their document mask."""
+    passed by the caller keep their document mask, as a function of the positions
+    (``spdsl.propagate.masks``): no value of size S x S either."""
     from tests.hf.families import packed
     model = build("llama", "sdpa")
     S = 256
@@ -59,4 +60,6 @@ def test_unpacked_batch_attends_with_is_causal_not_a_full_mask():
     plan = spdsl.plan(spdsl.sp_shard(seq=4)(
         lambda i, l, p: model(input_ids=i, labels=l, position_ids=p, use_cache=False).loss),
         ids, labels, pos)
-    assert any(v.typed.startswith("bool[1,1,32,32") for v in plan.values)
+    assert not any("32,32" in v.typed for v in plan.values), "a value of size S x S"
+    masks = [a.mask for a in plan.attention]
+    assert len(masks) == LAYERS and all(m.startswith("function of") for m in masks), masks

@@ -39,7 +39,7 @@ def plan_text(name: str) -> str:
     ids = torch.zeros(2, 64, dtype=torch.long)
     plan = spdsl.plan(spdsl.sp_shard(seq=4)(model), ids, ids.clone())
     att = next(v for v in plan.values if v.module == explained and v.op in (
-        "spdsl.attention.default", "aten.bmm.default"))
+        "spdsl.attention.default", "spdsl.attention_fn.default", "aten.bmm.default"))
     return f"{plan}\n\n{plan.explain(att.name)}\n"
 
 

@@ -7,8 +7,7 @@ from __future__ import annotations
 
 import torch
 
-import spdsl.propagate.masks  # noqa: F401  (defines torch.ops.spdsl.attention_fn)
-import spdsl.propagate.trace  # noqa: F401  (defines torch.ops.spdsl.*)
+import spdsl.propagate.trace  # noqa: F401  (defines torch.ops.spdsl.*, attention_fn too)
 from spdsl.errors import ShardingError
 from spdsl.propagate.heads import UNREPEATED
 from spdsl.propagate.placement import REPLICATE, Replicate, Shard, typed_shape

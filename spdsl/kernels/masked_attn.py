@@ -8,20 +8,23 @@ position ``[1, 1, S, 1]``, a padding flag ``[B, 1, 1, S]``, a per-head slope ``[
 bias (Hugging Face's ``finfo.min`` masks, ALiBi). Masks such a program expresses: causal,
 padding, packed documents, sliding windows, position biases, and any pointwise combination.
 
-How it runs (CPU and GPU alike, plain PyTorch): queries in blocks; for each block the mask
-program runs on the block's slice of the leaves (``[.., bq, S_k]``), the span of keys any row
-of the block keeps is found (causal: up to the block's last query; a window or a document:
-its extent), and an ordinary softmax over that span gives the block's rows. The backward recomputes each block's softmax (no probabilities are kept). The block size keeps a
-block's scores within ``BLOCK_ELEMENTS``, so the working memory is a constant (16 MiB of
-fp32 scores, a few such tensors at once), not ``S_q x S_k``.
+How it runs (CPU and GPU alike, plain PyTorch): flash attention's recurrence in blocks of
+queries and keys. For each block the mask program runs on the block's slice of the leaves
+(``[.., rows, cols]``); a block that keeps nothing is skipped (causal: every key after the
+query block; a window or a document: all but its extent), the others update a running max,
+sum and output per row. The backward recomputes each block's probabilities from the saved
+per-row max and sum. ``BLOCK_ELEMENTS`` bounds a block (``B * H * rows * cols``), so the
+working memory is a few blocks (1 MiB of fp32 scores each) beside q, k, v and the output:
+linear in the sequence, never ``S_q x S_k``.
 
-Exactness: fp32 scores, one softmax per row over the kept span: equal to SDPA and to the
-written-out ``softmax(q k^T * scale + mask) v`` within fp32 rounding. Keys outside the span
-and entries at or below ``finfo.min`` contribute ``exp(-huge) = 0`` exactly whenever the row
-keeps any key. A row that keeps no key (left padding's first rows) gets what the dense computation
-gives: zeros for a boolean mask (SDPA's convention), and for an additive one the softmax of
-the whole row (every entry ``finfo.min``: a uniform average over every key, as Hugging Face's
-eager attention computes it; the last padding row's output predicts the first real label).
+Exactness: fp32 scores and sums: equal to SDPA and to the written-out
+``softmax(q k^T * scale + mask) v`` within fp32 rounding. Skipped blocks and entries at or
+below ``finfo.min`` contribute ``exp(-huge) = 0`` exactly whenever the row keeps any key. A
+row that keeps no key (left padding's first rows) gets what the dense computation gives:
+zeros for a boolean mask (SDPA's convention); for an additive one the softmax of the whole
+row, every entry ``finfo.min``: a uniform average over every key, as Hugging Face's eager
+attention computes it (no block of its query block is skipped then; the last padding row's
+output predicts the first real label, so this matters).
 """
 
 from __future__ import annotations
@@ -32,7 +35,8 @@ from collections.abc import Callable
 
 import torch
 
-BLOCK_ELEMENTS = 1 << 22        # scores per query block (B * H * bq * span): 16 MiB in fp32
+BLOCK_ELEMENTS = 1 << 18        # scores per block (B * H * rows * cols): 1 MiB in fp32
+KEY_BLOCK = 512                 # key columns per block
 _PROGRAMS: dict[str, Callable] = {}
 _IDS = itertools.count()
 
@@ -54,58 +58,115 @@ def mask_program(key: str) -> Callable:
     return _PROGRAMS[key]
 
 
-def block_rows(b: int, h: int, s_k: int) -> int:
-    """Query rows per block: as many as keep one block's scores within ``BLOCK_ELEMENTS``."""
-    return max(1, min(1024, BLOCK_ELEMENTS // max(1, b * h * s_k)))
+def block_sizes(b: int, h: int, s_q: int, s_k: int) -> tuple[int, int]:
+    """(query rows, key columns) of a block: ``B * H * rows * cols <= BLOCK_ELEMENTS``."""
+    cols = min(s_k, KEY_BLOCK)
+    rows = max(16, min(1024, BLOCK_ELEMENTS // max(1, b * h * cols)))
+    return min(rows, s_q), cols
 
 
-def workspace_bytes(b: int, h: int, s_q: int, s_k: int) -> int:
-    """The kernel's peak scratch beyond its inputs and outputs (backward: scores,
-    probabilities, their gradient and a mask block, fp32) for the memory planner."""
-    rows = min(s_q, block_rows(b, h, s_k))
-    return 4 * b * h * rows * s_k * 4
+def workspace_bytes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    backward: bool = False) -> int:
+    """The kernel's peak scratch beyond its inputs and outputs, for the memory planner: four
+    fp32 blocks (scores, probabilities, their gradient, the mask), k and v repeated to the
+    query heads (GQA), fp32 copies of narrow inputs, and in backward the row sums and the
+    fp32 gradient accumulators that are not returned as they are."""
+    b, h, s_q, d = q.shape
+    s_k, dv = k.shape[2], v.shape[3]
+    f32 = torch.promote_types(q.dtype, torch.float32)
+    w = torch.empty((), dtype=f32).element_size()
+    rows, cols = block_sizes(b, h, s_q, s_k)
+    out = 4 * b * h * rows * cols * w
+    gqa = k.shape[1] != h
+    narrow = q.dtype != f32
+    kv = b * h * s_k * (d + dv) * w
+    if gqa or narrow:
+        out += kv                                   # kf, vf
+    if narrow:
+        out += b * h * s_q * d * w                  # qf
+    if not backward:
+        return out + (b * h * s_q * dv * w if narrow else 0)       # the fp32 output
+    out += b * h * s_q * w                          # delta
+    if narrow:
+        out += 2 * b * h * s_q * dv * w + b * h * s_q * d * w      # do, out, dq in fp32
+    if gqa or narrow:
+        out += kv                                   # dk, dv at the query heads / in fp32
+    return out
 
 
-def _mask_block(program, leaves, i0: int, i1: int, causal: bool, s_k: int, device):
-    """The block's keep-mask (bool) and bias (float or None), and the kept key span."""
-    cut = [t.narrow(2, i0, i1 - i0) if t.shape[2] > 1 else t for t in leaves]
-    m = program(*cut) if program is not None else None
-    keep, bias = None, None
-    if m is not None:
-        if m.dtype == torch.bool:
-            keep = m
-        else:
-            bias = m
-            keep = bias > torch.finfo(m.dtype).min
-    if causal:
-        tri = torch.arange(i0, i1, device=device)[:, None] >= torch.arange(s_k, device=device)
-        keep = tri if keep is None else keep & tri
-    if keep is None:
-        return None, None, 0, s_k
-    if bias is not None and not causal:
-        # an additive mask: a row whose every entry is at finfo.min softmaxes the whole row
-        # (a uniform average, as the written-out ops give): the block keeps every key then
-        if not keep.any(-1).all():
-            return None, bias, 0, s_k
-        keep = None
-        cols = (bias > torch.finfo(bias.dtype).min)
-    else:
-        cols = keep
-    cols = cols.reshape(-1, cols.shape[-2], cols.shape[-1]).any(0).any(0)
-    cols = cols.expand(s_k) if cols.numel() == 1 else cols
-    idx = cols.nonzero()
-    if idx.numel() == 0:
-        return keep, bias, 0, 0
-    lo, hi = int(idx[0]), int(idx[-1]) + 1
-    return keep, bias, lo, hi
+def _cut(leaves, i0: int, i1: int, j0: int, j1: int) -> list:
+    out = []
+    for t in leaves:
+        if t.shape[2] > 1:
+            t = t.narrow(2, i0, i1 - i0)
+        if t.shape[3] > 1:
+            t = t.narrow(3, j0, j1 - j0)
+        out.append(t)
+    return out
 
 
-def _scores(q_blk, k, keep, bias, lo, hi, scale):
-    s = torch.matmul(q_blk, k[:, :, lo:hi].transpose(-2, -1)) * scale
+class _Blocks:
+    """The mask of one query block, a key block at a time: keep (bool) or bias (float), and
+    which key blocks can be skipped (nothing kept; an additive mask's block is never skipped
+    for a block holding a row that keeps no key, whose softmax spans every key)."""
+
+    def __init__(self, program, leaves, causal: bool, s_k: int, cols: int, device) -> None:
+        self.program, self.leaves, self.causal = program, leaves, causal
+        self.s_k, self.cols, self.device = s_k, cols, device
+
+    def mask(self, i0: int, i1: int, j0: int, j1: int):
+        keep = bias = None
+        if self.program is not None:
+            m = self.program(*_cut(self.leaves, i0, i1, j0, j1))
+            if m.dtype == torch.bool:
+                keep = m
+            else:
+                bias = m
+        if self.causal:
+            tri = torch.arange(i0, i1, device=self.device)[:, None] >= \
+                torch.arange(j0, j1, device=self.device)
+            keep = tri if keep is None else keep & tri
+        return keep, bias
+
+    def spans(self, i0: int, i1: int):
+        """``(j0, j1, keep, bias)`` of every key block to compute for queries ``i0:i1``, a
+        block at a time (masks are evaluated as they are used, never all at once)."""
+        blocks = [(j0, min(self.s_k, j0 + self.cols)) for j0 in range(0, self.s_k, self.cols)
+                  if not (self.causal and j0 > i1 - 1)]   # causal: no key after the block
+        needed = self._additive_blocks(i0, i1, blocks)
+        for n, (j0, j1) in enumerate(blocks):
+            if needed is not None and not needed[n]:
+                continue
+            keep, bias = self.mask(i0, i1, j0, j1)
+            if needed is None and keep is not None and not bool(keep.any()):
+                continue
+            yield j0, j1, keep, bias
+
+    def _additive_blocks(self, i0: int, i1: int, blocks: list) -> list[bool] | None:
+        """For an additive mask (a float program, not causal): which key blocks hold any
+        entry above ``finfo.min``, or all of them when some row of the block keeps none."""
+        if self.program is None or self.causal:
+            return None
+        kept_any, dead = [], None
+        for j0, j1 in blocks:
+            _, bias = self.mask(i0, i1, j0, j1)
+            if bias is None:
+                return None                          # a boolean mask: skipped as it goes
+            kept = bias > torch.finfo(bias.dtype).min
+            kept_any.append(bool(kept.any()))
+            alive = kept.any(-1)
+            dead = ~alive if dead is None else dead & ~alive
+        if dead is not None and bool(dead.any()):
+            return [True] * len(blocks)
+        return kept_any
+
+
+def _scores(q_blk, k_blk, keep, bias, scale):
+    s = torch.matmul(q_blk, k_blk.transpose(-2, -1)) * scale
     if bias is not None:
-        s = s + bias[..., lo:hi] if bias.shape[-1] > 1 else s + bias
+        s = s + bias
     if keep is not None:
-        s = s.masked_fill(~(keep[..., lo:hi] if keep.shape[-1] > 1 else keep), float("-inf"))
+        s = s.masked_fill(~keep, float("-inf"))
     return s
 
 
@@ -115,35 +176,49 @@ def _up(*ts: torch.Tensor) -> list[torch.Tensor]:
     return [t.to(dt) for t in ts]
 
 
-def _softmax(s: torch.Tensor) -> torch.Tensor:
-    """Softmax over the kept span; a row keeping no key (all -inf) gets zeros, not NaN."""
-    return torch.softmax(s, -1).nan_to_num(0.0)
-
-
 def _grouped(k: torch.Tensor, h: int) -> torch.Tensor:
     return k if k.shape[1] == h else k.repeat_interleave(h // k.shape[1], dim=1)
 
 
+def _finite(m: torch.Tensor) -> torch.Tensor:
+    # a row with nothing kept so far has max -inf: subtract 0 instead (exp(-inf) = 0, no NaN)
+    return torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+
+
 def _forward(q, k, v, leaves, program_key, causal, scale):
+    """Online softmax over key blocks (the flash recurrence); returns the output and the
+    row statistics ``[B, H, S_q, 2]``: max and sum of ``exp(s - max)``, kept apart (a row of
+    ``finfo.min`` entries would absorb ``log(sum)`` into a log-sum-exp)."""
     program = mask_program(program_key) if program_key else None
     b, h, s_q, _ = q.shape
     s_k = k.shape[2]
     qf, kf, vf = _up(q, _grouped(k, h), _grouped(v, h))
     out = qf.new_zeros(b, h, s_q, v.shape[-1])
-    lse = qf.new_full((b, h, s_q), float("-inf"))
-    rows = block_rows(b, h, s_k)
+    stats = qf.new_zeros(b, h, s_q, 2)
+    stats[..., 0] = float("-inf")
+    rows, cols = block_sizes(b, h, s_q, s_k)
+    blocks = _Blocks(program, leaves, causal, s_k, cols, q.device)
     for i0 in range(0, s_q, rows):
         i1 = min(s_q, i0 + rows)
-        keep, bias, lo, hi = _mask_block(program, leaves, i0, i1, causal, s_k, q.device)
-        if hi <= lo:
-            continue
-        s = _scores(qf[:, :, i0:i1], kf, keep, bias, lo, hi, scale)
-        out[:, :, i0:i1] = torch.matmul(_softmax(s), vf[:, :, lo:hi])
-        lse[:, :, i0:i1] = torch.logsumexp(s, -1)
-    return out.to(q.dtype), lse
+        q_blk = qf[:, :, i0:i1]
+        m = qf.new_full((b, h, i1 - i0, 1), float("-inf"))
+        den = qf.new_zeros(b, h, i1 - i0, 1)
+        acc = qf.new_zeros(b, h, i1 - i0, v.shape[-1])
+        for j0, j1, keep, bias in blocks.spans(i0, i1):
+            s = _scores(q_blk, kf[:, :, j0:j1], keep, bias, scale)
+            m_new = torch.maximum(m, s.amax(-1, keepdim=True))
+            alpha = torch.where(torch.isfinite(m), torch.exp(m - _finite(m_new)),
+                                torch.zeros_like(m))        # nothing kept before: nothing to scale
+            p = torch.exp(s - _finite(m_new))
+            den = den * alpha + p.sum(-1, keepdim=True)
+            acc = acc * alpha + torch.matmul(p, vf[:, :, j0:j1])
+            m = m_new
+        out[:, :, i0:i1] = acc / torch.where(den > 0, den, torch.ones_like(den))
+        stats[:, :, i0:i1, 0:1], stats[:, :, i0:i1, 1:2] = m, den
+    return out.to(q.dtype), stats
 
 
-def _backward(dout, q, k, v, out, lse, leaves, program_key, causal, scale):
+def _backward(dout, q, k, v, out, stats, leaves, program_key, causal, scale):
     program = mask_program(program_key) if program_key else None
     b, h, s_q, _ = q.shape
     hk, s_k = k.shape[1], k.shape[2]
@@ -152,21 +227,21 @@ def _backward(dout, q, k, v, out, lse, leaves, program_key, causal, scale):
     delta = (do * of).sum(-1, keepdim=True)              # [B, H, S_q, 1]
     dq = torch.zeros_like(qf)
     dk, dv = torch.zeros_like(kf), torch.zeros_like(vf)
-    rows = block_rows(b, h, s_k)
+    rows, cols = block_sizes(b, h, s_q, s_k)
+    blocks = _Blocks(program, leaves, causal, s_k, cols, q.device)
     for i0 in range(0, s_q, rows):
         i1 = min(s_q, i0 + rows)
-        keep, bias, lo, hi = _mask_block(program, leaves, i0, i1, causal, s_k, q.device)
-        if hi <= lo:
-            continue
-        s = _scores(qf[:, :, i0:i1], kf, keep, bias, lo, hi, scale)
-        # the softmax again, not exp(s - lse): a row of finfo.min entries has an lse that
-        # absorbed its log(count)
-        p = _softmax(s)
-        dv[:, :, lo:hi] += torch.matmul(p.transpose(-2, -1), do[:, :, i0:i1])
-        dp = torch.matmul(do[:, :, i0:i1], vf[:, :, lo:hi].transpose(-2, -1))
-        ds = p * (dp - delta[:, :, i0:i1]) * scale
-        dq[:, :, i0:i1] = torch.matmul(ds, kf[:, :, lo:hi])
-        dk[:, :, lo:hi] += torch.matmul(ds.transpose(-2, -1), qf[:, :, i0:i1])
+        q_blk, do_blk, d_blk = qf[:, :, i0:i1], do[:, :, i0:i1], delta[:, :, i0:i1]
+        m, den = stats[:, :, i0:i1, 0:1], stats[:, :, i0:i1, 1:2]
+        inv = torch.where(den > 0, 1.0 / den, torch.zeros_like(den))
+        for j0, j1, keep, bias in blocks.spans(i0, i1):
+            s = _scores(q_blk, kf[:, :, j0:j1], keep, bias, scale)
+            p = torch.exp(s - _finite(m)) * inv
+            dv[:, :, j0:j1] += torch.matmul(p.transpose(-2, -1), do_blk)
+            dp = torch.matmul(do_blk, vf[:, :, j0:j1].transpose(-2, -1))
+            ds = p * (dp - d_blk) * scale
+            dq[:, :, i0:i1] += torch.matmul(ds, kf[:, :, j0:j1])
+            dk[:, :, j0:j1] += torch.matmul(ds.transpose(-2, -1), q_blk)
     if hk != h:
         dk = dk.view(b, hk, h // hk, s_k, -1).sum(2)
         dv = dv.view(b, hk, h // hk, s_k, -1).sum(2)
@@ -184,34 +259,34 @@ def _masked_attn_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 def _(q, k, v, leaves, program, causal, scale):
     b, h, s_q, _ = q.shape
     return (q.new_empty((b, h, s_q, v.shape[-1])),
-            q.new_empty((b, h, s_q), dtype=torch.promote_types(q.dtype, torch.float32)))
+            q.new_empty((b, h, s_q, 2), dtype=torch.promote_types(q.dtype, torch.float32)))
 
 
 @torch.library.custom_op("spdsl::masked_attn_backward", mutates_args=())
 def _masked_attn_backward_op(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
-                             v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+                             v: torch.Tensor, out: torch.Tensor, stats: torch.Tensor,
                              leaves: list[torch.Tensor], program: str, causal: bool,
                              scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return _backward(dout, q, k, v, out, lse, leaves, program, causal, scale)
+    return _backward(dout, q, k, v, out, stats, leaves, program, causal, scale)
 
 
 @_masked_attn_backward_op.register_fake
-def _(dout, q, k, v, out, lse, leaves, program, causal, scale):
+def _(dout, q, k, v, out, stats, leaves, program, causal, scale):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
 def _setup_context(ctx, inputs, output) -> None:
     q, k, v, leaves, program, causal, scale = inputs
-    out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, *leaves)
+    out, stats = output
+    ctx.save_for_backward(q, k, v, out, stats, *leaves)
     ctx.program, ctx.causal, ctx.scale = program, causal, scale
 
 
-def _backward_rule(ctx, dout, dlse):
-    q, k, v, out, lse, *leaves = ctx.saved_tensors
+def _backward_rule(ctx, dout, dstats):
+    q, k, v, out, stats, *leaves = ctx.saved_tensors
     if dout is None:
         dout = torch.zeros_like(out)
-    dq, dk, dv = _masked_attn_backward_op(dout, q, k, v, out, lse, leaves, ctx.program,
+    dq, dk, dv = _masked_attn_backward_op(dout, q, k, v, out, stats, leaves, ctx.program,
                                           ctx.causal, ctx.scale)
     return dq, dk, dv, [None] * len(leaves), None, None, None
 

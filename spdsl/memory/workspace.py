@@ -58,13 +58,12 @@ def _flash_cpu_backward(args, kwargs) -> int:
 
 def _masked_attn(args, kwargs) -> int:
     from spdsl.kernels.masked_attn import workspace_bytes as masked
-    q, k = args[0], args[1]
-    b, h, s_q = q.shape[:3]
-    return masked(b, h, s_q, k.shape[2])
+    return masked(args[0], args[1], args[2])
 
 
 def _masked_attn_backward(args, kwargs) -> int:
-    return _masked_attn(args[1:], kwargs)
+    from spdsl.kernels.masked_attn import workspace_bytes as masked
+    return masked(args[1], args[2], args[3], backward=True)     # (dout, q, k, v, ...)
 
 
 WORKSPACE = {

@@ -50,7 +50,8 @@ def test_forward_and_every_gradient(name, block, monkeypatch):
     torch.manual_seed(0)
     b, h, hk, s, d = 2, 4, 2, 19, 8
     if block:        # a block smaller than the sequence: several blocks, spans that differ
-        monkeypatch.setattr(M, "BLOCK_ELEMENTS", block * b * h * s)
+        monkeypatch.setattr(M, "BLOCK_ELEMENTS", block * b * h * 5)
+        monkeypatch.setattr(M, "KEY_BLOCK", 5)
     fn, leaves, causal = _masks(b, h, s)[name]
     q = torch.randn(b, h, s, d, dtype=torch.float64, requires_grad=True)
     k = torch.randn(b, hk, s, d, dtype=torch.float64, requires_grad=True)
@@ -81,5 +82,13 @@ def test_fp32_against_sdpa_with_its_mask():
 
 
 def test_working_memory_is_bounded_by_the_block():
-    assert M.block_rows(1, 1, 131072) * 131072 <= M.BLOCK_ELEMENTS
-    assert M.workspace_bytes(1, 1, 131072, 131072) == M.workspace_bytes(1, 1, 262144, 131072)
+    rows, cols = M.block_sizes(1, 1, 131072, 131072)
+    assert rows * cols <= M.BLOCK_ELEMENTS
+
+    def ws(s, hk=1):
+        q = torch.empty(1, 1, s, 64, device="meta")
+        kv = torch.empty(1, hk, s, 64, device="meta")
+        return M.workspace_bytes(q, kv, kv), M.workspace_bytes(q, kv, kv, backward=True)
+    # fp32, no GQA: a constant (4 blocks), plus the row sums in backward: linear, not S^2
+    assert ws(1 << 17)[0] == ws(1 << 20)[0] == 4 * 4 * M.BLOCK_ELEMENTS
+    assert ws(1 << 20)[1] - ws(1 << 17)[1] == 4 * ((1 << 20) - (1 << 17))

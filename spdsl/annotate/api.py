@@ -54,6 +54,7 @@ def with_sharding_constraint(x: torch.Tensor, spec: P) -> torch.Tensor:
 
         h = spdsl.with_sharding_constraint(h, P(None, "sp", None))
     """
+    spec = as_spec(spec, "with_sharding_constraint spec", x.dim())
     if not tracing():
         return x
     return torch.ops.spdsl.constraint(x, _encode(spec))

@@ -172,6 +172,8 @@ def _constant_value(t: torch.Tensor) -> torch.Tensor | None:
     with disable_current_modes():                 # real tensors, nothing traced
         for n in order:
             args, kwargs = torch.fx.node.map_arg((n.args, n.kwargs), env.__getitem__)
+            if kwargs.get("device") is not None and torch.device(kwargs["device"]).type == "meta":
+                kwargs = {**kwargs, "device": "cpu"}     # a meta model: its values on CPU
             env[n] = n.target(*args, **kwargs)
     out = env[node]
     return out if isinstance(out, torch.Tensor) else None

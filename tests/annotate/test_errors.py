@@ -64,6 +64,12 @@ def test_bare_string_out_spec_is_refused_too():
         spdsl.shard(lambda x: x, mesh=None, in_specs=(P(None, "sp"),), out_specs="sp")
 
 
+def test_bare_string_constraint_is_refused():
+    with pytest.raises(ShardingError, match=r"\[spec type\]") as e:
+        spdsl.with_sharding_constraint(torch.randn(2, 8, 4), "sp")
+    assert "P(None, 'sp', None)" in str(e.value)
+
+
 def test_wrong_rank_spec_keeps_the_axis():
     f = spdsl.Sharded(lambda x: x.sum(), in_specs=(P("sp"),), parts=2)
     with pytest.raises(ShardingError, match=r"\[spec rank\]") as e:

@@ -141,10 +141,12 @@ TEST_CASES = [Case(f, a) for f in MATRIX for a in ATTN[f]] + [
     Case("llama", "eager", "packed"), Case("gpt2", "sdpa", "packed"),
 ]
 # compiled (tied embeddings: GPT-2, Gemma, a plain PyTorch model) and checkpointed
+# (the padded case: a mask function, spdsl.propagate.masks, inside the compiled program)
 COMPILED_CASES = [Case("gpt2", "sdpa", compile=True), Case("gemma", "eager", compile=True),
-                  Case("plain_tied", compile=True)]
+                  Case("plain_tied", compile=True), Case("llama", "sdpa", "pad_left", compile=True)]
 REMAT_CASES = [Case("llama", "eager", "pad_right", remat="full"),
-               Case("qwen3", "sdpa", remat="auto"), Case("gpt_neox", "eager", remat="full")]
+               Case("qwen3", "sdpa", remat="auto"), Case("gpt_neox", "eager", remat="full"),
+               Case("qwen2", "sdpa", "packed", remat="auto")]
 
 
 def matrix_cases() -> list[Case]:

@@ -41,21 +41,33 @@ _PROGRAMS: dict[str, Callable] = {}
 _IDS = itertools.count()
 
 
-def register_mask_program(fn: Callable, name: str = "mask") -> str:
+def register_mask_program(fn: Callable, name: str = "mask",
+                          leaf_dtypes: tuple | None = None) -> str:
     """Store ``fn(*leaves) -> keep (bool) or bias (float)``; returns the key the op takes.
-    A program with source code (an FX graph's ``code``) is keyed by it: the same mask traced
-    twice gets the same key (equal graphs, one compiled program)."""
+    ``leaf_dtypes``: what the program was written for; the kernel casts its leaves to them
+    (an Inductor-compiled program has been seen to hand a boolean value over as int64, on
+    which ``&`` would compute as integers). A program with source code (an FX graph's
+    ``code``) is keyed by it: the same mask traced twice gets the same key (equal graphs, one
+    compiled program)."""
     code = getattr(fn, "code", None)
     if isinstance(code, str):
-        key = f"{name}@{hashlib.sha1(code.encode()).hexdigest()[:16]}"
+        digest = hashlib.sha1((code + repr(leaf_dtypes)).encode()).hexdigest()[:16]
+        key = f"{name}@{digest}"
     else:
         key = f"{name}#{next(_IDS)}"
-    _PROGRAMS[key] = fn
+    _PROGRAMS[key] = (fn, leaf_dtypes)
     return key
 
 
 def mask_program(key: str) -> Callable:
-    return _PROGRAMS[key]
+    return _PROGRAMS[key][0]
+
+
+def _typed(key: str, leaves: list) -> list:
+    dtypes = _PROGRAMS[key][1] if key else None
+    if dtypes is None:
+        return list(leaves)
+    return [t if dt is None or t.dtype == dt else t.to(dt) for t, dt in zip(leaves, dtypes)]
 
 
 def block_sizes(b: int, h: int, s_q: int, s_k: int) -> tuple[int, int]:
@@ -190,6 +202,7 @@ def _forward(q, k, v, leaves, program_key, causal, scale):
     row statistics ``[B, H, S_q, 2]``: max and sum of ``exp(s - max)``, kept apart (a row of
     ``finfo.min`` entries would absorb ``log(sum)`` into a log-sum-exp)."""
     program = mask_program(program_key) if program_key else None
+    leaves = _typed(program_key, leaves)
     b, h, s_q, _ = q.shape
     s_k = k.shape[2]
     qf, kf, vf = _up(q, _grouped(k, h), _grouped(v, h))
@@ -220,6 +233,7 @@ def _forward(q, k, v, leaves, program_key, causal, scale):
 
 def _backward(dout, q, k, v, out, stats, leaves, program_key, causal, scale):
     program = mask_program(program_key) if program_key else None
+    leaves = _typed(program_key, leaves)
     b, h, s_q, _ = q.shape
     hk, s_k = k.shape[1], k.shape[2]
     qf, kf, vf = _up(q, _grouped(k, h), _grouped(v, h))

@@ -30,7 +30,7 @@ import os
 
 import torch
 
-from spdsl._torch import OpOverload
+from spdsl._torch import OpOverload, use_lazy_graph_module
 from spdsl.kernels.masked_attn import register_mask_program
 
 aten = torch.ops.aten
@@ -145,7 +145,12 @@ def _program(pairs: list, leaves: list, mask: torch.fx.Node,
         else:
             env[n] = g.node_copy(n, lambda a: env[a])
     g.output(env[mask])
-    return torch.fx.GraphModule(torch.nn.Module(), g)
+    # an ordinary GraphModule, its code made now: the trace runs under lazy graph modules,
+    # whose first call regenerates code, and the kernel calls this inside a compiled program
+    with use_lazy_graph_module(False):
+        program = torch.fx.GraphModule(torch.nn.Module(), g)
+    program.recompile()
+    return program
 
 
 def _describe(pairs: list, leaves: list, positions: bool) -> str:
@@ -181,7 +186,10 @@ def masks_as_functions(gm: torch.fx.GraphModule) -> int:
                 continue
             pairs, leaves = found
             positions = any(n.target in _TRIANGLES for n in pairs)
-            programs[mask] = (register_mask_program(_program(pairs, leaves, mask, positions)),
+            dtypes = tuple(_val(x).dtype for x in leaves) + \
+                ((torch.long, torch.long) if positions else ())
+            programs[mask] = (register_mask_program(_program(pairs, leaves, mask, positions),
+                                                    leaf_dtypes=dtypes),
                               pairs, leaves, positions)
         entry = programs[mask]
         if entry is None:

@@ -166,8 +166,9 @@ register_form(AttentionForm(
     found="F.scaled_dot_product_attention, also where nn.MultiheadAttention (need_weights="
           "False) and nn.TransformerEncoderLayer call it",
     layout="[B, H, S, D]; GQA by enable_gqa or Hugging Face's repeat_kv (read back unrepeated)",
-    masks="boolean or additive attn_mask (broadcast over heads or per head), is_causal; "
-          "dropout_p is drawn on each rank's heads",
+    masks="boolean or additive attn_mask (broadcast over heads or per head), is_causal; a "
+          "mask built elementwise from per-token values runs as a function of them "
+          "(spdsl.propagate.masks: no [S, S] tensor); dropout_p is drawn on each rank's heads",
     saves="the attention output (its backward recomputes nothing of the softmax)",
     capture=lambda: F.scaled_dot_product_attention, to_node=_sdpa_node,
     kernel="flash_attn", kernel_ok=_no_mask_no_dropout,
@@ -181,7 +182,9 @@ register_form(AttentionForm(
     layout="[B, H, S, D], or the [B*H, S, D] operands of bmm (nn.MultiheadAttention's "
            "(S, B*H, D) after its transpose)",
     masks="one additive mask after every scale; float32 or input-dtype softmax; dropout with "
-          "p == 0 (p > 0, masked_fill masks and returned weights: left as ops, still exact)",
+          "p == 0 (p > 0, masked_fill masks and returned weights: left as ops, still exact); "
+          "without dropout it runs in spdsl's blockwise kernel, its mask a function of "
+          "per-token values where it is one (spdsl.propagate.masks), so no [S, S] scores",
     saves="what the policy keeps of its ops (its matmuls; the softmax is recomputed)",
     find=_find_written_out, written_out=True, custom_ops=("spdsl::masked_attn",)))
 

@@ -220,6 +220,7 @@ def masks_as_functions(gm: torch.fx.GraphModule) -> int:
             for n in reversed(entry[1]):
                 if not n.users:
                     g.erase_node(n)
+    done += _dense_written_out(g)
     if done:
         gm.recompile()
     return done
@@ -245,6 +246,44 @@ def _unmasked_written_out(g: torch.fx.Graph) -> int:
         g.erase_node(att)
         done += 1
     return done
+
+
+def _dense_written_out(g: torch.fx.Graph) -> int:
+    """Written-out attention whose mask is a tensor no program can replace (one the caller
+    passes): the kernel takes that tensor as its one leaf, so the scores, probabilities and
+    their gradients (several ``[S, S]`` per head) are never made; the mask itself stays."""
+    from spdsl.propagate.forms import form_of
+    done = 0
+    for att in [n for n in g.nodes if n.target is torch.ops.spdsl.attention.default]:
+        a = list(att.args) + [None] * (8 - len(att.args))
+        m, q = _val(a[3]), _val(a[0])
+        if m is None or a[4] or not form_of(att).written_out or q is None or q.dim() != 4 \
+                or m.dim() > 4 or m.requires_grad:
+            continue
+        key = register_mask_program(_identity(), "dense", leaf_dtypes=(m.dtype,))
+        with g.inserting_before(att):
+            four = g.call_function(aten.reshape.default, (a[3], _four(a[3])))
+            four.meta.update({k: v for k, v in att.meta.items() if k != "val"})
+            four.meta["val"] = m.reshape(_four(a[3]))
+            new = g.call_function(torch.ops.spdsl.attention_fn.default,
+                                  (a[0], a[1], a[2], [four], key, 0.0, bool(a[5]), a[6],
+                                   bool(a[7])))
+        new.meta.update(att.meta)
+        new.meta[MASK] = f"dense tensor {list(m.shape)} {str(m.dtype).removeprefix('torch.')} " \
+                         f"({m.numel() * m.element_size():,} B on every rank), no [S, S] scores"
+        att.replace_all_uses_with(new)
+        g.erase_node(att)
+        done += 1
+    return done
+
+
+def _identity() -> torch.fx.GraphModule:
+    g = torch.fx.Graph()
+    g.output(g.placeholder("mask"))
+    with use_lazy_graph_module(False):
+        program = torch.fx.GraphModule(torch.nn.Module(), g)
+    program.recompile()
+    return program
 
 
 def _positions(g: torch.fx.Graph, q: torch.Tensor, k: torch.Tensor) -> list:

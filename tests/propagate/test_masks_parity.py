@@ -25,7 +25,8 @@ S = 1024       # S^2/P above any value whose size is not the sequence's (the gra
 LOSS_RTOL, GRAD_RTOL = 1e-5, 1e-4
 CASES = ["llama/sdpa/pad_right", "llama/sdpa/pad_left", "llama/sdpa/packed",
          "llama/eager/pad_right", "llama/eager/pad_left", "llama/eager/packed",
-         "mistral/sdpa/window", "mistral/eager/window", "qwen2/sdpa/pad_right,remat=full",
+         "mistral/sdpa/window", "mistral/eager/window", "qwen2/sdpa/window",
+         "qwen3/eager/window", "phi3/sdpa/window", "qwen2/sdpa/pad_right,remat=full",
          "alibi/sdpa", "alibi/written_out", "gpt2like/tril"]
 
 
@@ -59,8 +60,10 @@ def _setup(name: str):
         ids = torch.randint(0, 256, (1, S), generator=torch.Generator().manual_seed(1))
         return model, lambda m: m, (ids, ids), remat
     data = data[0]
-    if data == "window":
-        model = build(family, attn, sliding_window=64)
+    if data == "window":             # a window of 64 in a sequence of 1,024
+        extra = {"use_sliding_window": True, "max_window_layers": 0} \
+            if family.startswith("qwen") else {}
+        model = build(family, attn, sliding_window=64, **extra)
         return model, lambda m: loss_fn(m, ("input_ids", "labels")), batch(2, S), remat
     if data == "packed":
         names, xs = ("input_ids", "labels", "position_ids"), packed(S, (200, 500, 324))

@@ -9,9 +9,12 @@
 #   planner - the memory planner's peak vs torch.cuda.max_memory_allocated, small Llama, SP 1,
 #             remat none/auto/full (bench/gpu/planner_check.py);
 #   bench   - fwd+bwd TFLOP/s (GB/s for the memory-bound kernels) of the Triton kernels vs SDPA's
-#             flash backend and torch.compile'd references, bf16 (bench/kernel_bench.py).
+#             flash backend and torch.compile'd references, bf16 (bench/kernel_bench.py);
+#   masked  - masked attention (a mask program of per-token values) on FlexAttention vs the
+#             block kernel: fwd+bwd ms and their output/gradient agreement, bf16, S=8192 and
+#             32768, padding+causal, documents, HF additive (bench/gpu/masked_attn_check.py).
 # Results: bench/results/gpu/{kernel_tests.log,train_parity.json,planner.json,
-# kernel_bench.json,gpu_check.json,summary.md}; the summary is printed at the end. The dry run
+# kernel_bench.json,masked_attn.json,gpu_check.json,summary.md}; the summary is printed at the end. The dry run
 # uses LlamaConfig.tiny() models and measures the planner against c10's CPU allocator; its
 # timings mean nothing.
 #
@@ -21,7 +24,8 @@
 #                                           # shapes, kernels under TRITON_INTERPRET=1, fp32
 #   bash bench/gpu_check.sh --out DIR       # results elsewhere (dry run default: a temp dir)
 # Env: PYTHON=... (default: the first of python, python3 that imports torch);
-#      LIMIT_ENV/LIMIT_TESTS/LIMIT_PARITY/LIMIT_PLANNER/LIMIT_BENCH: seconds per section.
+#      LIMIT_ENV/LIMIT_TESTS/LIMIT_PARITY/LIMIT_PLANNER/LIMIT_BENCH/LIMIT_MASKED: seconds per
+#      section.
 # Nothing is installed: torch and triton must be there.
 set -u
 cd "$(dirname "$0")/.."
@@ -48,9 +52,10 @@ else
 fi
 mkdir -p "$OUT"
 # Section limits only stop a hang: generous on a shared CPU, where the dry run may crawl.
-if [ $DRY = 1 ]; then DEF=(300 300 300 300 300); else DEF=(60 170 130 75 120); fi
+if [ $DRY = 1 ]; then DEF=(300 300 300 300 300 300); else DEF=(60 170 130 75 120 150); fi
 L_ENV=${LIMIT_ENV:-${DEF[0]}} L_TESTS=${LIMIT_TESTS:-${DEF[1]}} L_PARITY=${LIMIT_PARITY:-${DEF[2]}}
 L_PLANNER=${LIMIT_PLANNER:-${DEF[3]}} L_BENCH=${LIMIT_BENCH:-${DEF[4]}}
+L_MASKED=${LIMIT_MASKED:-${DEF[5]}}
 rm -f "$OUT"/kernel_tests.log "$OUT"/*.json "$OUT"/summary.md
 
 PY=""
@@ -136,6 +141,7 @@ section parity "$L_PARITY" "$PY" -m bench.gpu.train_parity $TINY --out "$OUT/tra
 section planner "$L_PLANNER" "$PY" -m bench.gpu.planner_check $TINY \
     ${TINY:+--seq 128} --out "$OUT/planner.json"
 section bench "$L_BENCH" "$PY" bench/kernel_bench.py $TINY --json "$OUT/kernel_bench.json"
+section masked "$L_MASKED" "$PY" -m bench.gpu.masked_attn_check $TINY --out "$OUT/masked_attn.json"
 
 echo "== summary"
 "$PY" -m bench.gpu.summarize --dir "$OUT" --sections "$SECTIONS"

@@ -48,9 +48,11 @@ def sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def median_ms(fn, device: str, reps: int) -> float:
-    """Median wall milliseconds of ``fn()`` over ``reps`` calls (after one untimed call)."""
-    fn()
+def median_ms(fn, device: str, reps: int, warm: bool = False) -> float:
+    """Median wall milliseconds of ``fn()`` over ``reps`` calls (after one untimed call, unless
+    ``warm``: the caller made it)."""
+    if not warm:
+        fn()
     times = []
     for _ in range(reps):
         sync(device)

@@ -140,6 +140,20 @@ def markdown(data: dict) -> str:
                            f"{r['measured_peak'] / 2**20:.1f} MiB | {r['ratio']:.3f} |")
     else:
         out.append(f"not available: {pl}")
+
+    out += ["", "## Masked attention: FlexAttention vs the block kernel (fwd+bwd)", ""]
+    ma = data.get("masked_attn")
+    if ma and "rows" in ma:
+        out += [f"dtype {ma.get('dtype')}; pass: {ma.get('tolerance')}", "",
+                "| mask | B x S | flex ms | blocks ms | speed-up | max rel err | pass |",
+                "|---|---|---|---|---|---|---|"]
+        for r in ma["rows"]:
+            out.append(f"| {r['mask']} | {r['batch']}x{r['seq']} | {r['flex_ms']:.1f} | "
+                       f"{r['blocks_ms']:.1f} | {r['blocks_ms'] / r['flex_ms']:.1f}x | "
+                       f"{_fmt(max(r['rel_err'].values()))} | {r['pass']} |")
+        out += [f"- FAILED {f['case']}: {f['error']}" for f in ma.get("failures", [])]
+    else:
+        out.append(f"not available: {ma}")
     return "\n".join(out) + "\n"
 
 
@@ -156,7 +170,8 @@ def main(argv: list[str] | None = None) -> int:
             "kernel_tests": _load(os.path.join(args.dir, "kernel_tests.log")),
             "kernel_bench": _load(os.path.join(args.dir, "kernel_bench.json")),
             "train_parity": _load(os.path.join(args.dir, "train_parity.json")),
-            "planner": _load(os.path.join(args.dir, "planner.json"))}
+            "planner": _load(os.path.join(args.dir, "planner.json")),
+            "masked_attn": _load(os.path.join(args.dir, "masked_attn.json"))}
     data["env"] = next((d["env"] for d in (data["train_parity"], data["planner"])
                         if isinstance(d, dict) and "env" in d), {})
     with open(os.path.join(args.dir, "gpu_check.json"), "w") as f:

@@ -102,3 +102,54 @@ def kernel_backend(mode: str) -> Iterator[None]:
         yield
     finally:
         _override.pop()
+
+
+# Masked attention (spdsl.kernels.masked_attn, a mask given as a program of per-token values)
+# has two implementations: "blocks", the plain PyTorch block loop (any device), and "flex",
+# FlexAttention compiled by Inductor (spdsl.kernels.masked_attn_flex). "auto": flex on CUDA
+# tensors unless the mode above is "reference", blocks elsewhere. $SPDSL_MASKED_ATTN or
+# masked_attn_kernel() overrides it.
+_MASKED_MODES = ("auto", "flex", "blocks")
+_masked_override: list[str] = []
+
+
+def masked_attn_backend(q: torch.Tensor) -> str:
+    """``"flex"`` or ``"blocks"``: which implementation masked attention on ``q`` runs.
+
+    Example::
+
+        >>> masked_attn_backend(torch.zeros(1, 1, 4, 8))   # a CPU tensor
+        'blocks'
+        >>> with masked_attn_kernel("flex"):
+        ...     masked_attn_backend(torch.zeros(1, 1, 4, 8))
+        'flex'
+    """
+    mode = _masked_override[-1] if _masked_override else \
+        os.environ.get("SPDSL_MASKED_ATTN", "auto").strip().lower()
+    if mode not in _MASKED_MODES:
+        raise ValueError(f"SPDSL_MASKED_ATTN={mode!r} is not a masked attention backend; use "
+                         f"one of {', '.join(_MASKED_MODES)}")
+    if mode == "auto":
+        return "flex" if q.device.type == "cuda" and backend_mode() != "reference" else "blocks"
+    return mode
+
+
+@contextlib.contextmanager
+def masked_attn_kernel(mode: str) -> Iterator[None]:
+    """Force masked attention's implementation inside a ``with`` block (nests; wins over
+    ``$SPDSL_MASKED_ATTN``): ``"flex"``, ``"blocks"`` or ``"auto"``.
+
+    Example::
+
+        >>> with masked_attn_kernel("blocks"):
+        ...     masked_attn_backend(torch.zeros(1))
+        'blocks'
+    """
+    if mode not in _MASKED_MODES:
+        raise ValueError(f"masked attention backend {mode!r} is not one of "
+                         f"{', '.join(_MASKED_MODES)}")
+    _masked_override.append(mode)
+    try:
+        yield
+    finally:
+        _masked_override.pop()

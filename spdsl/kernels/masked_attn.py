@@ -326,4 +326,6 @@ def masked_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
     key = mask_fn if isinstance(mask_fn, str) or mask_fn is None else \
         register_mask_program(mask_fn, getattr(mask_fn, "__name__", "mask"))
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
-    return _masked_attn_op(q, k, v, list(leaves), key or "", bool(causal), scale)[0]
+    # on CUDA: FlexAttention (spdsl.kernels.masked_attn_flex); backend.masked_attn_backend
+    from spdsl.kernels.masked_attn_flex import masked_attn_auto
+    return masked_attn_auto(q, k, v, list(leaves), key or "", bool(causal), scale)

@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from spdsl.collectives import all_reduce, all_to_all, all_to_all_many
 from spdsl.kernels import flash_attn
 from spdsl.kernels import masked_attn as _masked_attn  # noqa: F401  (spdsl::masked_attn)
+from spdsl.kernels.masked_attn_flex import masked_attn_auto
 from spdsl.propagate.heads import kv_repeat
 
 aten = torch.ops.aten
@@ -110,7 +111,7 @@ def ulysses_attention_fn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, leav
     if compute_dtype is not None:
         q, k, v = (t.to(compute_dtype) for t in (q, k, v))
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
-    o = torch.ops.spdsl.masked_attn(q, k, v, list(leaves), program, is_causal, scale)[0]
+    o = masked_attn_auto(q, k, v, list(leaves), program, is_causal, scale)   # flex or blocks
     if out_dtype is not None:
         o = o.to(out_dtype)
     return all_to_all(o, _HEADS, _SEQ, parts, group) if parts > 1 else o

@@ -52,11 +52,11 @@ def test_dry_run_writes_every_result(tmp_path):
                          check=False)
     assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-2000:]
     for name in ("kernel_tests.log", "kernel_bench.json", "train_parity.json", "planner.json",
-                 "gpu_check.json", "summary.md"):
+                 "masked_attn.json", "gpu_check.json", "summary.md"):
         assert (tmp_path / name).is_file(), name
     data = json.loads((tmp_path / "gpu_check.json").read_text())
     assert [s["name"] for s in data["sections"]] == ["env", "tests", "parity", "planner",
-                                                     "bench"]
+                                                     "bench", "masked"]
     assert all(s["rc"] == 0 for s in data["sections"]), data["sections"]
     counts = data["kernel_tests"]["counts"]["fp32 (cpu)"]
     assert counts["passed"] >= 5 and counts["failed"] == 0, counts
@@ -68,4 +68,8 @@ def test_dry_run_writes_every_result(tmp_path):
     rows = data["planner"]["rows"]
     assert [r["remat"] for r in rows] == ["none", "auto", "full"]
     assert all(0.5 < r["ratio"] < 2 for r in rows), rows
-    assert "## Memory planner" in (tmp_path / "summary.md").read_text()
+    masked = data["masked_attn"]
+    assert {r["mask"] for r in masked["rows"]} == {"padding+causal", "documents", "hf_additive"}
+    assert all(r["pass"] for r in masked["rows"]) and not masked["failures"], masked
+    text = (tmp_path / "summary.md").read_text()
+    assert "## Memory planner" in text and "## Masked attention" in text

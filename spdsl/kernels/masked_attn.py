@@ -63,7 +63,8 @@ def mask_program(key: str) -> Callable:
     return _PROGRAMS[key][0]
 
 
-def _typed(key: str, leaves: list) -> list:
+def typed_leaves(key: str, leaves: list) -> list:
+    """``leaves`` cast to the dtypes the program ``key`` was registered with."""
     dtypes = _PROGRAMS[key][1] if key else None
     if dtypes is None:
         return list(leaves)
@@ -202,7 +203,7 @@ def _forward(q, k, v, leaves, program_key, causal, scale):
     row statistics ``[B, H, S_q, 2]``: max and sum of ``exp(s - max)``, kept apart (a row of
     ``finfo.min`` entries would absorb ``log(sum)`` into a log-sum-exp)."""
     program = mask_program(program_key) if program_key else None
-    leaves = _typed(program_key, leaves)
+    leaves = typed_leaves(program_key, leaves)
     b, h, s_q, _ = q.shape
     s_k = k.shape[2]
     qf, kf, vf = _up(q, _grouped(k, h), _grouped(v, h))
@@ -233,7 +234,7 @@ def _forward(q, k, v, leaves, program_key, causal, scale):
 
 def _backward(dout, q, k, v, out, stats, leaves, program_key, causal, scale):
     program = mask_program(program_key) if program_key else None
-    leaves = _typed(program_key, leaves)
+    leaves = typed_leaves(program_key, leaves)
     b, h, s_q, _ = q.shape
     hk, s_k = k.shape[1], k.shape[2]
     qf, kf, vf = _up(q, _grouped(k, h), _grouped(v, h))

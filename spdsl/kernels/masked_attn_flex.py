@@ -46,14 +46,15 @@ rules (a higher-order op), and Inductor must see it to generate the kernel; insi
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 
 import torch
-from torch.nn.attention import flex_attention as _fa
 from torch.nn.attention.flex_attention import AuxRequest, create_block_mask, flex_attention
 
+from spdsl._torch import flex_attention_on_cpu
 from spdsl.kernels.backend import masked_attn_backend
-from spdsl.kernels.masked_attn import _typed, mask_program
+from spdsl.kernels.masked_attn import mask_program, typed_leaves
 
 _compiled: dict[str, Callable] = {}
 
@@ -85,19 +86,14 @@ def _is_boolean(program: Callable, leaves: list) -> tuple[bool, torch.dtype]:
 
 
 def _attend(q, k, v, score_mod, block_mask, scale: float, lse: bool = False):
-    """``flex_attention``, returning ``(out, lse)`` when ``lse``. On a CPU tensor the operator
-    itself runs (eagerly): the public function refuses a CPU backward, which its dense math
-    has."""
+    """``flex_attention``, returning ``(out, lse)`` when ``lse``. On a CPU tensor it runs its
+    eager math (``spdsl._torch.flex_attention_on_cpu``: the public function refuses a CPU
+    backward, which that math has)."""
     gqa = k.shape[1] != q.shape[1]
-    if q.device.type != "cpu" or torch.compiler.is_compiling():
+    with flex_attention_on_cpu() if q.device.type == "cpu" else contextlib.nullcontext():
         got = flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask, scale=scale,
                              enable_gqa=gqa, return_aux=AuxRequest(lse=True) if lse else None)
-        return (got[0], got[1].lse) if lse else got
-    options = _fa._apply_kernel_options(q, k, v, False, None, AuxRequest(lse=lse))
-    block_mask = block_mask or _fa._create_empty_block_mask(q, k)
-    out, lse_t, _ = torch.ops.higher_order.flex_attention(
-        q, k, v, score_mod or _fa._identity, block_mask.as_tuple(), scale, options, (), ())
-    return (out, lse_t) if lse else out
+    return (got[0], got[1].lse) if lse else got
 
 
 def _flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, leaves: list,
@@ -173,7 +169,7 @@ def flex_masked_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, leaves: 
         torch.Size([1, 2, 8, 4])
     """
     fn = mask_program(program) if program else None
-    leaves = _typed(program, list(leaves))
+    leaves = typed_leaves(program, list(leaves))
     if q.device.type != "cuda" or torch.compiler.is_compiling():
         return _flex(q, k, v, leaves, fn, bool(causal), float(scale))
     if "cuda" not in _compiled:      # one compiled function; it recompiles per program

@@ -99,7 +99,7 @@ def test_traced_whole_by_dynamo(name):
                                   leaf_dtypes=tuple(t.dtype for t in leaves))
     q, k, v = (torch.randn(b, n, s, 16) for n in (h, 2, 2))
     flex = torch.compile(X._flex, dynamic=False, backend="aot_eager", fullgraph=True)
-    out = flex(q, k, v, M._typed(key, leaves), M.mask_program(key), causal, 0.3)
+    out = flex(q, k, v, M.typed_leaves(key, leaves), M.mask_program(key), causal, 0.3)
     with masked_attn_kernel("blocks"):
         ref = M.masked_attn(q, k, v, mask_fn=key, leaves=leaves, causal=causal, scale=0.3)
     assert_close(out, ref, rtol=RTOL, atol=ATOL, name=name)

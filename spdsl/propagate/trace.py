@@ -265,6 +265,7 @@ def trace(fn: Callable, args: tuple, kwargs: dict) -> Traced:
             stack.enter_context(_HFPackedCheck())
             out = fn(*a, **kw)
         flat_out, spec = tree_flatten(out)
+        _check_outputs(flat_out)
         out_spec_box.append(spec)
         return flat_out
 
@@ -337,6 +338,28 @@ def _data_dependent(e: Exception) -> ShardingError:
         fix="compute it with tensor ops instead (torch.where, masks); for Hugging Face models "
             "whose training mode draws layerdrop in Python (OPT), call model.eval() when every "
             "dropout probability is 0: eval mode gives the same loss and gradients")
+
+
+_OUTPUT_LEAVES = (torch.Tensor, int, float, bool, str, type(None), torch.SymInt, torch.SymFloat,
+                  torch.dtype, torch.device, torch.Size)
+
+
+def _check_outputs(flat: list) -> None:
+    """What a sharded function returns must be tensors and plain values; an object such as
+    Hugging Face's ``DynamicCache`` (a model called with its default ``use_cache=True``)
+    cannot cross the trace, and per-rank key/value caches mean nothing for training."""
+    for x in flat:
+        if not isinstance(x, _OUTPUT_LEAVES):
+            kind = type(x).__name__
+            hf = "Cache" in kind
+            raise ShardingError(
+                rule="output type", value=f"{type(x).__module__}.{kind}",
+                detail=f"the function returns a {kind}, which is neither a tensor nor a plain "
+                       "value" + (" (Hugging Face's key/value cache: use_cache=True)" if hf
+                                  else ""),
+                fix=("call the model with use_cache=False and return what the loss needs "
+                     "(model(input_ids=ids, labels=labels, use_cache=False).loss)") if hf else
+                    "return tensors (or tuples, lists and dicts of them) and plain values")
 
 
 def _no_python_scalars(gm: torch.fx.GraphModule) -> None:

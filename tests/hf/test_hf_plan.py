@@ -63,3 +63,14 @@ def test_unpacked_batch_attends_with_is_causal_not_a_full_mask():
     assert not any("32,32" in v.typed for v in plan.values), "a value of size S x S"
     masks = [a.mask for a in plan.attention]
     assert len(masks) == LAYERS and all(m.startswith("function of") for m in masks), masks
+
+
+def test_a_returned_key_value_cache_is_a_clear_error():
+    """An HF model called as it is returns its DynamicCache (use_cache=True): an error that
+    names it and the fix, not an FX error."""
+    model = build("llama", "sdpa")
+    model.config.use_cache = True
+    ids = torch.randint(1, 128, (1, 32))
+    with pytest.raises(spdsl.ShardingError, match=r"\[output type\].*DynamicCache") as e:
+        spdsl.plan(spdsl.sp_shard(seq=2)(model), ids)
+    assert "use_cache=False" in str(e.value)

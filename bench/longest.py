@@ -106,12 +106,15 @@ def _probe(trainer, seq: int, hf: bool, args, vocab: int, world: int, rank: int)
             "comm_total": m.total_comm_bytes}
 
 
-def search(trainer, hf: bool, args, vocab: int, world: int, rank: int, log) -> dict:
-    """Double, then bisect: the longest measured length whose peak fits ``--budget-mib``."""
+def search(trainer, hf: bool, args, vocab: int, world: int, rank: int, log,
+           probe=None) -> dict:
+    """Double, then bisect: the longest measured length whose peak fits ``--budget-mib``.
+    ``probe``: another ``_probe`` (``bench/mask_measure.py``'s, without ``record_shapes``)."""
+    _probe_at = probe or _probe
     budget = args.budget_mib * MIB
     probes, lo, hi, seq = [], None, None, args.seq_start
     while seq <= args.seq_max:
-        p = _probe(trainer, seq, hf, args, vocab, world, rank)
+        p = _probe_at(trainer, seq, hf, args, vocab, world, rank)
         probes.append(p)
         log(f"  {seq} tokens: peak {p['peak_bytes'] / MIB:.1f} MiB, {p['step_s']:.2f} s")
         if p["peak_bytes"] > budget:
@@ -120,7 +123,7 @@ def search(trainer, hf: bool, args, vocab: int, world: int, rank: int, log) -> d
         lo, seq = seq, seq * 2
     while lo is not None and hi is not None and hi - lo > args.quantum:
         mid = (lo + hi) // 2 // args.quantum * args.quantum
-        p = _probe(trainer, mid, hf, args, vocab, world, rank)
+        p = _probe_at(trainer, mid, hf, args, vocab, world, rank)
         probes.append(p)
         log(f"  {mid} tokens: peak {p['peak_bytes'] / MIB:.1f} MiB, {p['step_s']:.2f} s")
         lo, hi = (mid, hi) if p["peak_bytes"] <= budget else (lo, mid)

@@ -54,13 +54,15 @@ def ds_config(cfg: RunConfig) -> dict:
 
 
 class ALSTTrainer:
-    def __init__(self, cfg: RunConfig, checkpoint: bool = False) -> None:
+    def __init__(self, cfg: RunConfig, checkpoint: bool = False,
+                 llama: torch.nn.Module | None = None) -> None:
         import deepspeed
         from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
         from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
         self.cfg = cfg
-        self.llama = build_hf_llama(cfg.model, cfg.seed)    # the parameters compared
+        # the parameters compared; ``llama``: another HF causal LM (bench/mask_measure.py)
+        self.llama = build_hf_llama(cfg.model, cfg.seed) if llama is None else llama
         if checkpoint:   # HF's own activation checkpointing, as ALST's recipes enable it
             self.llama.gradient_checkpointing_enable({"use_reentrant": False})
         self._functions = ALL_ATTENTION_FUNCTIONS
@@ -97,11 +99,14 @@ class ALSTTrainer:
         finally:
             self._functions["sdpa"] = saved
 
-    def prepare(self, input_ids: torch.Tensor, labels: torch.Tensor) -> tuple[dict]:
-        """This rank's shard of the global batch, through ALST's own data adapter."""
+    def prepare(self, input_ids: torch.Tensor, labels: torch.Tensor,
+                position_ids: torch.Tensor | None = None) -> tuple[dict]:
+        """This rank's shard of the global batch, through ALST's own data adapter;
+        ``position_ids`` default to ``arange`` (given: packed documents)."""
         from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPDataLoaderAdapter
 
-        pos = torch.arange(input_ids.shape[1]).expand(input_ids.shape[0], -1).clone()
+        pos = torch.arange(input_ids.shape[1]).expand(input_ids.shape[0], -1).clone() \
+            if position_ids is None else position_ids.clone()
         batch = {"input_ids": input_ids.clone(), "labels": labels.clone(), "position_ids": pos}
         # Every rank holds the same global batch, so the first micro-batch (rank 0's sample,
         # sharded for this rank) is the step's; the adapter yields one per SP rank.

@@ -78,18 +78,31 @@ def block_sizes(b: int, h: int, s_q: int, s_k: int) -> tuple[int, int]:
     return min(rows, s_q), cols
 
 
-def workspace_bytes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                    backward: bool = False) -> int:
-    """The kernel's peak scratch beyond its inputs and outputs, for the memory planner: four
-    fp32 blocks (scores, probabilities, their gradient, the mask), k and v repeated to the
-    query heads (GQA), fp32 copies of narrow inputs, and in backward the row sums and the
-    fp32 gradient accumulators that are not returned as they are."""
+def workspace_bytes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, leaves: list = (),
+                    program: str = "", causal: bool = False, backward: bool = False) -> int:
+    """The kernel's peak scratch beyond its inputs and outputs, for the memory planner
+    (checked against the allocator in tests/kernels/test_masked_attn.py): fp32 score blocks
+    (one forward, two backward: the probabilities and their gradient, both made in place),
+    the block's mask (a boolean and its negation; an additive program's fp32 bias and its
+    comparisons), per-row running values, k and v repeated to the query heads (GQA), fp32
+    copies of narrow inputs, and in backward the row sums and fp32 gradient accumulators."""
     b, h, s_q, d = q.shape
     s_k, dv = k.shape[2], v.shape[3]
     f32 = torch.promote_types(q.dtype, torch.float32)
     w = torch.empty((), dtype=f32).element_size()
     rows, cols = block_sizes(b, h, s_q, s_k)
-    out = 4 * b * h * rows * cols * w
+    mb, mh = (max([t.shape[i] for t in leaves] + [1]) for i in (0, 1))
+    mask = mb * mh * rows * cols                    # elements of one block's mask
+    # forward's peak is in the masking: keep and ~keep (a float program: its bias, its
+    # comparisons); backward's in the gradient, the mask still held by the block generator
+    boolean = not program or _program_dtype(program, leaves) == torch.bool
+    if program:
+        mask *= (1 if backward else 2) if boolean else (4 if backward else 6)
+    elif causal:
+        mask = (1 if backward else 2) * rows * cols
+    else:
+        mask = 0
+    out = (2 if backward else 1) * b * h * rows * cols * w + mask
     gqa = k.shape[1] != h
     narrow = q.dtype != f32
     kv = b * h * s_k * (d + dv) * w
@@ -98,13 +111,22 @@ def workspace_bytes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     if narrow:
         out += b * h * s_q * d * w                  # qf
     if not backward:
+        out += b * h * rows * (2 * dv + 4) * w      # acc, its update, the row max and sum
         return out + (b * h * s_q * dv * w if narrow else 0)       # the fp32 output
     out += b * h * s_q * w                          # delta
+    out += b * h * (rows + cols) * d * w            # the matmuls' results before +=
     if narrow:
         out += 2 * b * h * s_q * dv * w + b * h * s_q * d * w      # do, out, dq in fp32
     if gqa or narrow:
         out += kv                                   # dk, dv at the query heads / in fp32
     return out
+
+
+def _program_dtype(key: str, leaves: list) -> torch.dtype:
+    """What the program returns, from one element of each leaf on the meta device."""
+    with torch.device("meta"):
+        cut = [torch.empty((1, 1, 1, 1), dtype=t.dtype) for t in typed_leaves(key, leaves)]
+        return mask_program(key)(*cut).dtype
 
 
 def _cut(leaves, i0: int, i1: int, j0: int, j1: int) -> list:
@@ -175,11 +197,12 @@ class _Blocks:
 
 
 def _scores(q_blk, k_blk, keep, bias, scale):
-    s = torch.matmul(q_blk, k_blk.transpose(-2, -1)) * scale
+    """One block of scores, masked; in place after the matmul: one block of fp32 live."""
+    s = torch.matmul(q_blk, k_blk.transpose(-2, -1)).mul_(scale)
     if bias is not None:
-        s = s + bias
+        s.add_(bias)
     if keep is not None:
-        s = s.masked_fill(~keep, float("-inf"))
+        s.masked_fill_(keep.logical_not(), float("-inf"))
     return s
 
 
@@ -220,13 +243,15 @@ def _forward(q, k, v, leaves, program_key, causal, scale):
         acc = qf.new_zeros(b, h, i1 - i0, v.shape[-1])
         for j0, j1, keep, bias in blocks.spans(i0, i1):
             s = _scores(q_blk, kf[:, :, j0:j1], keep, bias, scale)
+            del keep, bias
             m_new = torch.maximum(m, s.amax(-1, keepdim=True))
             alpha = torch.where(torch.isfinite(m), torch.exp(m - _finite(m_new)),
                                 torch.zeros_like(m))        # nothing kept before: nothing to scale
-            p = torch.exp(s - _finite(m_new))
+            p = s.sub_(_finite(m_new)).exp_()               # the probabilities, in place
             den = den * alpha + p.sum(-1, keepdim=True)
             acc = acc * alpha + torch.matmul(p, vf[:, :, j0:j1])
             m = m_new
+            del s, p
         out[:, :, i0:i1] = acc / torch.where(den > 0, den, torch.ones_like(den))
         stats[:, :, i0:i1, 0:1], stats[:, :, i0:i1, 1:2] = m, den
     return out.to(q.dtype), stats
@@ -251,12 +276,14 @@ def _backward(dout, q, k, v, out, stats, leaves, program_key, causal, scale):
         inv = torch.where(den > 0, 1.0 / den, torch.zeros_like(den))
         for j0, j1, keep, bias in blocks.spans(i0, i1):
             s = _scores(q_blk, kf[:, :, j0:j1], keep, bias, scale)
-            p = torch.exp(s - _finite(m)) * inv
+            del keep, bias
+            p = s.sub_(_finite(m)).exp_().mul_(inv)        # in place: two fp32 blocks live
             dv[:, :, j0:j1] += torch.matmul(p.transpose(-2, -1), do_blk)
-            dp = torch.matmul(do_blk, vf[:, :, j0:j1].transpose(-2, -1))
-            ds = p * (dp - d_blk) * scale
+            ds = torch.matmul(do_blk, vf[:, :, j0:j1].transpose(-2, -1))
+            ds.sub_(d_blk).mul_(p).mul_(scale)
             dq[:, :, i0:i1] += torch.matmul(ds, kf[:, :, j0:j1])
             dk[:, :, j0:j1] += torch.matmul(ds.transpose(-2, -1), q_blk)
+            del s, p, ds
     if hk != h:
         dk = dk.view(b, hk, h // hk, s_k, -1).sum(2)
         dv = dv.view(b, hk, h // hk, s_k, -1).sum(2)

@@ -58,12 +58,14 @@ def _flash_cpu_backward(args, kwargs) -> int:
 
 def _masked_attn(args, kwargs) -> int:
     from spdsl.kernels.masked_attn import workspace_bytes as masked
-    return masked(args[0], args[1], args[2])
+    q, k, v, leaves, program, causal = args[:6]                    # (q, k, v, leaves, ...)
+    return masked(q, k, v, leaves, program, causal)
 
 
 def _masked_attn_backward(args, kwargs) -> int:
     from spdsl.kernels.masked_attn import workspace_bytes as masked
-    return masked(args[1], args[2], args[3], backward=True)     # (dout, q, k, v, ...)
+    q, k, v, leaves, program, causal = (*args[1:4], *args[6:9])    # (dout, q, k, v, out,
+    return masked(q, k, v, leaves, program, causal, backward=True)  # stats, leaves, ...)
 
 
 WORKSPACE = {

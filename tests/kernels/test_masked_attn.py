@@ -85,10 +85,34 @@ def test_working_memory_is_bounded_by_the_block():
     rows, cols = M.block_sizes(1, 1, 131072, 131072)
     assert rows * cols <= M.BLOCK_ELEMENTS
 
-    def ws(s, hk=1):
+    def ws(s, backward=False):
         q = torch.empty(1, 1, s, 64, device="meta")
-        kv = torch.empty(1, hk, s, 64, device="meta")
-        return M.workspace_bytes(q, kv, kv), M.workspace_bytes(q, kv, kv, backward=True)
-    # fp32, no GQA: a constant (4 blocks), plus the row sums in backward: linear, not S^2
-    assert ws(1 << 17)[0] == ws(1 << 20)[0] == 4 * 4 * M.BLOCK_ELEMENTS
-    assert ws(1 << 20)[1] - ws(1 << 17)[1] == 4 * ((1 << 20) - (1 << 17))
+        return M.workspace_bytes(q, q, q, causal=True, backward=backward)
+    # fp32, no GQA, causal: a constant in the sequence forward (a block of scores, its mask,
+    # per-row values of one block); backward adds the row sums: linear, never S^2
+    assert ws(1 << 17) == ws(1 << 20) < 2 * 4 * M.BLOCK_ELEMENTS
+    assert ws(1 << 20, True) - ws(1 << 17, True) == 4 * ((1 << 20) - (1 << 17))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["padding+causal", "hf_additive"])
+def test_planned_scratch_against_the_allocator(kind):
+    """``workspace_bytes`` (what the memory planner adds for the kernel) against the bytes the
+    allocator hands out beyond the op's inputs and outputs: never below, at most 15% above."""
+    from spdsl.memory.measure import measure_step
+    torch.manual_seed(0)
+    b, h, hk, s, d = 1, 4, 1, 2048, 8
+    fn, leaves, causal = _masks(b, h, s)[kind]
+    key = M.register_mask_program(fn)
+    q, k, v = torch.randn(b, h, s, d), torch.randn(b, hk, s, d), torch.randn(b, hk, s, d)
+    out, stats = torch.ops.spdsl.masked_attn(q, k, v, leaves, key, causal, 0.3)
+    g = torch.randn_like(out)
+    fwd = measure_step(lambda: torch.ops.spdsl.masked_attn(q, k, v, leaves, key, causal, 0.3))
+    bwd = measure_step(lambda: torch.ops.spdsl.masked_attn_backward(
+        g, q, k, v, out, stats, leaves, key, causal, 0.3))
+    scratch_fwd = fwd.peak - (out.numel() + stats.numel()) * 4
+    scratch_bwd = bwd.peak - (q.numel() + k.numel() + v.numel()) * 4
+    plan_fwd = M.workspace_bytes(q, k, v, leaves, key, causal)
+    plan_bwd = M.workspace_bytes(q, k, v, leaves, key, causal, backward=True)
+    assert scratch_fwd <= plan_fwd <= 1.15 * scratch_fwd, (plan_fwd, scratch_fwd)
+    assert scratch_bwd <= plan_bwd <= 1.15 * scratch_bwd, (plan_bwd, scratch_bwd)

@@ -84,8 +84,13 @@ SYSTEMS = {
 }
 
 
-def _probe(trainer, seq: int, hf: bool, args, vocab: int, world: int, rank: int) -> dict:
-    """One warm step and one profiled step at ``seq``: the largest rank's peak and the bytes."""
+def _probe(trainer, seq: int, hf: bool, args, vocab: int, world: int, rank: int,
+           allocator: bool = False) -> dict:
+    """One warm step and one profiled step at ``seq``: the largest rank's peak and the bytes.
+    ``allocator``: measure the step with ``spdsl.memory.measure.measure_step`` instead (the
+    same allocator count, without the profiler's ``record_shapes``, which on the blockwise
+    attention kernel's many small ops held 5 GiB of host memory per rank at 4,096 tokens);
+    no communication bytes then."""
     warm, prof = make_batches(2, args.batch, seq, vocab, args.seed + seq, hf=hf)
     prepare = getattr(trainer, "prepare", None)
 
@@ -99,18 +104,25 @@ def _probe(trainer, seq: int, hf: bool, args, vocab: int, world: int, rank: int)
     t0 = time.perf_counter()
     step(warm)
     seconds = time.perf_counter() - t0
-    m = profile_step(lambda: step(prof), world, rank)
-    peak = torch.tensor([float(m.peak_bytes), seconds], dtype=torch.float64)
+    if allocator:
+        from spdsl.memory.measure import measure_step
+        m = measure_step(lambda: step(prof), warmup=False)
+        peak_bytes, comm = m.peak, None
+    else:
+        m = profile_step(lambda: step(prof), world, rank)
+        peak_bytes, comm = m.peak_bytes, m.total_comm_bytes
+    peak = torch.tensor([float(peak_bytes), seconds], dtype=torch.float64)
     dist.all_reduce(peak, op=dist.ReduceOp.MAX)
     return {"seq": seq, "peak_bytes": int(peak[0]), "step_s": float(peak[1]),
-            "comm_total": m.total_comm_bytes}
+            "comm_total": comm}
 
 
 def search(trainer, hf: bool, args, vocab: int, world: int, rank: int, log,
-           probe=None) -> dict:
+           allocator: bool = False) -> dict:
     """Double, then bisect: the longest measured length whose peak fits ``--budget-mib``.
-    ``probe``: another ``_probe`` (``bench/mask_measure.py``'s, without ``record_shapes``)."""
-    _probe_at = probe or _probe
+    ``allocator``: see ``_probe``."""
+    def _probe_at(*a):
+        return _probe(*a, allocator=allocator)
     budget = args.budget_mib * MIB
     probes, lo, hi, seq = [], None, None, args.seq_start
     while seq <= args.seq_max:

@@ -25,7 +25,8 @@ on rank 0 that is ``spdsl.plan(...).memory``), and the ratio of each doubling. A
 per rank is planned, not run.
 
 Part b: the longest sequence within one per-rank budget, by ``bench/longest.py``'s search
-(doubling, then bisection; its step, measured by :func:`probe`), for spdsl before (off),
+(doubling, then bisection; its step, measured with ``measure_step``: ``search(...,
+allocator=True)``), for spdsl before (off),
 spdsl after (on), and ALST's Hugging Face integration (``bench/baselines/alst_hf.py``, with HF
 gradient checkpointing as spdsl recomputes every layer) on the same model and batches. Before
 the search, each system's loss on a 2,048-token batch against the unsharded model's.
@@ -244,29 +245,6 @@ def part_a(args, world: int, rank: int, log) -> list[dict]:
 
 # ---------------------------------------------------------------------------------------- b
 
-def probe(trainer, seq: int, hf: bool, args, vocab: int, world: int, rank: int) -> dict:
-    """``longest._probe`` (the same step: ``zero_grad``, ``prepare``, forward and backward,
-    ``optimizer_step``) measured with ``measure_step`` instead of ``profile_step``: the
-    profiler's ``record_shapes`` on the blockwise kernel's many small ops took 5 GiB of host
-    memory per rank at 4,096 tokens (0.3 GiB without it), and a rank was killed at 8,192."""
-    from bench.baselines.data import make_batches
-    from spdsl.memory.measure import measure_step
-    warm, prof = make_batches(2, args.batch, seq, vocab, args.seed + seq, hf=hf)
-
-    def step(batch):
-        trainer.zero_grad()
-        batch = trainer.prepare(*batch)
-        dist.barrier()
-        trainer.forward_backward(*batch)
-        trainer.optimizer_step()
-
-    t0 = time.perf_counter()
-    step(warm)
-    seconds = time.perf_counter() - t0
-    m = measure_step(lambda: step(prof), warmup=False)
-    ranks = _gather([m.peak, seconds])
-    return {"seq": seq, "peak_bytes": int(max(r[0] for r in ranks)),
-            "step_s": max(r[1] for r in ranks), "peak_ranks": [int(r[0]) for r in ranks]}
 
 
 def _parity(trainer, case: str, seq: int) -> float:
@@ -307,7 +285,7 @@ def part_b(args, world: int, rank: int, log) -> list[dict]:
             log(f"  loss at {args.parity_seq}: {loss:.6f} (unsharded {ref:.6f})")
             t0 = time.perf_counter()
             row.update(status="ok", **search(trainer, True, search_args, 256, world, rank, log,
-                                             probe=probe))
+                                             allocator=True))
             row["search_s"] = round(time.perf_counter() - t0, 1)
             rows.append(row)
             del trainer

@@ -122,7 +122,7 @@ def search(trainer, hf: bool, args, vocab: int, world: int, rank: int, log,
     """Double, then bisect: the longest measured length whose peak fits ``--budget-mib``.
     ``allocator``: see ``_probe``."""
     def _probe_at(*a):
-        return _probe(*a, allocator=allocator)
+        return _probe(*a, allocator=True) if allocator else _probe(*a)
     budget = args.budget_mib * MIB
     probes, lo, hi, seq = [], None, None, args.seq_start
     while seq <= args.seq_max:

@@ -143,31 +143,37 @@ def _cut(leaves, i0: int, i1: int, j0: int, j1: int) -> list:
 class _Blocks:
     """The mask of one query block, a key block at a time: keep (bool) or bias (float), and
     which key blocks can be skipped (nothing kept; an additive mask's block is never skipped
-    for a block holding a row that keeps no key, whose softmax spans every key)."""
+    for a block holding a row that keeps no key, whose softmax spans every key).
+    ``q_off``/``k_off``: the global positions of the first query and key (a ring step
+    attends a rank's queries to another rank's keys); leaves are global."""
 
-    def __init__(self, program, leaves, causal: bool, s_k: int, cols: int, device) -> None:
+    def __init__(self, program, leaves, causal: bool, s_k: int, cols: int, device,
+                 q_off: int = 0, k_off: int = 0) -> None:
         self.program, self.leaves, self.causal = program, leaves, causal
         self.s_k, self.cols, self.device = s_k, cols, device
+        self.q_off, self.k_off = q_off, k_off
 
     def mask(self, i0: int, i1: int, j0: int, j1: int):
         keep = bias = None
+        qo, ko = self.q_off, self.k_off
         if self.program is not None:
-            m = self.program(*_cut(self.leaves, i0, i1, j0, j1))
+            m = self.program(*_cut(self.leaves, i0 + qo, i1 + qo, j0 + ko, j1 + ko))
             if m.dtype == torch.bool:
                 keep = m
             else:
                 bias = m
         if self.causal:
-            tri = torch.arange(i0, i1, device=self.device)[:, None] >= \
-                torch.arange(j0, j1, device=self.device)
+            tri = torch.arange(i0 + qo, i1 + qo, device=self.device)[:, None] >= \
+                torch.arange(j0 + ko, j1 + ko, device=self.device)
             keep = tri if keep is None else keep & tri
         return keep, bias
 
     def spans(self, i0: int, i1: int):
         """``(j0, j1, keep, bias)`` of every key block to compute for queries ``i0:i1``, a
         block at a time (masks are evaluated as they are used, never all at once)."""
+        last = i1 - 1 + self.q_off - self.k_off          # the last key a causal row sees
         blocks = [(j0, min(self.s_k, j0 + self.cols)) for j0 in range(0, self.s_k, self.cols)
-                  if not (self.causal and j0 > i1 - 1)]   # causal: no key after the block
+                  if not (self.causal and j0 > last)]   # causal: no key after the block
         needed = self._additive_blocks(i0, i1, blocks)
         for n, (j0, j1) in enumerate(blocks):
             if needed is not None and not needed[n]:
@@ -221,6 +227,41 @@ def _finite(m: torch.Tensor) -> torch.Tensor:
     return torch.where(torch.isfinite(m), m, torch.zeros_like(m))
 
 
+def attend_rows(q_blk, kf, vf, spans, scale, m, den, acc):
+    """One block of query rows against the key blocks ``spans`` yields: the flash
+    recurrence's running row max ``m``, sum ``den`` and unnormalised output ``acc``
+    (``[B, H, rows, 1 | Dv]``, fp32) updated; returns them."""
+    for j0, j1, keep, bias in spans:
+        s = _scores(q_blk, kf[:, :, j0:j1], keep, bias, scale)
+        del keep, bias
+        m_new = torch.maximum(m, s.amax(-1, keepdim=True))
+        alpha = torch.where(torch.isfinite(m), torch.exp(m - _finite(m_new)),
+                            torch.zeros_like(m))        # nothing kept before: nothing to scale
+        p = s.sub_(_finite(m_new)).exp_()               # the probabilities, in place
+        den = den * alpha + p.sum(-1, keepdim=True)
+        acc = acc * alpha + torch.matmul(p, vf[:, :, j0:j1])
+        m = m_new
+        del s, p
+    return m, den, acc
+
+
+def grad_rows(q_blk, do_blk, d_blk, m, den, kf, vf, spans, scale, dq_blk, dk, dv) -> None:
+    """The gradients of one block of query rows against the key blocks ``spans`` yields,
+    from the rows' final max ``m`` and sum ``den`` and ``d_blk = sum(dout * out)``:
+    added into ``dq_blk``, ``dk``, ``dv`` (fp32, at the query heads)."""
+    inv = torch.where(den > 0, 1.0 / den, torch.zeros_like(den))
+    for j0, j1, keep, bias in spans:
+        s = _scores(q_blk, kf[:, :, j0:j1], keep, bias, scale)
+        del keep, bias
+        p = s.sub_(_finite(m)).exp_().mul_(inv)        # in place: two fp32 blocks live
+        dv[:, :, j0:j1] += torch.matmul(p.transpose(-2, -1), do_blk)
+        ds = torch.matmul(do_blk, vf[:, :, j0:j1].transpose(-2, -1))
+        ds.sub_(d_blk).mul_(p).mul_(scale)
+        dq_blk += torch.matmul(ds, kf[:, :, j0:j1])
+        dk[:, :, j0:j1] += torch.matmul(ds.transpose(-2, -1), q_blk)
+        del s, p, ds
+
+
 def _forward(q, k, v, leaves, program_key, causal, scale):
     """Online softmax over key blocks (the flash recurrence); returns the output and the
     row statistics ``[B, H, S_q, 2]``: max and sum of ``exp(s - max)``, kept apart (a row of
@@ -237,21 +278,10 @@ def _forward(q, k, v, leaves, program_key, causal, scale):
     blocks = _Blocks(program, leaves, causal, s_k, cols, q.device)
     for i0 in range(0, s_q, rows):
         i1 = min(s_q, i0 + rows)
-        q_blk = qf[:, :, i0:i1]
-        m = qf.new_full((b, h, i1 - i0, 1), float("-inf"))
-        den = qf.new_zeros(b, h, i1 - i0, 1)
-        acc = qf.new_zeros(b, h, i1 - i0, v.shape[-1])
-        for j0, j1, keep, bias in blocks.spans(i0, i1):
-            s = _scores(q_blk, kf[:, :, j0:j1], keep, bias, scale)
-            del keep, bias
-            m_new = torch.maximum(m, s.amax(-1, keepdim=True))
-            alpha = torch.where(torch.isfinite(m), torch.exp(m - _finite(m_new)),
-                                torch.zeros_like(m))        # nothing kept before: nothing to scale
-            p = s.sub_(_finite(m_new)).exp_()               # the probabilities, in place
-            den = den * alpha + p.sum(-1, keepdim=True)
-            acc = acc * alpha + torch.matmul(p, vf[:, :, j0:j1])
-            m = m_new
-            del s, p
+        m, den, acc = attend_rows(
+            qf[:, :, i0:i1], kf, vf, blocks.spans(i0, i1), scale,
+            qf.new_full((b, h, i1 - i0, 1), float("-inf")), qf.new_zeros(b, h, i1 - i0, 1),
+            qf.new_zeros(b, h, i1 - i0, v.shape[-1]))
         out[:, :, i0:i1] = acc / torch.where(den > 0, den, torch.ones_like(den))
         stats[:, :, i0:i1, 0:1], stats[:, :, i0:i1, 1:2] = m, den
     return out.to(q.dtype), stats
@@ -271,19 +301,9 @@ def _backward(dout, q, k, v, out, stats, leaves, program_key, causal, scale):
     blocks = _Blocks(program, leaves, causal, s_k, cols, q.device)
     for i0 in range(0, s_q, rows):
         i1 = min(s_q, i0 + rows)
-        q_blk, do_blk, d_blk = qf[:, :, i0:i1], do[:, :, i0:i1], delta[:, :, i0:i1]
-        m, den = stats[:, :, i0:i1, 0:1], stats[:, :, i0:i1, 1:2]
-        inv = torch.where(den > 0, 1.0 / den, torch.zeros_like(den))
-        for j0, j1, keep, bias in blocks.spans(i0, i1):
-            s = _scores(q_blk, kf[:, :, j0:j1], keep, bias, scale)
-            del keep, bias
-            p = s.sub_(_finite(m)).exp_().mul_(inv)        # in place: two fp32 blocks live
-            dv[:, :, j0:j1] += torch.matmul(p.transpose(-2, -1), do_blk)
-            ds = torch.matmul(do_blk, vf[:, :, j0:j1].transpose(-2, -1))
-            ds.sub_(d_blk).mul_(p).mul_(scale)
-            dq[:, :, i0:i1] += torch.matmul(ds, kf[:, :, j0:j1])
-            dk[:, :, j0:j1] += torch.matmul(ds.transpose(-2, -1), q_blk)
-            del s, p, ds
+        grad_rows(qf[:, :, i0:i1], do[:, :, i0:i1], delta[:, :, i0:i1],
+                  stats[:, :, i0:i1, 0:1], stats[:, :, i0:i1, 1:2], kf, vf,
+                  blocks.spans(i0, i1), scale, dq[:, :, i0:i1], dk, dv)
     if hk != h:
         dk = dk.view(b, hk, h // hk, s_k, -1).sum(2)
         dv = dv.view(b, hk, h // hk, s_k, -1).sum(2)

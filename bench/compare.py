@@ -1,5 +1,6 @@
-"""Side-by-side Ulysses sequence-parallel training: reference, spdsl, hand-written DeepSpeed-Ulysses,
-DeepSpeed AutoSP. Same model, weights, batches and labels for all; gloo CPU ranks.
+"""Side-by-side sequence-parallel training: reference, spdsl, hand-written DeepSpeed-Ulysses,
+hand-written ring attention, DeepSpeed AutoSP. Same model, weights, batches and labels for all;
+gloo CPU ranks.
 
 One configuration (4 ranks, 4096 tokens)::
 
@@ -20,7 +21,8 @@ systems (install it with torch pinned, see bench/README.md; without it they repo
 "unavailable"). Per system it prints: median step time after warm-up, the
 ratio to hand-written Ulysses in the same mode, the first (compiling) step, loss and gradient
 relative error against the single-process reference, bytes sent per rank per step by kind
-of collective beside the analytic Ulysses floor, and peak tensor memory per rank.
+of collective beside the analytic Ulysses floor (ring systems: the ring floor, their point-to-point
+sends under "other"), and peak tensor memory per rank.
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ import torch
 import torch.distributed as dist
 
 from bench.baselines import report
-from bench.baselines.analytic import ulysses_floor
+from bench.baselines.analytic import ring_floor, ulysses_floor
 from bench.baselines.data import make_batches
 from bench.baselines.model import CONFIGS
 from bench.baselines.runner import Workload, run_all
@@ -146,6 +148,7 @@ def run(args: argparse.Namespace) -> list[dict] | None:
                   revision=revision)
     return [{"config": {**config, "seq": seq},
              "floor": ulysses_floor(CONFIGS[args.model](), args.batch, seq, world),
+             "ring_floor": ring_floor(CONFIGS[args.model](), args.batch, seq, world),
              "rows": [r for r in rows if r["seq"] == seq]} for seq in args.seq]
 
 

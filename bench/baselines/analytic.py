@@ -1,4 +1,5 @@
-"""The Ulysses communication floor: the bytes any exact Ulysses step must send per rank.
+"""The communication floors: the bytes any exact Ulysses (or ring attention) step must send per
+rank.
 
 Definitions (P ranks = SP degree, B batch, S global sequence, Dh head dim, L layers, fp32):
 
@@ -14,6 +15,20 @@ Definitions (P ranks = SP degree, B batch, S global sequence, Dh head dim, L lay
   bytes, left out of the floor.
 
 So ``floor = L * 2 * (2H + 2KV') * B*S*Dh/P * (P-1)/P * 4 + 2 (P-1)/P * n_params * 4`` bytes.
+
+Ring attention (``ring.py``) sends point to point instead, one block ``B * S/P * KV * Dh``
+(the rank's share of k, or of v; kv heads unrepeated) per hop, per layer:
+
+- forward: k and v each go P-1 hops round the ring;
+- backward: k and v go P-1 hops again, and the dk and dv accumulators P-1 hops back to their
+  owners (the owner keeps its own block's contribution; ring-flash-attn ships it too, P hops);
+- the same gradient all-reduce and scalar loss all-reduces as Ulysses.
+
+So ``ring = L * 6 (P-1) * B*S/P*KV*Dh * 4 + 2 (P-1)/P * n_params * 4`` bytes, in both
+layouts (zigzag moves the same blocks). Per layer and rank, in units of the whole sequence's k
+(``B*S*KV*Dh``): ring ``6 (P-1)/P``, rising towards 6 with P; Ulysses
+``2 (2H + 2KV') (P-1) / (KV P^2)``, falling as 1/P. Equal for the tiny model at SP 2 (3 each);
+at SP 4 ring sends 1.5x Ulysses' attention bytes (4.5 against 3).
 """
 
 from __future__ import annotations
@@ -35,3 +50,21 @@ def ulysses_floor(cfg: LlamaConfig, batch: int, seq: int, world: int,
     a2a = cfg.n_layers * 2 * per_layer_fwd * elem_bytes            # forward + backward
     grads = 2 * (p - 1) / p * num_params(cfg) * elem_bytes
     return {"all_to_all": a2a, "all_reduce": grads, "total": a2a + grads}
+
+
+def ring_floor(cfg: LlamaConfig, batch: int, seq: int, world: int,
+               elem_bytes: int = 4) -> dict[str, float]:
+    """Bytes sent per rank per training step by ring attention: ``send`` (k, v, dk, dv round
+    the ring), ``all_reduce`` and ``total``.
+
+    Example::
+
+        ring_floor(LlamaConfig.tiny(), 1, 4096, 4)["send"]   # 2 * 6 * 3 * 1024*2*16 * 4
+    """
+    p = world
+    if p == 1:
+        return {"send": 0.0, "all_reduce": 0.0, "total": 0.0}
+    block = batch * seq / p * cfg.n_kv_heads * cfg.head_dim * elem_bytes
+    send = cfg.n_layers * 6 * (p - 1) * block
+    grads = 2 * (p - 1) / p * num_params(cfg) * elem_bytes
+    return {"send": send, "all_reduce": grads, "total": send + grads}

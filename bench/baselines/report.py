@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .systems import BASELINE
+from .systems import BASELINE, FLOOR
 
 KIB, MIB = 1024.0, 1024.0 ** 2
 
@@ -47,7 +47,8 @@ def table(result: dict) -> str:
         comm = r["comm_bytes"]
         a2a, ar = comm.get("all_to_all", 0.0), comm.get("all_reduce", 0.0)
         other = r["comm_total"] - a2a - ar
-        x_floor = r["comm_total"] / floor["total"] if floor["total"] else None
+        own = result.get("ring_floor", floor) if FLOOR.get(r["system"]) == "ring" else floor
+        x_floor = r["comm_total"] / own["total"] if own["total"] else None
         out.append(
             f"{label} {r['median_step_s']:.3f} | {_fmt(ratio, '.2f')} | {r['first_step_s']:.2f} "
             f"| {_fmt(r.get('loss_rel_err'), '.1e', 'ref')} "
@@ -58,6 +59,11 @@ def table(result: dict) -> str:
     out.append(
         f"| analytic Ulysses floor | | | | | | | {floor['all_to_all'] / KIB:.1f} "
         f"| {floor['all_reduce'] / KIB:.1f} | 0.0 | {floor['total'] / KIB:.1f} | 1.00 | |")
+    ring = result.get("ring_floor")
+    if ring and any(FLOOR.get(r["system"]) == "ring" for r in rows):
+        out.append(
+            f"| analytic ring floor (other: send) | | | | | | | 0.0 | {ring['all_reduce'] / KIB:.1f} "
+            f"| {ring['send'] / KIB:.1f} | {ring['total'] / KIB:.1f} | 1.00 | |")
     return "\n".join(out)
 
 

@@ -88,6 +88,9 @@ HF_SYSTEMS = [
 # The hand-written baseline each system's time is divided by (same mode; AutoSP is compiled).
 BASELINE = {"eager": ("ulysses", "eager"), "compiled": ("ulysses", "compiled")}
 
+# The analytic floor (``analytic.py``) each system's bytes are read against; others: Ulysses.
+FLOOR = {"ring": "ring", "ring-zigzag": "ring", "spdsl-ring": "ring"}
+
 
 def select(names: list[str] | None, systems: list[System] = SYSTEMS) -> list[System]:
     """Systems by name (``ulysses``) or label (``ulysses-compiled``); all when ``names`` is None.

@@ -10,6 +10,9 @@ The hook this benchmark relies on (keep it compatible):
 ``torch.arange`` inside it) and the mean cross-entropy on pre-shifted labels; ``loss`` is a
 0-dim tensor holding the exact global mean. Until ``spdsl.sp_shard`` exists the system is
 reported as not available.
+
+``spdsl-ring``: the same call with ``attention="ring"`` (spdsl's ring attention instead of its
+all-to-alls); reported as not available while ``sp_shard`` does not take that keyword.
 """
 
 from __future__ import annotations
@@ -39,15 +42,28 @@ def _sp_shard():
 
 class SpdslTrainer(LossTrainer):
     def __init__(self, cfg: RunConfig, compiled: bool,
-                 remat: str | spdsl.Remat | None = None) -> None:
+                 remat: str | spdsl.Remat | None = None, attention: str | None = None) -> None:
         sp_shard = _sp_shard()
         self.llama = build_llama(cfg.model, cfg.seed)
         kwargs = {"compile": True} if compiled else {}
         if remat is not None:       # else spdsl's default ("auto")
             kwargs["remat"] = remat
-        self.fn = sp_shard(seq=cfg.world, **kwargs)(ShiftedLoss(self.llama))
+        if attention is not None:   # else spdsl's default (Ulysses all-to-alls)
+            kwargs["attention"] = attention
+        try:
+            shard = sp_shard(seq=cfg.world, **kwargs)
+        except TypeError as e:      # an spdsl that does not know the keyword yet
+            if attention is None or "attention" not in str(e):
+                raise
+            raise Unavailable(f"not available yet: spdsl.sp_shard does not take "
+                              f"attention={attention!r} ({e})") from None
+        self.fn = shard(ShiftedLoss(self.llama))
         self.opt = torch.optim.AdamW(self.llama.parameters(), lr=cfg.lr)
 
 
 def build(cfg: RunConfig, compiled: bool) -> SpdslTrainer:
     return SpdslTrainer(cfg, compiled)
+
+
+def build_ring(cfg: RunConfig, compiled: bool) -> SpdslTrainer:
+    return SpdslTrainer(cfg, compiled, attention="ring")

@@ -75,6 +75,8 @@ SYSTEMS = [
     System("ring-zigzag", "compiled", "ring", builder="build_zigzag"),
     System("spdsl", "eager", "spdsl_adapter"),
     System("spdsl", "compiled", "spdsl_adapter"),
+    System("spdsl-ring", "eager", "spdsl_adapter", builder="build_ring"),
+    System("spdsl-ring", "compiled", "spdsl_adapter", builder="build_ring"),
     System("autosp", "compiled", "autosp"),
 ]
 

@@ -88,3 +88,37 @@ def axis_size(m: DeviceMesh, axis: str) -> int:
                 f"spdsl.mesh({axis}=N)",
         )
     return m.size(names.index(axis))
+
+
+def factor_axis(m: DeviceMesh, axis: str, u: int) -> tuple:
+    """Axis ``axis`` of ``m`` as Ulysses groups of ``u`` consecutive ranks and rings across
+    them (hybrid attention, ``spdsl.lower.ring``): this rank's (Ulysses group name, rank in
+    it, ring group name, rank in it, ring size). Rank ``r`` of the axis is member ``r % u`` of
+    Ulysses group ``r // u`` and member ``r // u`` of ring ``r % u``. Creating a group takes
+    every rank of the job, so every rank builds all of them, in the same order.
+
+    Example::
+
+        mesh = spdsl.mesh(sp=8)
+        ugroup, urank, rgroup, rrank, rings = factor_axis(mesh, "sp", 4)   # 4 x 2
+    """
+    parts = axis_size(m, axis)
+    if u < 1 or parts % u:
+        raise ShardingError(rule="hybrid attention", value=f"U={u} over {axis}={parts}",
+                            detail="the Ulysses degree must divide the axis",
+                            fix=f"pick a divisor of {parts}")
+    dim = (m.mesh_dim_names or ()).index(axis)
+    ranks = m.mesh.movedim(dim, -1).reshape(-1, parts // u, u)      # [other axes, ring, U]
+    me = dist.get_rank()
+    found = [None, None]
+    for row in ranks:
+        for j, members in enumerate(row):            # the Ulysses groups: consecutive ranks
+            pg = dist.new_group(members.tolist())
+            if me in members.tolist():
+                found[0] = (pg.group_name, members.tolist().index(me))
+        for i, members in enumerate(row.t()):       # the rings: one member of each group
+            pg = dist.new_group(members.tolist())
+            if me in members.tolist():
+                found[1] = (pg.group_name, members.tolist().index(me))
+    (ug, ur), (rg, rr) = found
+    return ug, ur, rg, rr, parts // u

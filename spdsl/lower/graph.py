@@ -17,7 +17,7 @@ import torch
 
 from spdsl import collectives as C
 from spdsl._torch import tree_map
-from spdsl.lower import ops
+from spdsl.lower import ops, ring
 from spdsl.lower.factories import VAL as REPLICATED_VAL
 from spdsl.lower.factories import split_factories
 from spdsl.propagate.eager_attention import COMPUTE_DTYPE, OUT_DTYPE
@@ -34,6 +34,7 @@ from spdsl.propagate.placement import (
     chunk_bounds,
     local_shape,
 )
+from spdsl.propagate.rules.attention import CHOICE
 
 aten = torch.ops.aten
 
@@ -61,8 +62,9 @@ class DataAxis:
 
 class Lowering:
     def __init__(self, prop: Propagator, rank: int, group: str,
-                 data: DataAxis | None = None, state=None) -> None:
+                 data: DataAxis | None = None, state=None, factor=None) -> None:
         self.prop, self.parts, self.rank, self.group = prop, prop.parts, rank, group
+        self.factor = factor        # Ulysses degree U -> the axis' (Ulysses x ring) groups
         self.data = data if data is not None and data.parts > 1 else None
         self.state = state          # a pass over the local graph (spdsl.lower.state)
         self.graph = torch.fx.Graph()
@@ -307,6 +309,24 @@ class Lowering:
         if isinstance(val, torch.Tensor) and d is not None and isinstance(d.output, Replicate):
             self.env[node].meta[REPLICATED_VAL] = val
 
+    def _ring(self, node: torch.fx.Node, args) -> torch.fx.Node:
+        """Ring or hybrid attention (``spdsl.lower.ring``), as the node's choice says."""
+        choice = node.meta[CHOICE]
+        groups = _ring_groups(self.factor, choice.ulysses, self.parts, self.rank, self.group)
+        if node.target is torch.ops.spdsl.attention_fn.default:
+            q, k, v, leaves, program, _, is_causal, scale = args[:8]
+            out = self.graph.call_function(
+                ring.ring_attention_fn, (q, k, v, leaves, program, bool(is_causal), scale,
+                                         choice.ulysses, groups), _dtypes(node))
+        else:
+            a = list(args) + [None] * (8 - len(args))
+            q, k, v, mask, _, is_causal, scale = a[:7]
+            out = self.graph.call_function(
+                ring.ring_attention, (q, k, v, mask, bool(is_causal), scale, choice.ulysses,
+                                      groups), _dtypes(node))
+        out.meta[FORM] = form_of(node).name
+        return out
+
     def _node(self, node: torch.fx.Node) -> torch.fx.Node:
         if node.target is operator.getitem:
             return self.call(operator.getitem, self.env[node.args[0]], node.args[1])
@@ -346,6 +366,8 @@ class Lowering:
             return self.graph.call_function(target, (args[0], shape) + tuple(args[2:]), kwargs)
         if low == "constraint" or node.target is torch.ops.spdsl.constraint.default:
             return args[0]
+        if low in ("ring", "hybrid"):
+            return self._ring(node, args)
         if low == "ulysses" and node.target is torch.ops.spdsl.attention_fn.default:
             q, k, v, leaves, program, _, is_causal, scale = args[:8]
             out = self.graph.call_function(
@@ -400,6 +422,16 @@ class Lowering:
             out.meta[FORM] = form_of(node).name
             return out
         return self.graph.call_function(node.target, args, kwargs)
+
+
+def _ring_groups(factor, u: int, parts: int, rank: int, group: str) -> tuple:
+    """(Ulysses group, rank in it, ring group, rank in it, ring size) of ``rank`` when the
+    axis ``group`` of ``parts`` ranks runs Ulysses over ``u`` and a ring across."""
+    if u == 1:
+        return (None, 0, group, rank, parts)
+    if factor is None:
+        raise ValueError("hybrid attention needs the axis' subgroups (Lowering(factor=...))")
+    return factor(u)
 
 
 def _dtypes(node: torch.fx.Node) -> dict:
@@ -522,8 +554,9 @@ def _marker_on_input(graph: torch.fx.Graph, n: torch.fx.Node) -> torch.fx.Node |
 
 def lower(prop: Propagator, rank: int, group: str, out_placements: list[Placement],
           data: DataAxis | None = None, data_out: list[Placement] | None = None,
-          state=None) -> torch.fx.GraphModule:
+          state=None, factor=None) -> torch.fx.GraphModule:
     """The local graph of ``rank`` (``group``: the axis' process group name); ``data``: the
     data-parallel axis, if the batch is split too; ``state``: a pass that gathers sharded
-    parameters (``spdsl.lower.state``)."""
-    return Lowering(prop, rank, group, data, state).lower(out_placements, data_out)
+    parameters (``spdsl.lower.state``); ``factor``: Ulysses degree ``U`` -> the groups of a
+    hybrid attention (``spdsl.lower.ring``)."""
+    return Lowering(prop, rank, group, data, state, factor).lower(out_placements, data_out)

@@ -103,11 +103,13 @@ def _view_atoms(in_shape: tuple, atoms: tuple, out_shape: tuple) -> tuple:
 class Propagator:
     """Placements for every node of ``gm`` split over ``parts`` ranks of ``axis``.
     ``gathers``: what a sort, top-k, scan or FFT along the split dim does, which gathers the
-    whole value on every rank: None (nothing), ``"warn"`` or ``"error"`` (``strict=True``)."""
+    whole value on every rank: None (nothing), ``"warn"`` or ``"error"`` (``strict=True``).
+    ``attention``: how attention runs over the axis (``spdsl.propagate.attention_choice``)."""
 
     def __init__(self, gm: torch.fx.GraphModule, parts: int, axis: str,
-                 gathers: str | None = None) -> None:
+                 gathers: str | None = None, attention=None) -> None:
         self.gm, self.parts, self.axis, self.gathers = gm, parts, axis, gathers
+        self.attention = attention
         self.decisions: dict[torch.fx.Node, Decision] = {}
         self.constraints: dict[torch.fx.Node, tuple[Placement, torch.fx.Node]] = {}
 
@@ -164,7 +166,7 @@ class Propagator:
                 self._atoms(node, ins)
                 return
             self._unknown(node, ins, cur)
-        ctx = RuleCtx(node, ins, cur, self.parts)
+        ctx = RuleCtx(node, ins, cur, self.parts, self.attention)
         best, best_cost = None, INF
         candidates = list(rule(ctx))
         for s in candidates:

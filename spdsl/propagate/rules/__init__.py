@@ -35,6 +35,7 @@ class RuleCtx:
     inputs: list[torch.fx.Node]            # tensor inputs, flat order
     placements: list[Placement]
     parts: int                             # size of the mesh axis
+    attention: Any = None                  # the user's attention= (AttentionConfig)
 
     def meta(self, i: int):
         return self.inputs[i].meta["val"]

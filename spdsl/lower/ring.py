@@ -1,0 +1,73 @@
+"""Per-rank ring and hybrid (Ulysses x ring) attention: the lowerings of an attention node
+whose choice (``spdsl.propagate.attention_choice``) is ``ring`` or ``hybrid``.
+
+The axis' ``P`` ranks are ``R`` groups of ``U`` consecutive ranks (``P = U x R``; ring: ``U =
+1``). Rank ``r`` is member ``r % U`` of Ulysses group ``r // U`` and member ``r // U`` of ring
+``r % U``. Hybrid first exchanges q, k, v inside its Ulysses group (the group's ``U`` pieces of
+the sequence are consecutive: after the exchange each member holds ``H / U`` heads over the
+group's contiguous stretch of ``S / R`` positions), then runs the ring over the ``R`` groups
+(``spdsl.kernels.ring_attn``), then exchanges the output back.
+
+Masks: a mask program's leaves (``spdsl.propagate.masks``) and a dense mask given to SDPA are
+replicated, global: the ring kernel cuts them at each step's global rows and columns (a dense
+mask is the program that returns its one leaf); per-head ones are cut to the rank's heads
+after the Ulysses exchange.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from spdsl.collectives import all_to_all
+from spdsl.kernels import ring_attn as _ring_attn  # noqa: F401  (spdsl::ring_attn)
+from spdsl.kernels.masked_attn import register_mask_program
+from spdsl.lower.ops import _HEADS, _SEQ, _to_heads
+
+
+def _dense(mask: torch.Tensor) -> torch.Tensor:
+    return mask
+
+
+_DENSE = register_mask_program(_dense, "dense")
+
+
+def ring_attention_fn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, leaves: list,
+                      program: str, is_causal: bool, scale: float | None, ulysses: int,
+                      groups: tuple, compute_dtype: torch.dtype | None = None,
+                      out_dtype: torch.dtype | None = None,
+                      layout: str = "contiguous") -> torch.Tensor:
+    """Local ``[B, H, S/P, D]`` q, k, v -> attention over the whole sequence, local
+    ``[B, H, S/P, D]`` output. ``groups``: ``(ulysses group, rank in it, ring group, rank in
+    it, ring size)`` (process group names)."""
+    ugroup, urank, rgroup, rrank, ring = groups
+    hq = q.shape[1]
+    if ulysses > 1:
+        q, k, v = _to_heads(q, k, v, ulysses, ugroup)
+        n = hq // ulysses
+        leaves = [t.narrow(1, urank * n, n) if t.shape[1] == hq and hq > 1 else t
+                  for t in leaves]
+    if compute_dtype is not None:
+        q, k, v = (t.to(compute_dtype) for t in (q, k, v))
+    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    o, _ = torch.ops.spdsl.ring_attn(q, k, v, list(leaves), program, bool(is_causal), scale,
+                                     layout, ring, rrank, rgroup)
+    if out_dtype is not None:
+        o = o.to(out_dtype)
+    return all_to_all(o, _HEADS, _SEQ, ulysses, ugroup) if ulysses > 1 else o
+
+
+def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                   mask: torch.Tensor | None, is_causal: bool, scale: float | None,
+                   ulysses: int, groups: tuple, compute_dtype: torch.dtype | None = None,
+                   out_dtype: torch.dtype | None = None, written_out: bool = False,
+                   kernel: bool = False, layout: str = "contiguous") -> torch.Tensor:
+    """``ring_attention_fn`` for SDPA's arguments: a dense mask (replicated, global) is the
+    one leaf of the program that returns it. ``written_out``/``kernel`` (how a Ulysses rank
+    would compute its heads) do not apply: every ring step runs the block kernel."""
+    leaves, program = [], ""
+    if mask is not None:
+        while mask.dim() < 4:
+            mask = mask.unsqueeze(0)
+        leaves, program = [mask], _DENSE
+    return ring_attention_fn(q, k, v, leaves, program, is_causal, scale, ulysses, groups,
+                             compute_dtype, out_dtype, layout)

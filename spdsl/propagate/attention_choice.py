@@ -1,0 +1,175 @@
+"""How sequence-parallel attention runs, per attention node: Ulysses, ring or both.
+
+- **Ulysses** (degree ``U = P``): one all-to-all turns the sequence split into a head split;
+  each rank attends its ``H / P`` heads over the whole sequence. Bounded by the heads: the
+  query heads must split over ``P`` ranks, the kv heads split or repeat to ``P``.
+- **Ring** (``R = P``): k/v pieces pass around the ranks and partial softmaxes merge
+  (``spdsl.kernels.ring_attn``); no bound on the degree, kv heads move unrepeated, the
+  transfers overlap the block computation; causal work is unbalanced over the ranks unless the
+  pieces are zigzagged.
+- **Hybrid** (``P = U x R``): Ulysses inside groups of ``U`` consecutive ranks (one node's fast
+  links), a ring of ``R`` such groups across them, as USP (yunchang) factors its group.
+
+The engine picks per node, by a cost model with its assumptions in :class:`Links`: the time
+of the exchanges that nothing hides (an all-to-all is waited on before attention starts; a
+ring step's transfer hides behind the step's compute unless it is longer) plus the attention
+compute of the busiest rank (a contiguous causal ring's last rank does ``2R / (R + 1)`` times
+the average). Candidates are the Ulysses degrees ``U`` dividing ``P`` for which the heads work;
+ties go to the larger ``U``. A user forces a kind with ``attention="ulysses" | "ring" |
+"hybrid"`` (and the Ulysses degree with ``("hybrid", U)``) on ``sp_shard``/``shard``; the plan
+prints the choice and the figures behind it.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+KINDS = ("auto", "ulysses", "ring", "hybrid")
+
+
+@dataclass(frozen=True)
+class Links:
+    """What the cost model assumes of the machine. Defaults by device: CUDA, an H100/H200
+    node (NVLink ~150 GB/s per direction and GPU achieved on all-to-all, ~25 GB/s per GPU
+    across nodes on 200 Gb/s InfiniBand, ~300 TFLOP/s achieved by flash attention in bf16);
+    CPU, gloo over loopback (~2 GB/s, ~20 GFLOP/s per rank on two cores). ``node_ranks``: ranks
+    that share the fast links (``LOCAL_WORLD_SIZE`` under torchrun)."""
+
+    intra_bytes_per_s: float
+    inter_bytes_per_s: float
+    flops_per_s: float
+    latency_s: float
+    node_ranks: int
+
+    @classmethod
+    def default(cls, device: str = "cpu") -> Links:
+        node = int(os.environ.get("LOCAL_WORLD_SIZE", "0")) or 8
+        if device == "cuda":
+            return cls(150e9, 25e9, 300e12, 10e-6, node)
+        return cls(2e9, 2e9, 20e9, 50e-6, node)
+
+
+@dataclass(frozen=True)
+class AttentionConfig:
+    """The user's say: ``kind`` one of :data:`KINDS`; ``ulysses``: the Ulysses degree of a
+    forced hybrid."""
+
+    kind: str = "auto"
+    ulysses: int | None = None
+    links: Links | None = None
+
+    @classmethod
+    def of(cls, value) -> AttentionConfig:
+        from spdsl.errors import ShardingError
+        if isinstance(value, AttentionConfig):
+            return value
+        if value is None:
+            return cls()
+        if isinstance(value, tuple) and len(value) == 2 and value[0] == "hybrid" and \
+                isinstance(value[1], int) and value[1] >= 1:
+            return cls("hybrid", value[1])
+        if isinstance(value, str) and value in KINDS:
+            return cls(value)
+        raise ShardingError(
+            rule="attention option", value=repr(value),
+            detail="attention= names how sequence-parallel attention runs",
+            fix='use "auto" (default), "ulysses", "ring", "hybrid" or ("hybrid", U) with U '
+                "the Ulysses degree")
+
+
+@dataclass(frozen=True)
+class Choice:
+    """How one attention node runs: Ulysses over ``ulysses`` ranks, then a ring over
+    ``ring`` groups (``ulysses * ring = P``)."""
+
+    kind: str                   # ulysses | ring | hybrid
+    ulysses: int
+    ring: int
+    why: str
+    costs: dict = field(default_factory=dict, compare=False)   # kind label -> seconds
+
+    @property
+    def label(self) -> str:
+        if self.kind == "hybrid":
+            return f"hybrid {self.ulysses}x{self.ring} (ulysses x ring)"
+        return self.kind
+
+
+def heads_fit(hq: int, hk: int, u: int, unrepeated: bool = False) -> bool:
+    """Ulysses over ``u`` ranks works for these heads: the query heads split, the kv heads
+    split or repeat to ``u`` (or were written repeated by the program)."""
+    return hq % u == 0 and (hk % u == 0 or u % hk == 0 or unrepeated)
+
+
+def _a2a_seconds(elements_per_rank: float, u: int, itemsize: int, links: Links) -> float:
+    if u == 1:
+        return 0.0
+    bw = links.intra_bytes_per_s if u <= links.node_ranks else links.inter_bytes_per_s
+    return elements_per_rank * itemsize * (u - 1) / u / bw + links.latency_s
+
+
+def cost(b: int, hq: int, hk: int, s: int, d: int, itemsize: int, parts: int, u: int,
+         causal: bool, links: Links) -> float:
+    """Seconds of one forward and backward of one attention node at Ulysses degree ``u``
+    (ring over ``parts / u``): the exchanges nothing hides, and the busiest rank's compute."""
+    r = parts // u
+    rep = 1 if hk % u == 0 else max(1, u // hk)
+    # Ulysses: q, k, v in and o out, forward; their gradients back in backward
+    per_rank = b * s // parts * d * (2 * hq + 2 * hk * rep)
+    t = 2 * _a2a_seconds(per_rank, u, itemsize, links)
+    flops = 4 * b * hq * s * s * d * (0.5 if causal else 1.0) * 3.5 / parts   # fwd + bwd
+    busiest = 2 * r / (r + 1) if causal and r > 1 else 1.0
+    compute = flops * busiest / links.flops_per_s
+    if r > 1:
+        kv_heads = max(1, hk // u) if hk % u == 0 else 1
+        piece = b * (s // parts) * kv_heads * d * 2 * itemsize       # k and v of one step
+        bw = links.intra_bytes_per_s if parts <= links.node_ranks else links.inter_bytes_per_s
+        step_comm = piece / bw + links.latency_s
+        step_compute = compute / r
+        # forward: k/v; backward: k/v and the fp32 dk/dv (twice k/v at 2-byte dtypes)
+        exposed = (r - 1) * max(0.0, step_comm - step_compute / 3.5) + \
+            (r - 1) * max(0.0, step_comm * (1 + 4 / itemsize) - step_compute * 2.5 / 3.5)
+        t += exposed
+    return t + compute
+
+
+def choose(config: AttentionConfig, b: int, hq: int, hk: int, s: int, d: int, itemsize: int,
+           parts: int, causal: bool, unrepeated: bool = False,
+           links: Links | None = None) -> Choice | str:
+    """The choice for one node, or a string saying why none works (the caller's error)."""
+    links = config.links or links or Links.default()
+    degrees = [u for u in range(1, parts + 1) if parts % u == 0 and
+               heads_fit(hq, hk, u, unrepeated)]
+    costs = {u: cost(b, hq, hk, s, d, itemsize, parts, u, causal, links) for u in degrees}
+
+    def made(u: int, why: str) -> Choice:
+        kind = "ulysses" if u == parts else "ring" if u == 1 else "hybrid"
+        labels = {("ulysses" if v == parts else "ring" if v == 1 else f"hybrid {v}x{parts // v}"):
+                  c for v, c in costs.items()}
+        return Choice(kind, u, parts // u, why, labels)
+
+    if config.kind == "ulysses":
+        if parts not in degrees:
+            return "ulysses"
+        return made(parts, "asked for")
+    if config.kind == "ring":
+        return made(1, "asked for")
+    if config.kind == "hybrid":
+        u = config.ulysses
+        if u is not None:
+            if parts % u or u not in degrees:
+                return f"hybrid {u}"
+            return made(u, "asked for")
+        inner = [v for v in degrees if 1 < v < parts] or [v for v in degrees if v < parts]
+        u = min(inner, key=lambda v: (costs[v], -v))
+        return made(u, "asked for; Ulysses degree by cost")
+    u = min(degrees, key=lambda v: (costs[v], -v))
+    if u == parts:
+        why = "the heads split over every rank; the cheapest by the cost model"
+    elif parts not in degrees:
+        why = f"{hq} query / {hk} kv heads do not split over {parts} ranks; the cheapest " \
+              "that works by the cost model"
+    else:
+        why = "the cheapest by the cost model"
+    return made(u, why)

@@ -21,7 +21,7 @@ What a user writes by hand for ring sequence parallelism:
   all-reduced once after the forward, the local sum over the global count backpropagated, one
   flat gradient all-reduce.
 
-Layouts (causal), rank r of P, ``c`` = the rank's share:
+Layouts (causal), rank r of P:
 
 - ``contiguous``: rank r holds tokens ``[r*S/P, (r+1)*S/P)``. At step s it holds the k/v block
   of rank ``r - s``: its own block (step 0) causal, an earlier rank's in full, a later rank's
@@ -33,8 +33,8 @@ Layouts (causal), rank r of P, ``c`` = the rank's share:
   chunk's queries against the whole block. Every step costs every rank half a block:
   balanced.
 
-Every system's k/v hop count is the same ring, so the bytes per rank per step are
-``analytic.ring_floor`` in both layouts (a causal ring could skip the blocks a rank never
+Both layouts pass every block round the whole ring, so the bytes per rank per step are
+``analytic.ring_floor`` in both (a causal ring could skip the blocks a rank never
 reads; ring-flash-attn does not, nor does this baseline).
 
 ``compiled``: the two ring passes are ``torch.library`` custom ops (``bench_ring::attention``

@@ -392,6 +392,8 @@ class Sharded:
             add_mesh_collectives(plan, gm, dprop, requires, data_out, sharded, reduced,
                                  self._regathered(phs, sharded))
         plan._memory = functools.cache(functools.partial(_plan_memory, self, args, kwargs))
+        from spdsl.inspect.program import attach
+        attach(plan, self, args, kwargs)     # plan.collectives: the calls the program runs
         entry = _Compiled(traced, prop, [p for p, _ in placements], outs, plan,
                           state_requires=tuple(t.requires_grad for t in traced.state),
                           data=dprop, data_in=data_in, data_out=data_out, sharded=sharded)

@@ -107,18 +107,6 @@ def factor_axis(m: DeviceMesh, axis: str, u: int) -> tuple:
         raise ShardingError(rule="hybrid attention", value=f"U={u} over {axis}={parts}",
                             detail="the Ulysses degree must divide the axis",
                             fix=f"pick a divisor of {parts}")
+    from spdsl.lower.ring import factor_ranks
     dim = (m.mesh_dim_names or ()).index(axis)
-    ranks = m.mesh.movedim(dim, -1).reshape(-1, parts // u, u)      # [other axes, ring, U]
-    me = dist.get_rank()
-    found = [None, None]
-    for row in ranks:
-        for j, members in enumerate(row):            # the Ulysses groups: consecutive ranks
-            pg = dist.new_group(members.tolist())
-            if me in members.tolist():
-                found[0] = (pg.group_name, members.tolist().index(me))
-        for i, members in enumerate(row.t()):       # the rings: one member of each group
-            pg = dist.new_group(members.tolist())
-            if me in members.tolist():
-                found[1] = (pg.group_name, members.tolist().index(me))
-    (ug, ur), (rg, rr) = found
-    return ug, ur, rg, rr, parts // u
+    return factor_ranks(m.mesh.movedim(dim, -1).reshape(-1, parts), u)

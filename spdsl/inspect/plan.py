@@ -31,8 +31,10 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class Collective:
-    """One collective per rank per step: ``bytes`` is the local buffer it moves in forward,
-    ``bytes_bwd`` in backward (0: none there)."""
+    """One collective call per rank per step: ``bytes`` is the local buffer it moves in
+    forward, ``bytes_bwd`` in backward (0: none there). ``recomputed``: a forward collective
+    that remat runs again in backward (listed with backward bytes only); ``carries``: the
+    parameters whose gradients a gradient bucket reduces together."""
 
     kind: str            # all_to_all | all_reduce | all_gather | reduce_scatter | halo_exchange
     axis: str
@@ -43,6 +45,8 @@ class Collective:
     source: str
     module: str
     node: str
+    recomputed: bool = False
+    carries: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -168,6 +172,26 @@ class ShardingPlan:
     def __str__(self) -> str:
         from spdsl.inspect.text import render
         return render(self)
+
+
+class _Collectives:
+    """``ShardingPlan.collectives``: where the plan knows its program (``_program``, set by
+    ``spdsl.plan``), the calls that program runs, read off it when first asked
+    (``spdsl.inspect.program``); else the list given (propagation's, or JSON's)."""
+
+    def __get__(self, plan, owner=None):
+        if plan is None:
+            return self
+        thunk = plan.__dict__.pop("_program", None)
+        if thunk is not None:
+            plan.__dict__["_collectives"] = thunk(plan)
+        return plan.__dict__["_collectives"]
+
+    def __set__(self, plan, value) -> None:
+        plan.__dict__["_collectives"] = value
+
+
+ShardingPlan.collectives = _Collectives()     # after @dataclass: its __init__ sets through it
 
 
 def render(plan: ShardingPlan) -> str:

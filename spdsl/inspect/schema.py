@@ -32,7 +32,8 @@ def _value(v: Value) -> dict[str, Any]:
 def _collective(c: Collective) -> dict[str, Any]:
     return {"kind": c.kind, "axis": c.axis, "bytes": c.bytes, "bytes_bwd": c.bytes_bwd,
             "purpose": c.purpose, "values": list(c.values), "source": c.source,
-            "module": c.module, "node": c.node}
+            "module": c.module, "node": c.node, "recomputed": c.recomputed,
+            "carries": list(c.carries)}
 
 
 def to_dict(plan: ShardingPlan) -> dict[str, Any]:
@@ -91,7 +92,8 @@ def from_json(text: str) -> ShardingPlan:
                     tuple((m["input"], m["from"], m["to"]) for m in v["moves"]),
                     v["alternatives"]) for v in d["values"]]
     colls = [Collective(c["kind"], c["axis"], c["bytes"], c["bytes_bwd"], c["purpose"],
-                        tuple(c["values"]), c["source"], c["module"], c["node"])
+                        tuple(c["values"]), c["source"], c["module"], c["node"],
+                        c.get("recomputed", False), tuple(c.get("carries", ())))
              for c in d["collectives"]]
     att = [Attention(a["name"], a["kind"], a["module"], a["source"], a["floor_fwd"],
                      a.get("mask", ""))

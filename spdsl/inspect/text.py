@@ -47,7 +47,8 @@ def _line(name: str, value: str, rule: str, fwd: str, bwd: str, grads: str, tail
 
 def _detail(c: Collective, indent: int) -> str:
     pad = " " * (2 + indent)
-    return (f"{pad}> {c.kind} {c.purpose}  {fmt_bytes(c.bytes)} fwd / {fmt_bytes(c.bytes_bwd)} "
+    kind = f"{c.kind} {c.purpose}" + (" recomputed" if c.recomputed else "")
+    return (f"{pad}> {kind}  {fmt_bytes(c.bytes)} fwd / {fmt_bytes(c.bytes_bwd)} "
             f"bwd  {', '.join(c.values)}  {c.source}").rstrip()
 
 

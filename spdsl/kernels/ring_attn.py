@@ -172,13 +172,18 @@ def _backward(dout, q, k, v, out, stats, leaves, program_key, causal, scale, lay
             dk = dk.view(b, hk, h // hk, s_k, d).sum(2)
             dvv = dvv.view(b, hk, h // hk, s_k, dv).sum(2)
         mine = _pack(dk, dvv)
-        if grads is not None:            # the piece's gradient from the ranks before
-            mine += grads.wait()
-        # one rank behind its piece: after the last step it reaches the piece's owner
-        grads = ring.shift(mine, _DKV_TAG) if ring is not None else _Pending((), mine)
+        if t == 0:
+            own = mine                   # the rank's own piece: added when the rest arrives
+        else:
+            if grads is not None:        # the piece's gradient from the ranks before
+                mine += grads.wait()
+            # one rank behind its piece: after the last step it reaches the piece's owner
+            grads = ring.shift(mine, _DKV_TAG)
         if nxt is not None:
             kv = nxt.wait()
-    dk, dvv = _unpack(grads.wait(), (b, hk, s_k, d), (b, hk, s_k, dv))
+    if grads is not None:
+        own += grads.wait()
+    dk, dvv = _unpack(own, (b, hk, s_k, d), (b, hk, s_k, dv))
     # dk and dv are views of one received buffer: copies, so the op's outputs do not alias
     return dq.to(q.dtype), dk.to(k.dtype, copy=True), dvv.to(v.dtype, copy=True)
 

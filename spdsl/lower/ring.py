@@ -17,6 +17,7 @@ after the Ulysses exchange.
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
 from spdsl.collectives import all_to_all
 from spdsl.kernels import ring_attn as _ring_attn  # noqa: F401  (spdsl::ring_attn)
@@ -71,3 +72,21 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         leaves, program = [mask], _DENSE
     return ring_attention_fn(q, k, v, leaves, program, is_causal, scale, ulysses, groups,
                              compute_dtype, out_dtype, layout)
+
+
+def factor_ranks(ranks: torch.Tensor, u: int) -> tuple:
+    """Rows of ``ranks`` (``[groups, P]``, global ranks: the sequence axis' groups) as Ulysses
+    groups of ``u`` consecutive members and rings across them: this rank's (Ulysses group
+    name, rank in it, ring group name, rank in it, ring size). Creating a group takes every
+    rank of the job, so every rank creates all of them, in the same order."""
+    parts = ranks.shape[-1]
+    me = dist.get_rank()
+    found = [None, None]
+    for row in ranks.reshape(-1, parts // u, u):           # [ring, U]
+        for kind, members in [(0, g) for g in row] + [(1, g) for g in row.t()]:
+            members = members.tolist()
+            pg = dist.new_group(members)
+            if me in members:
+                found[kind] = (pg.group_name, members.index(me))
+    (ug, ur), (rg, rr) = found
+    return ug, ur, rg, rr, parts // u

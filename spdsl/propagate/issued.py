@@ -71,6 +71,8 @@ def issued(prop, node: torch.fx.Node, lowering: str | None,
                        (prop.typed(ins[0]),) + tuple(prop.typed(ins[j]) + kv_note
                                                      for j in (1, 2))),
                 Issued("all_to_all", o, o, "ulysses", (prop.typed(node, 0),)))
+    if lowering in ("ring", "hybrid"):
+        return _ring(prop, node, ins)
     if lowering == "nll_mean":
         x = ins[0].meta["val"]
         return (Issued("all_reduce", 2 * x.element_size(), 0, "loss",
@@ -82,3 +84,34 @@ def issued(prop, node: torch.fx.Node, lowering: str | None,
         return (Issued("halo_exchange", sent, sent, "halo", (prop.typed(ins[0]),)),) \
             if sent else ()
     return ()
+
+
+def _ring(prop, node: torch.fx.Node, ins: list[torch.fx.Node]) -> tuple[Issued, ...]:
+    """Ring (and hybrid) attention (``spdsl.lower.ring``): Ulysses' two all-to-alls inside
+    groups of ``U`` ranks (hybrid), then ``R - 1`` ring steps, each a send of the k/v piece
+    to the next rank and a receive from the previous one (forward and backward, where the
+    fp32 dk/dv accumulator of a piece follows it in ``R - 1`` hops to its owner)."""
+    from spdsl.propagate.rules.attention import CHOICE
+    choice = node.meta[CHOICE]
+    u, r, P = choice.ulysses, choice.ring, prop.parts
+    q, k, v = (ins[j].meta["val"] for j in range(3))
+    out: list[Issued] = []
+    kv_note = ""
+    rep = 1
+    if u > 1:
+        rep = kv_repeat(q.shape[1], k.shape[1], u)
+        qkv = (_nbytes(q) + (_nbytes(k) + _nbytes(v)) * rep) // P
+        kv_note = f" repeated x{rep}" if rep > 1 else ""
+        o = _nbytes(node.meta["val"]) // P
+        out.append(Issued("all_to_all", qkv, qkv, "ulysses",
+                          (prop.typed(ins[0]),) + tuple(prop.typed(ins[j]) + kv_note
+                                                        for j in (1, 2))))
+    # a ring member holds k, v for H_kv / U heads (repeated to 1 where fewer) over S / R
+    piece = (_nbytes(k) + _nbytes(v)) * rep // P
+    grad_piece = (k.numel() + v.numel()) * rep // P * max(4, k.element_size())
+    what = tuple(prop.typed(ins[j]) + kv_note for j in (1, 2))
+    out += [Issued("send_recv", piece, piece + grad_piece, "ring", what)
+            for _ in range(r - 1)]
+    if u > 1:
+        out.append(Issued("all_to_all", o, o, "ulysses", (prop.typed(node, 0),)))
+    return tuple(out)

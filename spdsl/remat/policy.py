@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 from torch.utils.checkpoint import CheckpointPolicy
 
+import spdsl.kernels.ring_attn  # noqa: F401  (defines spdsl::ring_attn)
 from spdsl._torch import tree_flatten
 from spdsl.propagate.forms import is_attention_op
 
@@ -31,6 +32,10 @@ MATMUL_OPS = {aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbm
 # below this many FLOPs per saved byte an op is cheaper to recompute than to keep
 MIN_FLOPS_PER_BYTE = 8.0
 
+# spdsl ops that exchange data between ranks inside: recomputing one in backward would run its
+# transfers again (ring attention passes k/v around every rank)
+COMMUNICATING_OPS = {torch.ops.spdsl.ring_attn.default}
+
 _IN_TILE = [0]   # >0 while a tiled region runs its chunks: those outputs are transient
 
 
@@ -38,7 +43,7 @@ def kind_of(func) -> str:
     """``collective`` | ``parameter`` | ``attention`` | ``matmul`` | ``cheap`` for an op
     overload."""
     ns = getattr(func, "namespace", "")
-    if ns in COLLECTIVE_NAMESPACES:
+    if ns in COLLECTIVE_NAMESPACES or func in COMMUNICATING_OPS:
         return "collective"
     if ns == "spdsl" and func.name().startswith("spdsl::gather_param"):
         return "parameter"     # a sharded parameter's gather: run again in backward (ZeRO-3)

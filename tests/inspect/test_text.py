@@ -23,9 +23,12 @@ def test_rows_show_module_outputs_and_collectives(tiny_plan):
     text = str(tiny_plan)
     assert "layers.0-1 (x2)" in text
     row = next(line for line in text.splitlines() if line.strip().startswith("wq "))
-    assert "f32[2,64@sp,64]" in row and "16.0 KiB" in row          # its gradient all-reduce
+    assert "f32[2,64@sp,64]" in row
+    # the gradients are reduced in one bucket for the whole model, not per layer
+    assert "16.0 KiB" not in row
     assert "> all_to_all ulysses  24.0 KiB fwd / 24.0 KiB bwd  f32[2,4,64@sp,16]" in text
-    assert "> halo_exchange halo  16 B fwd" in text and "> all_reduce loss  8 B fwd" in text
+    # the labels' shift: rank 0 hands its 15 kept rows of 2 x 16 int64 labels to the exchange
+    assert "> halo_exchange halo  240 B fwd" in text and "> all_reduce loss  8 B fwd" in text
     assert "input   i64[2,64@sp]" in text and "in_specs[0]" in text
     assert "output  f32[]" in text and "loss.nll.global_mean" in text
 
@@ -33,9 +36,10 @@ def test_rows_show_module_outputs_and_collectives(tiny_plan):
 def test_totals_beside_the_floor(tiny_plan):
     t = tiny_plan.totals
     assert t.floor_fwd == 2 * 32 * 1024 and t.floor_bwd == t.floor_fwd
-    assert t.bytes_fwd == t.floor_fwd + 24            # + labels' halo and the loss' sum/count
-    assert t.grad_bwd == sum(c.bytes_bwd for c in tiny_plan.collectives
-                             if c.purpose == "gradient")
+    assert t.bytes_fwd == t.floor_fwd + 240 + 8      # + labels' halo and the loss' sum/count
+    grads = [c for c in tiny_plan.collectives if c.purpose == "gradient"]
+    assert len(grads) == 1 and t.grad_bwd == grads[0].bytes_bwd      # one bucket
+    assert len(grads[0].carries) == 21 and grads[0].carries[0] == "lm_head.weight"
     last = str(tiny_plan).splitlines()[-1]
     assert "Ulysses floor" in last and "1.00x forward, 1.00x backward" in last
 

@@ -1,0 +1,229 @@
+"""The plan's collectives read off the program a rank runs: one entry per collective call.
+
+Propagation decides placements; the lowering, the gradient buckets and remat decide which
+calls run. So the plan's list comes from the final local program (lowered, kernels swapped,
+remat applied: what ``compile=True`` hands to ``torch.compile`` too), each call node described
+by ``spdsl.lower.calls``:
+
+- a gradient bucket is one entry, naming the parameters it carries (``carries``);
+- a collective inside a layer that remat recomputes in backward (all-to-alls under
+  ``Remat(recompute_collectives=True)``, parameter gathers of sharded state under
+  ``auto``/``full``) gets a second entry, backward only, ``recomputed=True``;
+- halo exchanges carry this rank's buffer (the rows it keeps go through the exchange too).
+
+What runs outside the program is added from propagation: the backward gather of a split
+input's gradient (``Sharded._split_input``). Bytes are those of the rank the program was
+lowered for (``spdsl.plan`` outside a job: rank 0; inside one: the calling rank).
+
+Example::
+
+    plan = spdsl.plan(spdsl.sp_shard(seq=2, remat="full")(model), ids, ids)
+    [(c.kind, c.purpose, c.recomputed) for c in plan.collectives]
+"""
+
+from __future__ import annotations
+
+import operator
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from spdsl.inspect.plan import Collective, ShardingPlan
+from spdsl.lower.calls import Call, describe
+from spdsl.propagate.source import source_of
+
+_GATHER_PARAM = torch.ops.spdsl.gather_param.default
+
+
+def program_calls(gm: torch.nn.Module) -> list[tuple[torch.fx.Node, Call, bool]]:
+    """``(call node, collective, recomputed)`` for every collective ``gm`` runs in one step,
+    in program order; shapes must be filled (``fill_shapes``, or remat's own annotation)."""
+    out: list[tuple[torch.fx.Node, Call, bool]] = []
+    _walk(gm.__dict__.get("gm", gm), None, None, out)       # CompiledLocal: its graph
+    return out
+
+
+def _floating(n: torch.fx.Node) -> bool:
+    v = n.meta.get("val")
+    vs = v if isinstance(v, (tuple, list)) else (v,)
+    ts = [x for x in vs if isinstance(x, torch.Tensor)]
+    return any(x.is_floating_point() for x in ts) if ts else v is None
+
+
+def _walk(gm: torch.nn.Module, in_grads: list[bool] | None, region, out: list) -> Any:
+    """Walk ``gm``'s graph; ``region``: the ``Checkpointed`` layer it runs in, if any.
+    Returns whether each output needs a gradient."""
+    from spdsl.remat.segments import Checkpointed
+
+    grad: dict[torch.fx.Node, Any] = {}
+
+    def needs(x: Any) -> bool:
+        g = grad.get(x, False) if isinstance(x, torch.fx.Node) else False
+        return any(g) if isinstance(g, (list, tuple)) else bool(g)
+
+    ins = iter(in_grads or ())
+    for n in gm.graph.nodes:
+        if n.op == "placeholder":
+            grad[n] = next(ins, False) if in_grads is not None else \
+                bool(n.meta.get("spdsl_requires_grad")) and _floating(n)
+        elif n.op == "call_module":
+            sub = gm.get_submodule(n.target)
+            inner, where = (sub.inner, sub) if isinstance(sub, Checkpointed) else (sub, region)
+            args = [needs(a) for a in n.args if isinstance(a, torch.fx.Node)]
+            if isinstance(inner, torch.fx.GraphModule):
+                grad[n] = _walk(inner, args, where, out)
+            else:                               # a tiled MLP: no collectives inside
+                grad[n] = any(args)
+        elif n.op == "call_function":
+            if n.target is operator.getitem and isinstance(grad.get(n.args[0]), (list, tuple)):
+                grad[n] = bool(grad[n.args[0]][n.args[1]])
+            else:
+                grad[n] = _floating(n) and n.target is not torch.ops.aten.detach.default and \
+                    any(needs(a) for a in n.all_input_nodes)
+            for c in describe(n, needs):
+                out.append((n, c, False))
+                if c.bytes and _recomputed(region, n):
+                    out.append((n, Call(c.kind, c.group, 0, c.bytes, c.purpose, c.values),
+                                True))
+        elif n.op == "output":
+            res = n.args[0]
+            return [needs(a) for a in res] if isinstance(res, (tuple, list)) else needs(res)
+    return False
+
+
+def _recomputed(region, n: torch.fx.Node) -> bool:
+    """Whether the checkpointed layer ``region`` runs ``n``'s forward collective again in
+    backward: its SAC policy (``spdsl.remat.policy``) saves collective outputs unless told
+    not to, and always recomputes parameter gathers."""
+    if region is None:
+        return False
+    policy = region.policy
+    return n.target is _GATHER_PARAM or policy is None or not policy.save_collectives
+
+
+def collectives_of(gm: torch.nn.Module, plan: ShardingPlan, axes: dict[str, str]
+                   ) -> list[Collective]:
+    """``gm``'s calls as the plan lists them: ``axes`` names each process group's axis;
+    values print as the typed shapes of ``plan``'s global values they are pieces of."""
+    typed = {v.name: v for v in plan.values}
+    outputs = _output_args(gm.__dict__.get("gm", gm))
+    colls = [c for c in plan.collectives if c.purpose == "input"]     # outside the program
+    for n, c, again in program_calls(gm):
+        axis = axes.get(c.group, c.group)
+        origin = n.meta.get("spdsl_origin") or ""
+        at = n
+        purpose = c.purpose
+        if not origin and n in outputs:     # an output's redistribution to its out_spec
+            at = n.args[0] if isinstance(n.args[0], torch.fx.Node) else n
+            origin = _origin(at)
+            val = n.meta.get("val")
+            purpose = "loss" if c.kind == "all_reduce" and isinstance(val, torch.Tensor) and \
+                val.dim() == 0 else "output"
+        values = tuple(_typed(v, typed, axis) for v in c.values)
+        params = c.purpose == "gradient" and all(
+            isinstance(v, torch.fx.Node) and v.op == "placeholder" for v in c.values)
+        carries = tuple(_param(v, typed) for v in c.values) if params else ()
+        colls.append(Collective(c.kind, axis, c.bytes, c.bytes_bwd, purpose, values,
+                                source_of(at), at.meta.get("spdsl_module", ""),
+                                origin or n.name, recomputed=again, carries=carries))
+    return colls
+
+
+def _output_args(gm: torch.fx.GraphModule) -> set[torch.fx.Node]:
+    out = next(n for n in gm.graph.nodes if n.op == "output")
+    res = out.args[0] if isinstance(out.args[0], (tuple, list)) else (out.args[0],)
+    return {a for a in res if isinstance(a, torch.fx.Node)}
+
+
+def _origin(n: torch.fx.Node) -> str:
+    return n.meta.get("spdsl_origin") or (n.name if n.op == "placeholder" else "")
+
+
+def _typed(v: Any, typed: dict, axis: str) -> str:
+    if isinstance(v, str):
+        return v.format(axis=axis)
+    val = typed.get(_origin(v)) if isinstance(v, torch.fx.Node) else None
+    if val is not None:
+        return val.typed
+    t = v.meta.get("val") if isinstance(v, torch.fx.Node) else None
+    if isinstance(t, torch.Tensor):       # no global value of its own: its local shape
+        from spdsl.propagate.placement import dtype_name
+        return f"{dtype_name(t.dtype)}[{','.join(map(str, t.shape))}]"
+    return str(v)
+
+
+def _param(v: torch.fx.Node, typed: dict) -> str:
+    val = typed.get(v.name)
+    return val.origin.removeprefix("parameter ") if val is not None else v.name
+
+
+def program_for_plan(fn, entry, args: tuple, kwargs: dict,
+                     describe_with: Callable[[torch.nn.Module, dict], list[Collective]]
+                     ) -> list[Collective]:
+    """Build the local program of ``fn(*args, **kwargs)`` the way a step does (lower, swap
+    kernels, apply remat; ``spdsl.memory.planner`` builds the same for its simulation) and
+    describe it with ``describe_with(program, axes)``. Outside a job a fake process group
+    of the axis' size stands in; no collective runs."""
+    import torch.distributed as dist
+
+    from spdsl.lower.graph import lower
+    from spdsl.lower.kernels import swap_kernels
+    from spdsl.lower.shapes import fill_shapes
+    from spdsl.memory.planner import _group, _off_meta
+    from spdsl.memory.simulate import step_peak
+    from spdsl.remat import apply_remat, local_specs
+
+    def finish(local, rank: int, axes: dict[str, str]) -> list[Collective]:
+        state, ins = local_specs(entry, args, kwargs, fn.parts, rank)
+        local = swap_kernels(local, fn.kernels, state, ins)
+        r = fn.remat
+        if getattr(r, "fit", False) and getattr(entry, "remat", None) is not None:
+            r = entry.remat                       # the mode the run chose
+        if getattr(r, "fit", False):              # not run yet: choose as the run would
+            from spdsl.memory.fit import choose_remat
+            local = choose_remat(local, r, state, ins, compiled=fn.compile)[0]
+        else:
+            local = apply_remat(local, r, state, ins, peak=step_peak)
+        if any(n.op == "call_function" and "val" not in n.meta for n in local.graph.nodes):
+            fill_shapes(local, state + ins)       # remat "none" leaves the graph unfilled
+        return describe_with(local, axes)
+
+    if entry.data is not None or entry.sharded:   # the job's own groups and this rank
+        local = _off_meta(fn.lowered(entry, args, kwargs))
+        return finish(local, entry.rank, _axes(fn))
+    in_job = dist.is_initialized() and dist.get_world_size() > 1
+    rank = fn._group_and_rank()[1] if in_job else 0
+    with _group(fn) as group:
+        local = _off_meta(lower(entry.prop, rank, group, entry.out_placements))
+        return finish(local, rank, {group: fn.axis})
+
+
+def _axes(fn) -> dict[str, str]:
+    """Process group name -> the axis it reduces or exchanges over (``dp+sp``: every rank)."""
+    axes = {fn._group_and_rank()[0]: fn.axis}
+    if fn.data_parts > 1:
+        axes[fn._group_and_rank(fn.data_axis)[0]] = fn.data_axis
+        axes[fn._world().get_group().group_name] = f"{fn.data_axis}+{fn.axis}"
+    elif fn.parts < fn._world().size():
+        axes[fn._world().get_group().group_name] = "world"
+    return axes
+
+
+def attach(plan: ShardingPlan, fn, args: tuple, kwargs: dict) -> None:
+    """Let ``plan.collectives`` be read off ``fn``'s program for these arguments when first
+    asked (built then, see :func:`program_for_plan`)."""
+    def read(plan: ShardingPlan) -> list[Collective]:
+        entry = fn.build(args, kwargs)
+        try:
+            return program_for_plan(fn, entry, args, kwargs,
+                                    lambda gm, axes: collectives_of(gm, plan, axes))
+        except (ValueError, NotImplementedError) as e:
+            # a lowering that needs groups a planning process lacks: say so, and list what
+            # propagation decided (the gradient of each parameter reduced alone, no remat)
+            warnings.warn(f"spdsl.plan: the local program could not be built here ({e}); "
+                          "the collectives listed are propagation's, not the program's",
+                          stacklevel=3)
+            return plan.__dict__["_collectives"]
+    plan.__dict__["_program"] = read

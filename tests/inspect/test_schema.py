@@ -16,14 +16,17 @@ def test_schema_keys_and_version(tiny_plan):
     assert list(d) == ["schema", "version", "title", "axis", "parts", "totals", "blocks",
                        "outputs", "attention", "collectives", "values"]
     assert d["axis"] == "sp" and d["parts"] == 4 and d["title"] == "tiny Llama"
-    assert d["totals"]["ratio_fwd"] == pytest.approx(1.0, abs=1e-3)
+    # the Ulysses floor, plus the labels' halo buffer (240 B on rank 0) and the loss' 8 B
+    assert d["totals"]["ratio_fwd"] == pytest.approx((65536 + 240 + 8) / 65536, abs=1e-4)
     v = next(v for v in d["values"] if v["op"] == "spdsl.attention.default")
     assert set(v) == {"name", "op", "typed", "placement", "source", "module", "origin",
                       "inputs", "via", "moves", "alternatives"}
     assert v["typed"] == "f32[2,4,64@sp,16]" and v["origin"] == "attention.ulysses"
     c = next(c for c in d["collectives"] if c["purpose"] == "ulysses")
     assert set(c) == {"kind", "axis", "bytes", "bytes_bwd", "purpose", "values", "source",
-                      "module", "node"}
+                      "module", "node", "recomputed", "carries"}
+    g = next(c for c in d["collectives"] if c["purpose"] == "gradient")
+    assert g["carries"][0] == "lm_head.weight" and not g["recomputed"]
     b = next(b for b in d["blocks"] if b["count"] == 2)
     assert b["name"] == "layers.0-1" and b["members"] == ["layers.0", "layers.1"]
     assert d["attention"][0]["kind"] == "sdpa" and d["attention"][0]["floor_fwd"] == 32768

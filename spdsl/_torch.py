@@ -38,6 +38,9 @@ inductor_programs()             the memory plan of a compiled step: the Python p
                                 (``GraphLowering._compile_to_module_lines``), its buffers'
                                 sizes and extern calls, read before any kernel is compiled:
                                 compiled steps cannot be planned
+process_group(name)             the ProcessGroup behind a group name (ring attention's
+                                point-to-point sends take the object, functional collectives
+                                the name): ring attention would have no neighbours
 dtensor_op_handlers(),          spdsl's attention handlers for DTensor-authored models
 dtensor_sharding_propagator(),  (spdsl.dtensor_ops) and DTensor's op strategies as a fallback
 dtensor_spec_types()            rule (propagate.rules.dtensor): eager DTensor attention gathers
@@ -104,6 +107,12 @@ def flex_attention_on_cpu():
 def stack_trace_anchor():
     """``torch.fx.proxy._register_stack_trace_anchor``, or None where it does not exist."""
     return getattr(torch.fx.proxy, "_register_stack_trace_anchor", None)
+
+
+def process_group(name: str):
+    """The ``ProcessGroup`` registered under ``name`` (``_resolve_process_group``)."""
+    from torch.distributed.distributed_c10d import _resolve_process_group
+    return _resolve_process_group(name)
 
 
 def fake_store():

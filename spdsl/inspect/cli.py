@@ -29,6 +29,7 @@ import torch
 from spdsl.errors import ShardingError
 from spdsl.modelspec import build_model
 from spdsl.modelspec.cli import (
+    ATTENTION_HELP,
     DEFAULT_DTYPE,
     DTYPE_HELP,
     DTYPE_METAVAR,
@@ -36,6 +37,8 @@ from spdsl.modelspec.cli import (
     HelpFormatter,
     Parser,
     UsageError,
+    attention_arg,
+    attention_of,
     dtype_name,
     fail,
     parse,
@@ -62,6 +65,8 @@ def _parser() -> Parser:
     q.add_argument("--seq", type=positive, required=True, help="global sequence length")
     q.add_argument("--sp", type=positive, required=True, help="sequence-parallel degree")
     q.add_argument("--batch", type=positive, default=1, help="sequences per step")
+    q.add_argument("--attention", type=attention_arg, default="auto", metavar="KIND",
+                   help=ATTENTION_HELP)
     q.add_argument("--axis", default="sp", help="mesh axis name")
     q.add_argument("--dtype", type=dtype_name, default=DEFAULT_DTYPE, help=DTYPE_HELP,
                    metavar=DTYPE_METAVAR)
@@ -99,7 +104,8 @@ def _plan(args) -> int:
     ids = torch.empty(args.batch, args.seq, dtype=torch.long, device="meta")
     inputs = (ids,) if args.no_labels else (ids, ids)
     t1 = time.perf_counter()
-    plan = spdsl.plan(spdsl.sp_shard(seq=args.sp, axis=args.axis)(model), *inputs)
+    plan = spdsl.plan(spdsl.sp_shard(seq=args.sp, axis=args.axis,
+                                     attention=attention_of(args.attention))(model), *inputs)
     t2 = time.perf_counter()
     plan.title = f"{args.model} seq={args.seq} {args.axis}={args.sp}"
     explained = [_explain(plan, name) for name in args.explain]

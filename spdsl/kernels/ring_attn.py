@@ -30,6 +30,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from spdsl._torch import process_group
 from spdsl.kernels.masked_attn import (
     _Blocks,
     _grouped,
@@ -68,8 +69,7 @@ class _Ring:
     """The neighbours of ``rank`` in the ring over the process group named ``group``."""
 
     def __init__(self, group: str, parts: int, rank: int) -> None:
-        from torch.distributed.distributed_c10d import _resolve_process_group
-        self.pg = _resolve_process_group(group)
+        self.pg = process_group(group)
         self.next = dist.get_global_rank(self.pg, (rank + 1) % parts)
         self.prev = dist.get_global_rank(self.pg, (rank - 1) % parts)
 

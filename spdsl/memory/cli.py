@@ -37,6 +37,7 @@ from spdsl.memory.report import fmt_bytes
 from spdsl.memory.search import Estimator, bytes_per_token_per_layer, max_seq, model_plan
 from spdsl.modelspec import field, load_config
 from spdsl.modelspec.cli import (
+    ATTENTION_HELP,
     DEFAULT_DTYPE,
     DTYPE_HELP,
     DTYPE_METAVAR,
@@ -44,6 +45,8 @@ from spdsl.modelspec.cli import (
     HelpFormatter,
     Parser,
     UsageError,
+    attention_arg,
+    attention_of,
     dtype_name,
     fail,
     parse,
@@ -115,6 +118,8 @@ def parser() -> argparse.ArgumentParser:
                         "True)); auto, lean and full modes, and a choice for best")
     p.add_argument("--kernels", choices=("triton", "auto"), default="triton",
                    help="triton: plan the GPU run (spdsl's kernels); auto: what runs here")
+    p.add_argument("--attention", type=attention_arg, default="auto", metavar="KIND",
+                   help=ATTENTION_HELP)
     p.add_argument("--max-seq", action="store_true",
                    help="search the longest sequence that fits --device-memory")
     p.add_argument("--granularity", type=positive, default=1024,
@@ -195,7 +200,7 @@ class _Saying(Estimator):
 def _longest(cfg, a, remat: Remat, shards: int, budget: int, host: int, verify: bool):
     host_budget = host if remat.offload else None
     est = _Saying(cfg, a.sp, remat, DTYPES[a.dtype], a.batch, a.optimizer, shards, a.kernels,
-                  budget=budget, host_budget=host_budget)
+                  attention_of(a.attention), budget=budget, host_budget=host_budget)
     return max_seq(est, budget, granularity=a.granularity, verify=verify,
                    host_budget=host_budget, probes=(a.probe // 4, a.probe))
 
@@ -250,7 +255,8 @@ def _run(a) -> int:
           f"device {fmt_bytes(total)} - {fmt_bytes(reserve)} reserve = {fmt_bytes(budget)} per "
           f"rank, host {fmt_bytes(host)} per rank, kernels {a.kernels}", file=sys.stderr)
     plan_kw = {"dtype": dtype, "batch": a.batch, "optimizer": a.optimizer,
-               "state_shards": shards, "kernels": a.kernels}
+               "state_shards": shards, "kernels": a.kernels,
+               "attention": attention_of(a.attention)}
     for mode in a.remat:
         cands = best_candidates(a.offload) if mode == "best" else [remat_of(mode, a)]
         if not a.max_seq:
@@ -268,9 +274,11 @@ def _run(a) -> int:
             plan = model_plan(cfg, seq, a.sp, remat, **plan_kw)
         print(f"  {_name(remat)}: activations per token per layer (1- and 2-layer models) ...",
               file=sys.stderr, flush=True)
-        per = bytes_per_token_per_layer(cfg, a.sp, remat, dtype=dtype, kernels=a.kernels)
+        per = bytes_per_token_per_layer(cfg, a.sp, remat, dtype=dtype, kernels=a.kernels,
+                                        attention=attention_of(a.attention))
         per_host = bytes_per_token_per_layer(cfg, a.sp, remat, dtype=dtype, kernels=a.kernels,
-                                             host=True) if remat.offload else 0.0
+                                             host=True, attention=attention_of(a.attention)) \
+            if remat.offload else 0.0
         if a.json:
             print(json.dumps({"mode": mode, "remat": _name(remat), "max_seq": seq,
                               "bytes_per_token_per_layer": per,

@@ -27,7 +27,7 @@ from spdsl.remat.segments import layer_of
 
 def model_plan(cfg, seq: int, sp: int, remat, *, dtype: torch.dtype = torch.bfloat16,
                batch: int = 1, optimizer: str = "adamw", state_shards: int = 1,
-               kernels: str = "auto") -> MemoryPlan:
+               kernels: str = "auto", attention="auto") -> MemoryPlan:
     """Planned memory of one step of the model ``cfg`` builds (``spdsl.modelspec``: e.g.
     ``Llama`` for a ``LlamaConfig``), on the meta device, at global length ``seq``, called as
     ``model(ids, labels)``.
@@ -36,6 +36,7 @@ def model_plan(cfg, seq: int, sp: int, remat, *, dtype: torch.dtype = torch.bflo
     RMSNorm, RoPE, fused linear cross-entropy) swapped in, each allocating what its kernel
     allocates (their fake implementations), where the CPU references would materialise fp32
     norm temporaries or (attention) ``[S, S]`` scores. ``"auto"``: what runs here (CPU: none).
+    ``attention``: as ``sp_shard(attention=...)`` (``"ring"``, ``("hybrid", 8)``, ...).
 
     Example::
 
@@ -48,8 +49,8 @@ def model_plan(cfg, seq: int, sp: int, remat, *, dtype: torch.dtype = torch.bflo
         model = model_class_for(cfg)(cfg).to(dtype)
     ids = torch.empty(batch, seq, dtype=torch.long, device="meta")
     with _kernels(kernels) as choice:
-        plan = plan_memory(spdsl.sp_shard(seq=sp, remat=remat, kernels=choice)(model), ids,
-                           ids, optimizer=optimizer)
+        step = spdsl.sp_shard(seq=sp, remat=remat, kernels=choice, attention=attention)(model)
+        plan = plan_memory(step, ids, ids, optimizer=optimizer)
     plan = plan.with_state_shards(state_shards, gathered_bytes(model))
     if kernels == "triton":
         plan = plan.with_extra(kernel_workspace(cfg, batch * seq // sp, sp, dtype),
@@ -122,10 +123,12 @@ class Estimator:
     optimizer: str = "adamw"
     state_shards: int = 1
     kernels: str = "auto"
+    attention: object = "auto"
 
     def _kw(self) -> dict:
         return {"dtype": self.dtype, "batch": self.batch, "optimizer": self.optimizer,
-                "state_shards": self.state_shards, "kernels": self.kernels}
+                "state_shards": self.state_shards, "kernels": self.kernels,
+                "attention": self.attention}
 
     @property
     def depths(self) -> tuple[int, int]:
@@ -232,7 +235,7 @@ def max_seq(est: Estimator, budget: int, *, granularity: int = 1024,
 
 def bytes_per_token_per_layer(cfg, sp: int, remat, *, seq: int = 65536,
                               dtype: torch.dtype = torch.bfloat16, kernels: str = "auto",
-                              host: bool = False) -> float:
+                              host: bool = False, attention="auto") -> float:
     """Activation bytes one layer keeps from forward to backward, per token a rank holds:
     the difference between 2- and 1-layer models, so embedding and loss cancel out.
 
@@ -241,9 +244,9 @@ def bytes_per_token_per_layer(cfg, sp: int, remat, *, seq: int = 65536,
         bytes_per_token_per_layer(LlamaConfig.llama3_8b(), 8, "none") / 4096   # in units of h
     """
     one = model_plan(with_layers(cfg, 1), seq, sp, remat, dtype=dtype, optimizer="none",
-                     kernels=kernels)
+                     kernels=kernels, attention=attention)
     two = model_plan(with_layers(cfg, 2), seq, sp, remat, dtype=dtype, optimizer="none",
-                     kernels=kernels)
+                     kernels=kernels, attention=attention)
     if host:        # what a layer holds on the host (offload)
         return (two.host - one.host) / (seq // sp)
     return (two.saved_activations - one.saved_activations) / (seq // sp)

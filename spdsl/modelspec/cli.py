@@ -47,6 +47,27 @@ def dtype_name(text: str) -> str:
     return name
 
 
+ATTENTION_HELP = ("how attention runs over the sp ranks: auto (by the cost model), ulysses, "
+                  "ring, hybrid (Ulysses degree by cost) or hybrid:U (Ulysses over U ranks, a "
+                  "ring across)")
+
+
+def attention_arg(text: str) -> str:
+    """``--attention``: auto, ulysses, ring, hybrid or hybrid:U."""
+    kind, _, u = text.partition(":")
+    if kind not in ("auto", "ulysses", "ring", "hybrid") or (u and (kind != "hybrid" or
+                                                                    not u.isdigit())):
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not an attention kind: use auto, ulysses, ring, hybrid or hybrid:U")
+    return text
+
+
+def attention_of(text: str):
+    """``sp_shard(attention=...)`` for an ``--attention`` value."""
+    kind, _, u = text.partition(":")
+    return ("hybrid", int(u)) if u else kind
+
+
 def positive(text: str) -> int:
     """A count that must be at least 1 (``--sp``, ``--seq``, ``--batch``, ``--dp``)."""
     try:

@@ -52,7 +52,8 @@ def test_table_json_html_and_explain(tmp_path, capsys, monkeypatch):
 
 
 def test_sharding_errors_exit_with_status_2(capsys):
-    rc = main(["plan", "spdsl.models.llama:LlamaConfig.tiny", "--seq", "64", "--sp", "8"])
+    rc = main(["plan", "spdsl.models.llama:LlamaConfig.tiny", "--seq", "64", "--sp", "8",
+               "--attention", "ulysses"])
     assert rc == 2
     assert "[divisible heads]" in capsys.readouterr().err
 
@@ -75,7 +76,8 @@ def test_help_lists_every_subcommand(capsys):
 
 
 def test_sharding_error_is_one_line_without_a_traceback(capsys):
-    rc = main(["plan", "spdsl.models.llama:LlamaConfig.tiny", "--seq", "64", "--sp", "8"])
+    rc = main(["plan", "spdsl.models.llama:LlamaConfig.tiny", "--seq", "64", "--sp", "8",
+               "--attention", "ulysses"])
     err = capsys.readouterr().err
     assert rc == 2 and err.count("\n") == 1 and "Traceback" not in err
     assert err.startswith("python -m spdsl plan: [divisible heads]")

@@ -71,7 +71,8 @@ def test_plan_mistakes(argv, said, capsys):
     (["memory", "--model", "x:y", "--seq", "64"], "model spec 'x:y': cannot import 'x'"),
     (["memory", "--model", "spdsl.models.llama:Llama", "--seq", "64"], "names a model, not a"),
     (["memory", "--model", TINY, "--sp", "8", "--seq", "64", "--remat", "full",
-      "--kernels", "auto"], "[divisible heads]"),
+      "--kernels", "auto", "--attention", "ulysses"], "[divisible heads]"),
+    (MEMORY + ["--attention", "rings"], "'rings' is not an attention kind"),
 ])
 def test_memory_mistakes(argv, said, capsys):
     err = _fails(argv, capsys)

@@ -43,5 +43,6 @@ def test_error_sample_is_what_spdsl_prints(monkeypatch):
     (sample,) = [b for b in _blocks("") if b.startswith("[divisible heads]")]
     ids = torch.zeros(1, 64, dtype=torch.long)
     with pytest.raises(spdsl.ShardingError) as e:
-        spdsl.plan(spdsl.sp_shard(seq=8)(Llama(LlamaConfig.tiny())), ids, ids.clone())
+        spdsl.plan(spdsl.sp_shard(seq=8, attention="ulysses")(Llama(LlamaConfig.tiny())), ids,
+                   ids.clone())
     assert str(e.value) == sample.strip()

@@ -12,8 +12,8 @@ from spdsl import P, ShardingError
 from spdsl.models.llama import Llama, LlamaConfig
 
 
-def _plan(model, parts, *args):
-    return spdsl.plan(spdsl.sp_shard(seq=parts)(model), *args)
+def _plan(model, parts, *args, attention="ulysses"):
+    return spdsl.plan(spdsl.sp_shard(seq=parts, attention=attention)(model), *args)
 
 
 def test_sequence_not_divisible():
@@ -34,7 +34,24 @@ def test_query_heads_not_divisible():
     assert "[divisible heads]" in msg
     assert "f32[1,4,64@sp,16]" in msg
     assert "spdsl/models/llama.py:" in msg and "(layers.0.attention)" in msg
-    assert "divides 4" in msg
+    assert "divides 4" in msg and 'attention="ring"' in msg
+
+
+def test_heads_fewer_than_ranks_run_hybrid_or_ring_by_default():
+    ids = torch.randint(0, 256, (1, 64))
+    plan = _plan(Llama(LlamaConfig.tiny()), 8, ids, ids, attention="auto")   # 4 heads, 8 ranks
+    assert {c.purpose for c in plan.collectives} >= {"ulysses", "ring"}
+    cfg = LlamaConfig.tiny().replace(dim=96, n_heads=6, n_kv_heads=3)
+    plan = _plan(Llama(cfg), 4, ids, ids, attention="auto")      # 6 / 3 heads over 4 ranks
+    assert "ring" in {c.purpose for c in plan.collectives}
+
+
+def test_attention_option_mistakes():
+    with pytest.raises(ShardingError, match=r"\[attention option\]"):
+        spdsl.sp_shard(seq=2, attention="rings")
+    ids = torch.randint(0, 256, (1, 64))
+    with pytest.raises(ShardingError, match=r"\[hybrid attention\]"):
+        _plan(Llama(LlamaConfig.tiny()), 8, ids, ids, attention=("hybrid", 3))
 
 
 def test_kv_heads_neither_split_nor_repeated():

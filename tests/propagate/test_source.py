@@ -50,7 +50,7 @@ def test_error_names_the_user_line_in_any_checkout(tmp_path, folder, form):
     fn = mod.attend if form == "function" else mod.Attend()
     q = torch.randn(1, 16, 4, 8)       # 4 heads over 8 ranks: an error with a source line
     with pytest.raises(ShardingError) as e:
-        spdsl.plan(spdsl.sp_shard(seq=8)(fn), q, q, q)
+        spdsl.plan(spdsl.sp_shard(seq=8, attention="ulysses")(fn), q, q, q)
     msg = str(e.value)
     assert "[divisible heads]" in msg
     at = next(line for line in msg.splitlines() if line.strip().startswith("at:"))

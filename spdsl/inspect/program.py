@@ -122,7 +122,7 @@ def collectives_of(gm: torch.nn.Module, plan: ShardingPlan, axes: dict[str, str]
             purpose = "loss" if c.kind == "all_reduce" and isinstance(val, torch.Tensor) and \
                 val.dim() == 0 else "output"
         values = tuple(_typed(v, typed, axis) for v in c.values)
-        params = c.purpose == "gradient" and all(
+        params = c.purpose == "gradient" and bool(c.values) and all(
             isinstance(v, torch.fx.Node) and v.op == "placeholder" for v in c.values)
         carries = tuple(_param(v, typed) for v in c.values) if params else ()
         colls.append(Collective(c.kind, axis, c.bytes, c.bytes_bwd, purpose, values,
@@ -144,6 +144,8 @@ def _origin(n: torch.fx.Node) -> str:
 def _typed(v: Any, typed: dict, axis: str) -> str:
     if isinstance(v, str):
         return v.format(axis=axis)
+    if isinstance(v, tuple):                  # (node, note): kv heads repeated, say
+        return _typed(v[0], typed, axis) + v[1]
     val = typed.get(_origin(v)) if isinstance(v, torch.fx.Node) else None
     if val is not None:
         return val.typed

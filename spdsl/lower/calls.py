@@ -35,8 +35,9 @@ A new op that issues collectives registers a describer beside its definition::
         return [Call("send_recv", group, kv, kv if grad(node) else 0, "ring", node.args[1:3])
                 for _ in range(parts - 1)]
 
-``values`` are the argument nodes carried (the plan prints their typed shapes), or strings
-printed as they are (``{axis}`` replaced by the group's axis). A call whose describer returns
+``values`` are the argument nodes carried (the plan prints their typed shapes), ``(node,
+note)`` pairs (the note printed after the shape), or strings printed as they are (``{axis}``
+replaced by the group's axis). A call whose describer returns
 ``[]`` runs nothing on this rank (one rank, or nothing to exchange).
 """
 
@@ -210,7 +211,8 @@ def _ulysses(node, grad, q, k, v, out, parts: int, group: str) -> list[Call]:
     qkv = nbytes(q) + (nbytes(k) + nbytes(v)) * rep
     o = nbytes(out)
     back = _back(grad, q, k, v)
-    return [Call("all_to_all", group, qkv, qkv if back else 0, "ulysses", (q, k, v)),
+    kv = ((k, f" repeated x{rep}"), (v, f" repeated x{rep}")) if rep > 1 else (k, v)
+    return [Call("all_to_all", group, qkv, qkv if back else 0, "ulysses", (q, *kv)),
             Call("all_to_all", group, o, o if back else 0, "ulysses", (node,))]
 
 

@@ -36,9 +36,10 @@ def test_llama_collectives_are_exactly_ulysses(parts, n_kv):
         assert ulysses[2 * layer].bytes_bwd == qkv     # the same again in backward
     others = [c for c in fwd if c.purpose != "ulysses"]
     # the loss: one all-reduce of (sum, count); the in-model label shift: one halo exchange
-    # of a single int64 label per row (the labels move, never the logits)
+    # of int64 labels (the labels move, never the logits): rank 0 hands over the s/P - 1
+    # labels per row it keeps, rank 1 sends it one
     assert sorted((c.kind, c.bytes) for c in others) == sorted(
-        [("all_reduce", 2 * f32), ("halo_exchange", b * 8)])
+        [("all_reduce", 2 * f32), ("halo_exchange", b * (s // parts - 1) * 8)])
     grads = [c for c in plan.collectives if c.purpose == "gradient"]
     n_params = sum(p.numel() for p in Llama(cfg).parameters())
     assert sum(c.bytes_bwd for c in grads) == n_params * f32

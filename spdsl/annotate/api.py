@@ -7,6 +7,7 @@ change), propagates placements, lowers the graph for this rank and runs it on lo
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 import warnings
@@ -40,7 +41,7 @@ from spdsl.propagate.placement import (
     typed_shape,
 )
 from spdsl.propagate.trace import Traced, reachable_modules, trace, tracing
-from spdsl.remat import Remat, apply_remat, local_specs
+from spdsl.remat import Remat, apply_remat, local_specs, parse_bytes
 
 # programs traced by one step before it says why: train/eval x autocast x grad mode x a few
 # lengths are legitimately that many; state that changes every call reaches it at once
@@ -84,6 +85,7 @@ class _Compiled:
     sharded: list = field(default_factory=list)    # spdsl.lower.state.ShardedInput per parameter
     rank: int = 0
     data_rank: int = 0
+    remat: Any = None         # the Remat remat="fit" chose for this program
 
     def stale(self) -> bool:
         """A parameter was frozen or unfrozen since the trace: which gradients exist, and so
@@ -98,7 +100,7 @@ class Sharded:
                  axis: str | None = None, parts: int | None = None, seq_dim: int | None = None,
                  compile: bool = False, debug: bool | None = None, remat=None,
                  kernels="auto", shard_state: bool = False, batch: str = "global",
-                 strict: bool = False) -> None:
+                 strict: bool = False, memory_budget: int | str | None = None) -> None:
         if batch not in ("global", "local"):
             raise ShardingError(rule="batch", detail=f"batch={batch!r}",
                                 fix='use batch="global" (every rank passes the whole batch) '
@@ -108,7 +110,7 @@ class Sharded:
         self.fn, self._mesh, self.in_specs, self.out_specs = fn, mesh, in_specs, out_specs
         self.shard_state, self.batch, self.strict = shard_state, batch, strict
         self._state_mesh = None
-        self.remat = Remat.of(remat)     # spdsl.remat: "none" | "full" | "auto" | budget
+        self.remat = _remat_of(remat, memory_budget)   # "fit" | "none" | "full" | "auto" | budget
         self.kernels = KernelChoice.of(kernels)   # spdsl.lower.kernels: "auto"|"on"|"off"|names
         self.seq_dim, self.compile = seq_dim, compile
         self.debug = os.environ.get("SPDSL_DEBUG", "0") == "1" if debug is None else debug
@@ -461,12 +463,13 @@ class Sharded:
             data_out.append(have if keep else REPLICATE)
         return dprop, data_out
 
-    def _regathered(self, phs: list, sharded: list) -> frozenset:
+    def _regathered(self, phs: list, sharded: list, mode: str | None = None) -> frozenset:
         """Sharded parameters first used inside a checkpointed layer: gathered again when the
-        layer is recomputed in backward (remat ``auto``/``full``)."""
+        layer is recomputed in backward (remat ``auto``/``full``; ``"fit"`` counts as
+        ``"none"`` until the step chooses its mode: ``_note_regathers``)."""
         from spdsl.propagate.source import module_of
         from spdsl.remat.segments import layer_of
-        if self.remat.mode not in ("auto", "full"):
+        if (mode or self.remat.mode) not in ("auto", "full"):
             return frozenset()
         order = {n: i for i, n in enumerate(phs[0].graph.nodes)} if phs else {}
         out = set()
@@ -536,9 +539,12 @@ class Sharded:
             local = swap_kernels(local, self.kernels,
                                  *local_specs(entry, args, kwargs, self.parts, rank))
             # -- remat stage (spdsl.remat): tiling, per-layer checkpoints, SAC policy --
-            local = apply_remat(local, self.remat,
-                                *local_specs(entry, args, kwargs, self.parts, rank),
-                                peak=step_peak)
+            specs = local_specs(entry, args, kwargs, self.parts, rank)
+            if self.remat.fit:     # the mode from memory (spdsl.memory.fit), once per program
+                local, entry.remat, entry.plan.remat = self._fit_remat(entry, local, *specs)
+                self._note_regathers(entry)
+            else:
+                local = apply_remat(local, self.remat, *specs, peak=step_peak)
             if self.compile:
                 local = compile_local(local)   # fullgraph; breaks -> ShardingError
             entry.local = local
@@ -556,6 +562,37 @@ class Sharded:
         wrapped = [self._wrap(o, p, node, dp) for o, p, node, dp in zip(
             outs, entry.out_placements, _out_nodes(entry.traced), data_out)]
         return tree_unflatten(wrapped, entry.traced.out_spec)
+
+    def _fit_remat(self, entry: _Compiled, local, state, ins):
+        """``remat="fit"``: the least recomputation whose planned step fits this device, the
+        same on every rank (``spdsl.memory.fit``)."""
+        from spdsl.memory.fit import choose_remat
+        resident = sum((t.to_local() if isinstance(t, DTensor) else t).nbytes
+                       for t in entry.traced.state if t.device.type == "cpu")
+        return choose_remat(local, self.remat, state, ins, compiled=self.compile,
+                            resident=resident,
+                            agree=self._most if dist.is_initialized() else None)
+
+    def _note_regathers(self, entry: _Compiled) -> None:
+        """The plan's parameter gathers again in backward, once ``"fit"`` chose a mode that
+        recomputes layers (the plan was built before the choice)."""
+        graph = entry.traced.graph.graph
+        order = {n: k for k, n in enumerate(graph.nodes)}
+        phs = [n for n in graph.nodes if n.op == "placeholder"]
+        again = self._regathered(phs, entry.sharded, entry.remat.mode)
+        firsts = {min(phs[i].users, key=order.__getitem__).name for i in again}
+        entry.plan.collectives[:] = [
+            dataclasses.replace(c, bytes_bwd=c.bytes) if c.kind == "all_gather" and
+            c.purpose == "state" and c.node in firsts else c for c in entry.plan.collectives]
+
+    def _most(self, index: int) -> int:
+        """The largest ``index`` of any rank of the mesh: one all-reduce per axis."""
+        mesh = self.mesh
+        t = torch.tensor([index], device="cuda" if mesh.device_type == "cuda" else "cpu")
+        for name in mesh.mesh_dim_names or ():
+            if axis_size(mesh, name) > 1:
+                dist.all_reduce(t, op=dist.ReduceOp.MAX, group=mesh.get_group(name))
+        return int(t.item())
 
     def lowered(self, entry: _Compiled, args: tuple, kwargs: dict) -> torch.fx.GraphModule:
         """This rank's local graph (before kernels and remat), the same for the run and the
@@ -677,13 +714,13 @@ def _axis_of(specs, skip: str | None = None) -> str | None:
 
 def shard(fn: Callable | None = None, *, mesh, in_specs, out_specs=None,
           compile: bool = False, debug: bool | None = None, remat=None, kernels="auto",
-          shard_state: bool = False, batch: str = "global", strict: bool = False
-          ) -> Sharded | Callable[[Callable], Sharded]:
+          shard_state: bool = False, batch: str = "global", strict: bool = False,
+          memory_budget: int | str | None = None) -> Sharded | Callable[[Callable], Sharded]:
     """Run ``fn`` split over a mesh axis: ``in_specs`` mirror the positional arguments (one
     ``P`` per tensor, or None for replicated), ``out_specs`` the outputs (scalars: ``P()``).
     Every rank passes the same global tensors (or DTensors). Usable as a decorator. Takes the
-    same ``compile``/``remat``/``kernels``/``debug``/``shard_state``/``batch``/``strict``
-    options as ``sp_shard``. On a two-axis mesh, a spec naming the data axis on the batch dim
+    same ``compile``/``remat``/``memory_budget``/``kernels``/``debug``/``shard_state``/
+    ``batch``/``strict`` options as ``sp_shard``. On a two-axis mesh, a spec naming the data axis on the batch dim
     (``P("dp", "sp")``) splits the batch over it.
 
     Example::
@@ -696,22 +733,26 @@ def shard(fn: Callable | None = None, *, mesh, in_specs, out_specs=None,
     def wrap(f: Callable) -> Sharded:
         return Sharded(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, compile=compile,
                        debug=debug, remat=remat, kernels=kernels, shard_state=shard_state,
-                       batch=batch, strict=strict)
+                       batch=batch, strict=strict, memory_budget=memory_budget)
     return wrap(fn) if fn is not None else wrap
 
 
 def sp_shard(fn: Callable | None = None, *, seq: int, seq_dim: int = 1, axis: str = "sp",
              mesh=None, compile: bool = False, debug: bool | None = None, remat=None,
              kernels="auto", shard_state: bool = False, batch: str = "global",
-             strict: bool = False):
+             strict: bool = False, memory_budget: int | str | None = None):
     """Sequence parallelism for a forward: tensor arguments whose dim ``seq_dim`` has the
     sequence length are split over ``seq`` ranks of axis ``axis``; everything else, parameters
     included, is replicated. Scalars come back as the exact global value; sequence-shaped
     outputs as DTensors split on the sequence.
 
     Options: ``compile=True`` runs the rank's program through ``torch.compile`` as one graph;
-    ``remat`` is ``"none"``, ``"full"``, ``"auto"`` (default, sequence-aware selective
-    checkpointing) or a byte budget; ``kernels`` swaps in spdsl's Triton kernels
+    ``remat`` is ``"fit"`` (default: ``"none"`` when the planned step fits the device's
+    memory, else the least recomputation that fits; ``spdsl.memory.fit``), ``"none"``,
+    ``"full"``, ``"auto"`` (sequence-aware selective checkpointing) or a byte budget for
+    ``"auto"``; ``memory_budget`` (bytes or ``"40GiB"``; or the environment variable
+    ``SPDSL_MEMORY_BUDGET``) is what ``"fit"`` chooses against instead of the device's free
+    memory; ``kernels`` swaps in spdsl's Triton kernels
     (``"auto"``: on CUDA; ``"on"``/``"off"``); ``debug=True`` checks every rank passed the
     same batch. An op that needs the whole sequence on every rank because it sorts, selects or
     scans along it (sort, topk, cumsum, FFT, ...) gathers it there and warns; ``strict=True``
@@ -738,7 +779,7 @@ def sp_shard(fn: Callable | None = None, *, seq: int, seq_dim: int = 1, axis: st
     def wrap(f: Callable) -> Sharded:
         return Sharded(f, mesh=mesh, axis=axis, parts=seq, seq_dim=seq_dim, compile=compile,
                        debug=debug, remat=remat, kernels=kernels, shard_state=shard_state,
-                       batch=batch, strict=strict)
+                       batch=batch, strict=strict, memory_budget=memory_budget)
     return wrap(fn) if fn is not None else wrap
 
 
@@ -774,6 +815,29 @@ def _check_degree(seq, seq_dim) -> None:
             detail="seq_dim is the dim of the inputs that holds the sequence, counted from the "
                    "front (inputs of different ranks share it)",
             fix="give a non-negative int, e.g. seq_dim=1 for [batch, seq, ...] inputs")
+
+
+def _remat_of(remat, memory_budget) -> Remat:
+    """``remat=`` read; ``memory_budget=`` is the budget ``"fit"`` chooses against."""
+    r = Remat.of(remat)
+    if memory_budget is None:
+        return r
+    if not r.fit:
+        raise ShardingError(
+            rule="memory budget", value=f"memory_budget={memory_budget!r}", where=user_line(),
+            detail=f"the budget chooses the remat mode, and remat={remat!r} names one",
+            fix="drop remat= (or pass remat='fit') to choose by the budget, or give auto its "
+                "budget as remat=BYTES")
+    try:
+        budget = parse_bytes(memory_budget)
+    except (ValueError, TypeError):
+        budget = -1
+    if budget < 0 or isinstance(memory_budget, bool):
+        raise ShardingError(
+            rule="memory budget", value=f"memory_budget={memory_budget!r}", where=user_line(),
+            detail="the budget is the bytes one rank's training step may use",
+            fix="give bytes (an int) or a size such as '40GiB'")
+    return r.with_(budget=budget)
 
 
 def _check_specs(specs, what: str) -> None:

@@ -106,6 +106,7 @@ class ShardingPlan:
     outputs: list[tuple[str, str]] = field(default_factory=list)   # (value, final placement)
     attention: list[Attention] = field(default_factory=list)
     title: str = ""
+    remat: Any = None     # spdsl.remat.RematChoice: what remat="fit" chose, once the step is built
 
     @property
     def bytes_fwd(self) -> int:

@@ -12,6 +12,7 @@ import json
 from typing import Any
 
 from spdsl.inspect.plan import Attention, Collective, ShardingPlan, Value
+from spdsl.remat import RematChoice
 
 SCHEMA = "spdsl.plan"
 VERSION = 1
@@ -65,6 +66,7 @@ def to_dict(plan: ShardingPlan) -> dict[str, Any]:
                        "floor_fwd": a.floor, "mask": a.mask} for a in plan.attention],
         "collectives": [_collective(c) for c in plan.collectives],
         "values": [_value(v) for v in plan.values],
+        "remat": plan.remat.to_dict() if plan.remat is not None else None,
     }
 
 
@@ -98,5 +100,7 @@ def from_json(text: str) -> ShardingPlan:
     att = [Attention(a["name"], a["kind"], a["module"], a["source"], a["floor_fwd"],
                      a.get("mask", ""))
            for a in d["attention"]]
+    remat = RematChoice.from_dict(d["remat"]) if d.get("remat") else None
     return ShardingPlan(d["axis"], d["parts"], values, colls,
-                        [(o["value"], o["placement"]) for o in d["outputs"]], att, d["title"])
+                        [(o["value"], o["placement"]) for o in d["outputs"]], att, d["title"],
+                        remat=remat)

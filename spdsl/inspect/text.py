@@ -129,4 +129,6 @@ def render(plan: ShardingPlan) -> str:
         lines.append(f"  Ulysses floor:      forward {fmt_bytes(t.floor_fwd)}, backward "
                      f"{fmt_bytes(t.floor_bwd)}  ->  {fmt_ratio(t.ratio_fwd)} forward, "
                      f"{fmt_ratio(t.ratio_bwd)} backward")
+    if plan.remat is not None:       # what remat="fit" chose, and the peaks it weighed
+        lines.append(f"  remat:              {plan.remat}")
     return "\n".join(lines)

@@ -24,7 +24,8 @@ def plan_memory(fn, *args, remat=None, rank: int = 0, optimizer: str = "adamw",
     """Predicted peak memory of one training step of ``fn(*args, **kwargs)`` on ``rank``.
 
     ``fn`` is an ``sp_shard``/``shard``-wrapped function or module; ``remat`` overrides its
-    own ``remat=``, ``compiled`` its ``compile=``: a compiled step is planned by
+    own ``remat=`` (``"fit"``, the default: the mode the run chose, or would choose on this
+    rank, ``spdsl.memory.fit``), ``compiled`` its ``compile=``: a compiled step is planned by
     replaying the program Inductor generates for its forward and backward graphs
     (``spdsl.memory.compiled``; this runs Inductor as far as that program, without compiling
     a kernel: seconds to minutes). Arguments may live on the
@@ -43,6 +44,8 @@ def plan_memory(fn, *args, remat=None, rank: int = 0, optimizer: str = "adamw",
     r = Remat.of(remat) if remat is not None else fn.remat
     compiled = fn.compile if compiled is None else compiled
     entry = fn.build(args, kwargs)
+    if r.fit and getattr(entry, "remat", None) is not None:
+        r = entry.remat            # what the run chose (spdsl.memory.fit)
     if entry.data is not None or entry.sharded:
         # a dp axis or sharded state needs the job's process groups: this rank's own lowering
         local = _off_meta(fn.lowered(entry, args, kwargs))
@@ -61,7 +64,12 @@ def _finish(fn, local, r: Remat, state, ins, optimizer: str, tokens, rank: int,
     if hasattr(fn, "kernels"):      # the same kernel swaps as the real run (api.__call__)
         from spdsl.lower.kernels import swap_kernels
         local = swap_kernels(local, fn.kernels, state, ins)
-    local = apply_remat(local, r, state, ins, peak=step_peak)
+    if r.fit:       # not run yet: choose as the run would (this rank's budget alone)
+        from spdsl.memory.fit import choose_remat
+        local, r, _ = choose_remat(local, r, state, ins, compiled=compiled,
+                                   optimizer=optimizer)
+    else:
+        local = apply_remat(local, r, state, ins, peak=step_peak)
     how = simulate_compiled if compiled else simulate
     return how(local, state, ins, optimizer=optimizer, tokens=tokens,
                label=f"{r.describe()}, rank {rank} of {fn.parts}")

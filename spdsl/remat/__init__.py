@@ -4,8 +4,9 @@
 rewrites one rank's local graph accordingly (tiling, per-layer checkpoints, a SAC policy).
 """
 
-from spdsl.remat.config import Remat, parse_bytes
+from spdsl.remat.config import Remat, RematChoice, parse_bytes
 from spdsl.remat.policy import SavePolicy
 from spdsl.remat.transform import RematReport, apply_remat, local_specs
 
-__all__ = ["Remat", "RematReport", "SavePolicy", "apply_remat", "local_specs", "parse_bytes"]
+__all__ = ["Remat", "RematChoice", "RematReport", "SavePolicy", "apply_remat", "local_specs",
+           "parse_bytes"]

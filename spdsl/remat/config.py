@@ -1,9 +1,12 @@
 """What the user asks for with ``remat=``: a mode, a memory budget, and tiling switches.
 
-``remat`` accepts a string (``"none"``, ``"full"``, ``"auto"``), a byte count (an ``int`` or a
-string such as ``"40GiB"``), a fraction of device memory (a ``float`` in ``(0, 1]``), or a
-:class:`Remat` for full control. A budget implies ``"auto"``: the least recomputation whose
-predicted per-rank peak fits.
+``remat`` accepts a string (``"fit"``, ``"none"``, ``"full"``, ``"auto"``), a byte count (an
+``int`` or a string such as ``"40GiB"``), a fraction of device memory (a ``float`` in
+``(0, 1]``), or a :class:`Remat` for full control. A budget implies ``"auto"``: the least
+recomputation whose predicted per-rank peak fits. ``"fit"`` (the default, ``remat=None``)
+picks a whole mode from the device's memory when the program is built: ``"none"`` when the
+step fits, else the first of ``"auto"``, ``"full"`` (and ``"full"`` with offload on CUDA)
+whose planned peak fits (``spdsl.memory.fit``); :class:`RematChoice` records why.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import torch
 from spdsl.errors import ShardingError, user_line
 
 MODES = ("none", "auto", "full")
+FIT = "fit"          # not a policy: resolved to one of MODES when the program is built
 _UNITS = {"": 1, "b": 1, "kb": 10 ** 3, "mb": 10 ** 6, "gb": 10 ** 9, "tb": 10 ** 12,
           "kib": 2 ** 10, "mib": 2 ** 20, "gib": 2 ** 30, "tib": 2 ** 40}
 
@@ -54,9 +58,13 @@ class Remat:
 
     - ``mode``: ``"none"`` saves everything; ``"full"`` keeps only each layer's input (and the
       outputs of collectives, not recomputed by default); ``"auto"`` saves per op by recompute
-      FLOPs per saved byte (attention and matmuls saved, norms/pointwise/RoPE/casts recomputed).
+      FLOPs per saved byte (attention and matmuls saved, norms/pointwise/RoPE/casts recomputed);
+      ``"fit"`` (what ``remat=None`` means) is one of those chosen from the device's memory
+      when the program is built (``spdsl.memory.fit``).
     - ``budget``: per-rank bytes for ``"auto"`` (None: no budget, save every op worth saving;
-      0: the leanest auto policy — attention saved, all else recomputed, MLP and loss tiled).
+      0: the leanest auto policy — attention saved, all else recomputed, MLP and loss tiled);
+      for ``"fit"``, the per-rank bytes to choose against instead of the device's free memory
+      (``memory_budget=`` on ``sp_shard``/``shard``, or ``SPDSL_MEMORY_BUDGET``).
     - ``tile_mlp`` / ``tile_loss``: True/False force, None decides by size (``tile_bytes``).
     - ``mlp_chunks``: sequence chunks of a tiled MLP (None: from ``tile_bytes``).
     - ``optimizer``: what the budget must leave room for (``"adamw"``: two fp32 states).
@@ -77,7 +85,7 @@ class Remat:
     """
 
     mode: str = "auto"
-    budget: int | None = None
+    budget: int | None = None      # "fit": the device budget to choose against (None: measured)
     tile_mlp: bool | None = None
     tile_loss: bool | None = None
     mlp_chunks: int | None = None
@@ -87,9 +95,12 @@ class Remat:
     offload: bool = False
 
     def __post_init__(self) -> None:
-        if self.mode not in MODES:
-            raise ValueError(f"remat={self.mode!r}: use one of {MODES}, a byte budget "
-                             "(int or '40GiB') or a fraction of device memory (0.8)")
+        if self.mode not in MODES + (FIT,):
+            raise ValueError(f"remat={self.mode!r}: use one of {MODES + (FIT,)}, a byte "
+                             "budget (int or '40GiB') or a fraction of device memory (0.8)")
+        if self.mode == FIT and (self.offload or self.recompute_collectives):
+            raise ValueError("Remat('fit') chooses the mode and its offload itself: name a "
+                             "mode (Remat('full', offload=True)) to set those")
         if self.offload and self.mode == "none":
             raise ValueError("Remat('none', offload=True): offload moves what checkpointed "
                              "layers keep, and 'none' checkpoints nothing: use "
@@ -97,12 +108,12 @@ class Remat:
 
     @staticmethod
     def of(value: str | float | Remat | None) -> Remat:
-        """Read any accepted ``remat=`` value (None: ``"auto"``)."""
+        """Read any accepted ``remat=`` value (None: ``"fit"``)."""
         if value is None:
-            return Remat()
+            return Remat(FIT)
         if isinstance(value, Remat):
             return value
-        if isinstance(value, str) and value in MODES:
+        if isinstance(value, str) and value in MODES + (FIT,):
             return Remat(value)
         if isinstance(value, float) and 0 < value <= 1:
             total = device_memory()
@@ -122,12 +133,17 @@ class Remat:
                 rule="remat mode", value=f"remat={value!r}", where=user_line(),
                 detail="remat is a mode, a per-rank byte budget or a fraction of device "
                        "memory",
-                fix="use remat='none', 'auto' or 'full', a budget such as '60GiB' or "
+                fix="use remat='fit', 'none', 'auto' or 'full', a budget such as '60GiB' or "
                     "60 * 2**30, a fraction such as 0.8, or spdsl.Remat(...)") from None
 
     def with_(self, **changes) -> Remat:
         """A copy with some fields changed."""
         return replace(self, **changes)
+
+    @property
+    def fit(self) -> bool:
+        """Whether the mode is still to be chosen from memory (``"fit"``)."""
+        return self.mode == FIT
 
     def describe(self) -> str:
         extra = [f"budget={self.budget}"] if self.budget is not None else []
@@ -136,3 +152,51 @@ class Remat:
         extra += ["recompute_collectives"] if self.recompute_collectives else []
         extra += ["offload"] if self.offload else []
         return self.mode + (f"({', '.join(extra)})" if extra else "")
+
+
+@dataclass(frozen=True)
+class RematChoice:
+    """What ``remat="fit"`` chose for one program, and why: the planned per-rank peak of each
+    mode tried, in order of recomputation (least first), against the budget.
+
+    ``budget_source`` says where the budget came from (``memory_budget=``, the environment,
+    the device's free memory). ``fits`` is False when no mode fits: ``chosen`` is then the
+    leanest tried, and the run may run out of memory.
+
+    Example::
+
+        step = spdsl.sp_shard(seq=2)(model)
+        step(ids, labels)
+        print(spdsl.plan(step, ids, labels).remat)
+        # fit -> none (fits): planned peak per rank none 2.03 MiB; budget 5.03 GiB (...)
+    """
+
+    chosen: str
+    budget: int
+    budget_source: str
+    considered: tuple[tuple[str, int], ...]      # (mode, planned peak bytes per rank)
+    fits: bool = True
+
+    def to_dict(self) -> dict:
+        return {"chosen": self.chosen, "budget": self.budget,
+                "budget_source": self.budget_source, "fits": self.fits,
+                "considered": [{"mode": m, "peak": p} for m, p in self.considered]}
+
+    @staticmethod
+    def from_dict(d: dict) -> RematChoice:
+        return RematChoice(d["chosen"], d["budget"], d["budget_source"],
+                           tuple((c["mode"], c["peak"]) for c in d["considered"]), d["fits"])
+
+    def __str__(self) -> str:
+        tried = ", ".join(f"{m} {_size(p)}" for m, p in self.considered)
+        verdict = "fits" if self.fits else "nothing fits; the leanest tried"
+        return (f"fit -> {self.chosen} ({verdict}): planned peak per rank {tried}; "
+                f"budget {_size(self.budget)} ({self.budget_source})")
+
+
+def _size(b: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(b) < 1024 or unit == "TiB":
+            return f"{b:.0f} B" if unit == "B" else f"{b:.2f} {unit}"
+        b /= 1024
+    return str(b)

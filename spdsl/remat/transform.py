@@ -81,6 +81,9 @@ def apply_remat(gm: torch.fx.GraphModule, remat, state: list[TensorSpec],
         local.spdsl_remat        # RematReport: what was tiled and saved
     """
     r = Remat.of(remat)
+    if r.fit:
+        raise TypeError("remat='fit' names no policy yet: choose one from memory first "
+                        "(spdsl.memory.fit.choose_remat), then apply it")
     report = RematReport(r)
     if r.mode == "none" and not r.tile_mlp and not r.tile_loss:
         gm.spdsl_remat = report

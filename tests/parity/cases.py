@@ -363,7 +363,7 @@ def case_flex(world: int) -> dict:
     from spdsl._torch import flex_attention_on_cpu
 
     out = {}
-    for name, per_head, remat in (("document", False, None), ("per_head", True, None),
+    for name, per_head, remat in (("document", False, "auto"), ("per_head", True, "auto"),
                                   ("document_remat_full", False, "full")):
         seq = 16 * world
         ids = _ids(2, seq, vocab=64)

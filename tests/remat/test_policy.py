@@ -23,7 +23,8 @@ def test_parse_bytes():
 
 
 def test_remat_of():
-    assert Remat.of(None).mode == "auto"
+    assert Remat.of(None).mode == "fit" and Remat.of(None).fit     # chosen from memory
+    assert Remat.of("fit") == Remat("fit") and not Remat.of("auto").fit
     assert Remat.of("full") == Remat("full")
     assert Remat.of("2GiB") == Remat("auto", budget=2 * 2 ** 30)
     assert Remat.of(4096).budget == 4096

@@ -7,7 +7,6 @@ change), propagates placements, lowers the graph for this rank and runs it on lo
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import os
 import warnings
@@ -463,13 +462,12 @@ class Sharded:
             data_out.append(have if keep else REPLICATE)
         return dprop, data_out
 
-    def _regathered(self, phs: list, sharded: list, mode: str | None = None) -> frozenset:
+    def _regathered(self, phs: list, sharded: list) -> frozenset:
         """Sharded parameters first used inside a checkpointed layer: gathered again when the
-        layer is recomputed in backward (remat ``auto``/``full``; ``"fit"`` counts as
-        ``"none"`` until the step chooses its mode: ``_note_regathers``)."""
+        layer is recomputed in backward (remat ``auto``/``full``)."""
         from spdsl.propagate.source import module_of
         from spdsl.remat.segments import layer_of
-        if (mode or self.remat.mode) not in ("auto", "full"):
+        if self.remat.mode not in ("auto", "full"):
             return frozenset()
         order = {n: i for i, n in enumerate(phs[0].graph.nodes)} if phs else {}
         out = set()
@@ -542,7 +540,6 @@ class Sharded:
             specs = local_specs(entry, args, kwargs, self.parts, rank)
             if self.remat.fit:     # the mode from memory (spdsl.memory.fit), once per program
                 local, entry.remat, entry.plan.remat = self._fit_remat(entry, local, *specs)
-                self._note_regathers(entry)
             else:
                 local = apply_remat(local, self.remat, *specs, peak=step_peak)
             if self.compile:
@@ -572,18 +569,6 @@ class Sharded:
         return choose_remat(local, self.remat, state, ins, compiled=self.compile,
                             resident=resident,
                             agree=self._most if dist.is_initialized() else None)
-
-    def _note_regathers(self, entry: _Compiled) -> None:
-        """The plan's parameter gathers again in backward, once ``"fit"`` chose a mode that
-        recomputes layers (the plan was built before the choice)."""
-        graph = entry.traced.graph.graph
-        order = {n: k for k, n in enumerate(graph.nodes)}
-        phs = [n for n in graph.nodes if n.op == "placeholder"]
-        again = self._regathered(phs, entry.sharded, entry.remat.mode)
-        firsts = {min(phs[i].users, key=order.__getitem__).name for i in again}
-        entry.plan.collectives[:] = [
-            dataclasses.replace(c, bytes_bwd=c.bytes) if c.kind == "all_gather" and
-            c.purpose == "state" and c.node in firsts else c for c in entry.plan.collectives]
 
     def _most(self, index: int) -> int:
         """The largest ``index`` of any rank of the mesh: one all-reduce per axis."""

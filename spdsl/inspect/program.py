@@ -113,6 +113,10 @@ def collectives_of(gm: torch.nn.Module, plan: ShardingPlan, axes: dict[str, str]
     for n, c, again in program_calls(gm):
         axis = axes.get(c.group, c.group)
         origin = n.meta.get("spdsl_origin") or ""
+        if origin not in typed and c.purpose != "gradient":
+            # a call placed by a pass (a parameter gather): listed at the value that uses it
+            origin = next((u.meta["spdsl_origin"] for u in n.users
+                           if u.meta.get("spdsl_origin") in typed), origin)
         at = n
         purpose = c.purpose
         if not origin and n in outputs:     # an output's redistribution to its out_spec
@@ -172,8 +176,9 @@ def program_for_plan(fn, entry, args: tuple, kwargs: dict,
 
     from spdsl.lower.graph import lower
     from spdsl.lower.kernels import swap_kernels
+    from spdsl.lower.ring import ring_axes
     from spdsl.lower.shapes import fill_shapes
-    from spdsl.memory.planner import _group, _off_meta
+    from spdsl.memory.planner import _factor, _group, _off_meta
     from spdsl.memory.simulate import step_peak
     from spdsl.remat import apply_remat, local_specs
 
@@ -190,15 +195,17 @@ def program_for_plan(fn, entry, args: tuple, kwargs: dict,
             local = apply_remat(local, r, state, ins, peak=step_peak)
         if any(n.op == "call_function" and "val" not in n.meta for n in local.graph.nodes):
             fill_shapes(local, state + ins)       # remat "none" leaves the graph unfilled
-        return describe_with(local, axes)
+        return describe_with(local, {**ring_axes(local, fn.axis), **axes})
 
     if entry.data is not None or entry.sharded:   # the job's own groups and this rank
         local = _off_meta(fn.lowered(entry, args, kwargs))
         return finish(local, entry.rank, _axes(fn))
     in_job = dist.is_initialized() and dist.get_world_size() > 1
     rank = fn._group_and_rank()[1] if in_job else 0
+    factor = _factor(fn)                # before a planning group exists
     with _group(fn) as group:
-        local = _off_meta(lower(entry.prop, rank, group, entry.out_placements))
+        local = _off_meta(lower(entry.prop, rank, group, entry.out_placements,
+                                factor=factor))
         return finish(local, rank, {group: fn.axis})
 
 
@@ -207,9 +214,8 @@ def _axes(fn) -> dict[str, str]:
     axes = {fn._group_and_rank()[0]: fn.axis}
     if fn.data_parts > 1:
         axes[fn._group_and_rank(fn.data_axis)[0]] = fn.data_axis
-        axes[fn._world().get_group().group_name] = f"{fn.data_axis}+{fn.axis}"
-    elif fn.parts < fn._world().size():
-        axes[fn._world().get_group().group_name] = "world"
+        both = f"{fn.data_axis}+{fn.axis}" if fn.parts > 1 else fn.data_axis
+        axes.setdefault(fn._world().get_group().group_name, both)
     return axes
 
 

@@ -30,6 +30,7 @@ from spdsl.lower.compile import compile_local
 from spdsl.lower.graph import lower
 from spdsl.lower.kernels import KernelChoice, swap_kernels
 from spdsl.memory.simulate import step_peak
+from spdsl.propagate.attention_choice import AttentionConfig
 from spdsl.propagate.engine import Propagator
 from spdsl.propagate.modes import describe_change, global_modes, module_modes, run_modes
 from spdsl.propagate.placement import (
@@ -99,7 +100,8 @@ class Sharded:
                  axis: str | None = None, parts: int | None = None, seq_dim: int | None = None,
                  compile: bool = False, debug: bool | None = None, remat=None,
                  kernels="auto", shard_state: bool = False, batch: str = "global",
-                 strict: bool = False, memory_budget: int | str | None = None) -> None:
+                 strict: bool = False, memory_budget: int | str | None = None,
+                 attention=None) -> None:
         if batch not in ("global", "local"):
             raise ShardingError(rule="batch", detail=f"batch={batch!r}",
                                 fix='use batch="global" (every rank passes the whole batch) '
@@ -108,6 +110,8 @@ class Sharded:
         _check_specs(out_specs, "out_specs")
         self.fn, self._mesh, self.in_specs, self.out_specs = fn, mesh, in_specs, out_specs
         self.shard_state, self.batch, self.strict = shard_state, batch, strict
+        self.attention = AttentionConfig.of(attention)   # ulysses | ring | hybrid | auto
+        self._factors: dict[int, tuple] = {}
         self._state_mesh = None
         self.remat = _remat_of(remat, memory_budget)   # "fit" | "none" | "full" | "auto" | budget
         self.kernels = KernelChoice.of(kernels)   # spdsl.lower.kernels: "auto"|"on"|"off"|names
@@ -378,7 +382,8 @@ class Sharded:
                 val = node.meta["val"]
                 node.meta["spdsl_constraint"] = self._placement_of(val, sp, -1) if len(sp) \
                     else REPLICATE
-        prop = Propagator(gm, self.parts, self.axis, gathers="error" if self.strict else "warn")
+        prop = Propagator(gm, self.parts, self.axis, gathers="error" if self.strict else "warn",
+                          attention=self.attention)
         prop.run(inputs)
         outs = self._out_placements(traced, prop)
         dprop, data_out = None, []
@@ -586,9 +591,18 @@ class Sharded:
         data, state = self._lowering_axes(entry)
         entry.rank, entry.data_rank = rank, data.rank if data is not None else 0
         local = lower(entry.prop, rank, group, entry.out_placements, data, entry.data_out,
-                      state)
+                      state, self._factor)
         entry.input_shapes = [tuple(x.shape) for x in self._local_inputs(entry, args, kwargs)]
         return local
+
+    def _factor(self, u: int) -> tuple:
+        """The sequence axis as ``U``-rank Ulysses groups and rings across them (hybrid
+        attention, ``spdsl.lower.ring``): (Ulysses group, rank in it, ring group, rank in it,
+        ring size). Every rank of the job builds the same groups, once per degree."""
+        if u not in self._factors:
+            from spdsl.annotate.mesh import factor_axis
+            self._factors[u] = factor_axis(self.mesh, self.axis, u)
+        return self._factors[u]
 
     def _lowering_axes(self, entry: _Compiled):
         """The data axis and the parameter-gather pass of this rank's lowering, if any."""
@@ -700,12 +714,13 @@ def _axis_of(specs, skip: str | None = None) -> str | None:
 def shard(fn: Callable | None = None, *, mesh, in_specs, out_specs=None,
           compile: bool = False, debug: bool | None = None, remat=None, kernels="auto",
           shard_state: bool = False, batch: str = "global", strict: bool = False,
-          memory_budget: int | str | None = None) -> Sharded | Callable[[Callable], Sharded]:
+          memory_budget: int | str | None = None,
+          attention=None) -> Sharded | Callable[[Callable], Sharded]:
     """Run ``fn`` split over a mesh axis: ``in_specs`` mirror the positional arguments (one
     ``P`` per tensor, or None for replicated), ``out_specs`` the outputs (scalars: ``P()``).
     Every rank passes the same global tensors (or DTensors). Usable as a decorator. Takes the
     same ``compile``/``remat``/``memory_budget``/``kernels``/``debug``/``shard_state``/
-    ``batch``/``strict`` options as ``sp_shard``. On a two-axis mesh, a spec naming the data axis on the batch dim
+    ``batch``/``strict``/``attention`` options as ``sp_shard``. On a two-axis mesh, a spec naming the data axis on the batch dim
     (``P("dp", "sp")``) splits the batch over it.
 
     Example::
@@ -715,17 +730,20 @@ def shard(fn: Callable | None = None, *, mesh, in_specs, out_specs=None,
                            out_specs=P())
         loss = step(input_ids, labels)      # exact global loss on every rank
     """
+    AttentionConfig.of(attention)       # a mistake fails here, not at the first call
+
     def wrap(f: Callable) -> Sharded:
         return Sharded(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, compile=compile,
                        debug=debug, remat=remat, kernels=kernels, shard_state=shard_state,
-                       batch=batch, strict=strict, memory_budget=memory_budget)
+                       batch=batch, strict=strict, memory_budget=memory_budget,
+                       attention=attention)
     return wrap(fn) if fn is not None else wrap
 
 
 def sp_shard(fn: Callable | None = None, *, seq: int, seq_dim: int = 1, axis: str = "sp",
              mesh=None, compile: bool = False, debug: bool | None = None, remat=None,
              kernels="auto", shard_state: bool = False, batch: str = "global",
-             strict: bool = False, memory_budget: int | str | None = None):
+             strict: bool = False, memory_budget: int | str | None = None, attention=None):
     """Sequence parallelism for a forward: tensor arguments whose dim ``seq_dim`` has the
     sequence length are split over ``seq`` ranks of axis ``axis``; everything else, parameters
     included, is replicated. Scalars come back as the exact global value; sequence-shaped
@@ -741,7 +759,11 @@ def sp_shard(fn: Callable | None = None, *, seq: int, seq_dim: int = 1, axis: st
     (``"auto"``: on CUDA; ``"on"``/``"off"``); ``debug=True`` checks every rank passed the
     same batch. An op that needs the whole sequence on every rank because it sorts, selects or
     scans along it (sort, topk, cumsum, FFT, ...) gathers it there and warns; ``strict=True``
-    makes that a ``ShardingError``.
+    makes that a ``ShardingError``. ``attention`` says how attention runs over the ranks:
+    ``"auto"`` (default: by a cost model, ``spdsl.propagate.attention_choice``; Ulysses where
+    the heads split over the ranks), ``"ulysses"`` (heads split by all-to-all), ``"ring"``
+    (k/v passed around the ranks: no bound on the degree), ``"hybrid"`` or ``("hybrid", U)``
+    (Ulysses inside groups of ``U`` ranks, a ring across them).
 
     Scale: on a mesh with a second axis (``mesh=spdsl.mesh(dp=2, sp=4)``, or more ranks than
     ``seq``), the batch (dim 0) is split over it too and the loss is the exact mean over every
@@ -760,11 +782,13 @@ def sp_shard(fn: Callable | None = None, *, seq: int, seq_dim: int = 1, axis: st
         opt = torch.optim.AdamW(model.parameters())       # sharded optimizer state
     """
     _check_degree(seq, seq_dim)
+    AttentionConfig.of(attention)       # a mistake fails here, not at the first call
 
     def wrap(f: Callable) -> Sharded:
         return Sharded(f, mesh=mesh, axis=axis, parts=seq, seq_dim=seq_dim, compile=compile,
                        debug=debug, remat=remat, kernels=kernels, shard_state=shard_state,
-                       batch=batch, strict=strict, memory_budget=memory_budget)
+                       batch=batch, strict=strict, memory_budget=memory_budget,
+                       attention=attention)
     return wrap(fn) if fn is not None else wrap
 
 

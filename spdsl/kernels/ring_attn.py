@@ -62,6 +62,7 @@ class _Pending:
     def wait(self) -> torch.Tensor:
         for w in self.works:
             w.wait()
+        self.works = ()     # the works hold the sent tensor: it goes now, not at the next shift
         return self.buf
 
 
@@ -148,7 +149,7 @@ def _backward(dout, q, k, v, out, stats, leaves, program_key, causal, scale, lay
     do, of = _up(dout, out)
     delta = (do * of).sum(-1, keepdim=True)
     m, den = stats[..., 0:1], stats[..., 1:2]
-    dq = torch.zeros_like(qf)
+    dq = qf.new_zeros(qf.shape)         # contiguous, as the fake kernel says (q may be a view)
     rows, cols = block_sizes(b, h, s_q, s_k)
     ring = _Ring(group, parts, rank) if parts > 1 else None
     kv, grads = _pack(k, v), None
@@ -172,11 +173,13 @@ def _backward(dout, q, k, v, out, stats, leaves, program_key, causal, scale, lay
             dk = dk.view(b, hk, h // hk, s_k, d).sum(2)
             dvv = dvv.view(b, hk, h // hk, s_k, dv).sum(2)
         mine = _pack(dk, dvv)
+        del dk, dvv                      # packed: not held beside the next step's blocks
         if t == 0:
             own = mine                   # the rank's own piece: added when the rest arrives
         else:
             if grads is not None:        # the piece's gradient from the ranks before
                 mine += grads.wait()
+                grads = None             # the received buffer goes before the next is made
             # one rank behind its piece: after the last step it reaches the piece's owner
             grads = ring.shift(mine, _DKV_TAG)
         if nxt is not None:
@@ -259,3 +262,64 @@ def ring_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group: str, 
     out, _ = torch.ops.spdsl.ring_attn(q, k, v, list(leaves), key or "", bool(causal), scale,
                                        layout, parts, rank, group)
     return out
+
+
+def workspace_bytes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, leaves: list = (),
+                    program: str = "", causal: bool = False, backward: bool = False,
+                    parts: int | None = None) -> int:
+    """The op's peak scratch beyond its inputs and outputs, for the memory planner (checked
+    against the allocator in tests/memory/test_ring_workspace.py), on a ring of ``parts``
+    ranks (``None``: the most any ring needs, that of four ranks or more).
+
+    Forward: the k/v piece attended and the one arriving (packed, k's dtype), their fp32
+    copies at the query heads (GQA or a narrow dtype), the running row max and sum, a
+    narrow dtype's fp32 queries and output, and a block's scratch as in
+    :func:`spdsl.kernels.masked_attn.workspace_bytes` plus the running output of the block's
+    previous key block and its update (four ``[rows, Dv]`` fp32 at once). Backward, at the
+    block phase of its fullest step: the pieces and their fp32 copies as forward, the step's
+    fp32 dk/dv at the query heads, gradient accumulators (fp32, kv heads, packed: the
+    owner's share from step 1; from step 2 also the one in flight to the next rank and the
+    one arriving), a narrow dtype's fp32 q, dout, output and dq, and the block's scratch
+    (``delta`` included); or, when larger (few heads, long pieces), the moment a step packs
+    its dk/dv (two more accumulators, no block).
+
+    Example::
+
+        q = torch.empty(1, 4, 65536, 128, dtype=torch.bfloat16, device="meta")
+        k = torch.empty(1, 1, 65536, 128, dtype=torch.bfloat16, device="meta")
+        workspace_bytes(q, k, k, causal=True, backward=True, parts=8)
+    """
+    from spdsl.kernels.masked_attn import workspace_bytes as block_bytes
+    b, h, s_q, d = q.shape
+    hk, s_k, dv = k.shape[1], k.shape[2], v.shape[3]
+    f32 = torch.promote_types(q.dtype, torch.float32)
+    w = torch.empty((), dtype=f32).element_size()
+    narrow = q.dtype != f32
+    piece = b * hk * s_k * (d + dv) * k.element_size()         # one packed k/v piece
+    pieces = piece * (2 if parts is None or parts > 1 else 1)  # attended, arriving
+    up = b * h * s_k * (d + dv) * w if (hk != h or narrow) else 0          # kf, vf
+    with torch.device("meta"):         # the block's own scratch: fp32, heads as the queries
+        qm = torch.empty((b, h, s_q, d), dtype=f32)
+        km, vm = torch.empty((b, h, s_k, d), dtype=f32), torch.empty((b, h, s_k, dv), dtype=f32)
+        block = block_bytes(qm, km, vm, list(leaves), program, causal, backward)
+    rows, _ = block_sizes(b, h, s_q, s_k)
+    qf = b * h * s_q * d * w if narrow else 0
+    of = b * h * s_q * dv * w if narrow else 0
+    if not backward:
+        running = 2 * b * h * rows * dv * w      # beyond the block count's two [rows, Dv]
+        return pieces + up + block + running + 2 * b * h * s_q * w + qf + of
+    acc = b * hk * s_k * (d + dv) * w            # one packed fp32 gradient accumulator
+    # (pieces, accumulators) held at a step's blocks and when it packs its dk/dv (then also
+    # dk/dv summed to the kv heads and the packed copy: two more); step 0 holds none, step 1
+    # the owner's share, later steps also the one in flight and the one arriving
+    if parts is None or parts >= 4:
+        blocks_at, packing = pieces + 3 * acc, pieces + 5 * acc
+    elif parts == 3:                             # step 1: two pieces; step 2: the last one
+        blocks_at = max(pieces + acc, piece + 3 * acc)
+        packing = max(pieces + 3 * acc, piece + 5 * acc)
+    elif parts == 2:
+        blocks_at, packing = max(pieces, piece + acc), piece + 3 * acc
+    else:
+        blocks_at, packing = piece, piece + 2 * acc
+    dkv = b * h * s_k * (d + dv) * w             # the step's dk, dv at the query heads
+    return max(blocks_at + up + dkv + block, packing) + 2 * qf + 2 * of  # q, dq; dout, out

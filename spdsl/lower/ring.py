@@ -90,3 +90,54 @@ def factor_ranks(ranks: torch.Tensor, u: int) -> tuple:
                 found[kind] = (pg.group_name, members.index(me))
     (ug, ur), (rg, rr) = found
     return ug, ur, rg, rr, parts // u
+
+
+def ring_axes(gm: torch.fx.GraphModule, axis: str) -> dict[str, str]:
+    """Process group name -> what the plan calls it, for the groups of the ring and hybrid
+    calls of ``gm``: ``sp/ulysses`` (a Ulysses group), ``sp/ring`` (a ring of a hybrid)."""
+    out = {}
+    for n in gm.graph.nodes:
+        if n.op == "call_function" and n.target in (ring_attention, ring_attention_fn):
+            u = n.args[7 if n.target is ring_attention_fn else 6]
+            ugroup, _, rgroup, _, _ = n.args[8 if n.target is ring_attention_fn else 7]
+            if u > 1:
+                out[ugroup], out[rgroup] = f"{axis}/ulysses", f"{axis}/ring"
+    return out
+
+
+def _describe(node, grad, mask_index: int | None) -> list:
+    """The plan's entries for one ring/hybrid call (``spdsl.lower.calls``): the Ulysses
+    exchanges inside the group (hybrid), and ``R - 1`` ring steps, each sending the k/v
+    piece on (forward and backward) and, in backward, the fp32 dk/dv accumulator of a piece
+    one rank behind it."""
+    from spdsl.lower.calls import Call, nbytes
+    from spdsl.propagate.heads import kv_repeat
+    q, k, v = node.args[:3]
+    u = node.args[7 if mask_index is None else 6]
+    ugroup, _, rgroup, _, r = node.args[8 if mask_index is None else 7]
+    back = any(grad(x) for x in (q, k, v))
+    kq, kk = q.meta["val"], k.meta["val"]
+    rep = kv_repeat(kq.shape[1], kk.shape[1], u) if u > 1 else 1
+    calls = []
+    if u > 1:
+        qkv = nbytes(q) + (nbytes(k) + nbytes(v)) * rep
+        calls.append(Call("all_to_all", ugroup, qkv, qkv if back else 0, "ulysses", (q, k, v)))
+    cast = node.kwargs.get("compute_dtype")
+    item = cast.itemsize if cast is not None else kk.element_size()
+    elems = (kk.numel() + v.meta["val"].numel()) * rep
+    piece, grads = elems * item, elems * max(4, item)
+    calls += [Call("send_recv", rgroup, piece, piece + grads if back else 0, "ring", (k, v))
+              for _ in range(r - 1)]
+    if u > 1:
+        o = nbytes(node)
+        calls.append(Call("all_to_all", ugroup, o, o if back else 0, "ulysses", (node,)))
+    return calls
+
+
+def _register_plan_entries() -> None:
+    from spdsl.lower.calls import register
+    register(ring_attention_fn)(lambda node, grad: _describe(node, grad, None))
+    register(ring_attention)(lambda node, grad: _describe(node, grad, 3))
+
+
+_register_plan_entries()

@@ -9,6 +9,7 @@ so this works on meta-device models of any size.
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import torch.distributed as dist
 
@@ -54,8 +55,10 @@ def plan_memory(fn, *args, remat=None, rank: int = 0, optimizer: str = "adamw",
                        entry.rank, compiled)
     state, ins = local_specs(entry, args, kwargs, fn.parts, rank)
     tokens = _local_tokens(entry, ins)
+    factor = _factor(fn)                # before a planning group exists
     with _group(fn) as group:
-        local = _off_meta(lower(entry.prop, rank, group, entry.out_placements))
+        local = _off_meta(lower(entry.prop, rank, group, entry.out_placements,
+                                factor=factor))
         return _finish(fn, local, r, state, ins, optimizer, tokens, rank, compiled)
 
 
@@ -85,6 +88,22 @@ def _off_meta(gm):
             n.kwargs = {**n.kwargs, "device": torch.device("cpu")}
     gm.recompile()
     return gm
+
+
+def _planning_factor(parts: int, u: int) -> tuple:
+    """Hybrid attention's groups in the planning group (rank 0 of ``parts``)."""
+    import torch
+
+    from spdsl.lower.ring import factor_ranks
+    return factor_ranks(torch.arange(parts).view(1, parts), u)
+
+
+def _factor(fn):
+    """The groups of hybrid attention: the job's (a run in progress), or the planning
+    group's."""
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        return fn._factor
+    return functools.partial(_planning_factor, fn.parts)
 
 
 def _group(fn):

@@ -83,6 +83,27 @@ def _masked_entries() -> None:
 _masked_entries()
 
 
+def _ring_attn(args, kwargs) -> int:
+    from spdsl.kernels.ring_attn import workspace_bytes as ring
+    q, k, v, leaves, program, causal = args[:6]
+    return ring(q, k, v, leaves, program, causal)
+
+
+def _ring_attn_backward(args, kwargs) -> int:
+    from spdsl.kernels.ring_attn import workspace_bytes as ring
+    q, k, v, leaves, program, causal = (*args[1:4], *args[6:9])
+    return ring(q, k, v, leaves, program, causal, backward=True)
+
+
+def _ring_entries() -> None:
+    from spdsl.kernels import ring_attn  # noqa: F401  (registers the ops)
+    WORKSPACE[torch.ops.spdsl.ring_attn.default] = _ring_attn
+    WORKSPACE[torch.ops.spdsl.ring_attn_backward.default] = _ring_attn_backward
+
+
+_ring_entries()
+
+
 def workspace_bytes(func, args, kwargs) -> int:
     """Bytes ``func(*args, **kwargs)`` allocates and frees inside its kernel (0 if unknown).
 

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import operator
 import warnings
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -165,13 +164,12 @@ def _param(v: torch.fx.Node, typed: dict) -> str:
     return val.origin.removeprefix("parameter ") if val is not None else v.name
 
 
-def program_for_plan(fn, entry, args: tuple, kwargs: dict,
-                     describe_with: Callable[[torch.nn.Module, dict], list[Collective]]
-                     ) -> list[Collective]:
-    """Build the local program of ``fn(*args, **kwargs)`` the way a step does (lower, swap
-    kernels, apply remat; ``spdsl.memory.planner`` builds the same for its simulation) and
-    describe it with ``describe_with(program, axes)``. Outside a job a fake process group
-    of the axis' size stands in; no collective runs."""
+def program_for_plan(fn, entry, args: tuple, kwargs: dict
+                     ) -> tuple[torch.nn.Module, dict[str, str]]:
+    """The local program of ``fn(*args, **kwargs)`` built the way a step does (lower, swap
+    kernels, apply remat; ``spdsl.memory.planner`` builds the same for its simulation), its
+    shapes filled, and the axis of each process group it names. Outside a job a fake process
+    group of the axis' size stands in; no collective runs."""
     import torch.distributed as dist
 
     from spdsl.lower.graph import lower
@@ -182,7 +180,7 @@ def program_for_plan(fn, entry, args: tuple, kwargs: dict,
     from spdsl.memory.simulate import step_peak
     from spdsl.remat import apply_remat, local_specs
 
-    def finish(local, rank: int, axes: dict[str, str]) -> list[Collective]:
+    def finish(local, rank: int, axes: dict[str, str]):
         state, ins = local_specs(entry, args, kwargs, fn.parts, rank)
         local = swap_kernels(local, fn.kernels, state, ins)
         r = fn.remat
@@ -195,7 +193,7 @@ def program_for_plan(fn, entry, args: tuple, kwargs: dict,
             local = apply_remat(local, r, state, ins, peak=step_peak)
         if any(n.op == "call_function" and "val" not in n.meta for n in local.graph.nodes):
             fill_shapes(local, state + ins)       # remat "none" leaves the graph unfilled
-        return describe_with(local, {**ring_axes(local, fn.axis), **axes})
+        return local, {**ring_axes(local, fn.axis), **axes}
 
     if entry.data is not None or entry.sharded:   # the job's own groups and this rank
         local = _off_meta(fn.lowered(entry, args, kwargs))
@@ -225,8 +223,7 @@ def attach(plan: ShardingPlan, fn, args: tuple, kwargs: dict) -> None:
     def read(plan: ShardingPlan) -> list[Collective]:
         entry = fn.build(args, kwargs)
         try:
-            return program_for_plan(fn, entry, args, kwargs,
-                                    lambda gm, axes: collectives_of(gm, plan, axes))
+            local, axes = program_for_plan(fn, entry, args, kwargs)
         except (ValueError, NotImplementedError) as e:
             # a lowering that needs groups a planning process lacks: say so, and list what
             # propagation decided (the gradient of each parameter reduced alone, no remat)
@@ -234,4 +231,5 @@ def attach(plan: ShardingPlan, fn, args: tuple, kwargs: dict) -> None:
                           "the collectives listed are propagation's, not the program's",
                           stacklevel=3)
             return plan.__dict__["_collectives"]
+        return collectives_of(local, plan, axes)
     plan.__dict__["_program"] = read

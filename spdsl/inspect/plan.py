@@ -22,6 +22,7 @@ from spdsl.propagate.heads import kv_repeat
 from spdsl.propagate.masks import MASK
 from spdsl.propagate.moves import Move
 from spdsl.propagate.placement import Partial, Replicate, Shard, typed_shape
+from spdsl.propagate.rules.attention import CHOICE
 from spdsl.propagate.source import module_of, source_of
 
 if TYPE_CHECKING:
@@ -84,6 +85,9 @@ class Attention:
     floor: int
     mask: str = ""       # how its mask is carried: none, a function of per-token values
     #                      (spdsl.propagate.masks), or a dense tensor and its bytes per rank
+    runs: str = ""       # how it runs over the ranks: ulysses, ring, hybrid UxR
+    #                      (spdsl.propagate.attention_choice), and why: the cost model's
+    why: str = ""        # figures (seconds per step, forward and backward) per candidate
 
 
 @dataclass
@@ -283,8 +287,10 @@ def _attention(node: torch.fx.Node, prop: Propagator, ins: list) -> Attention | 
         out = node.meta["val"][0] if flex else node.meta["val"]
         rep = kv_repeat(q.shape[1], k.shape[1], P)    # kv heads repeated up to the degree
         floor = (nbytes(q) + (nbytes(k) + nbytes(v)) * rep + nbytes(out)) / P
+        choice = node.meta.get(CHOICE)
+        runs, why = ("ulysses", "") if choice is None else (choice.label, _why(choice))
         return Attention(node.name, form_of(node).name, module_of(node), source_of(node),
-                         int(floor), _mask_words(node, ins, fn, flex))
+                         int(floor), _mask_words(node, ins, fn, flex), runs, why)
     if node.target is torch.ops.aten.bmm.default and len(ins) == 2:
         a, b = (prop.placement(x) if not isinstance(prop.decisions[x].output, tuple)
                 else None for x in ins)
@@ -293,6 +299,12 @@ def _attention(node: torch.fx.Node, prop: Propagator, ins: list) -> Attention | 
             return Attention(node.name, "eager", module_of(node), source_of(node),
                              int(2 * (nbytes(q) + nbytes(k)) / P))
     return None
+
+
+def _why(choice) -> str:
+    costs = ", ".join(f"{k} {v * 1e3:.3g} ms" for k, v in choice.costs.items())
+    return f"{choice.why}" + (f"; cost model, one layer's attention per step: {costs}"
+                              if len(choice.costs) > 1 else "")
 
 
 def _mask_words(node: torch.fx.Node, ins: list, fn: bool, flex: bool) -> str:

@@ -63,7 +63,8 @@ def to_dict(plan: ShardingPlan) -> dict[str, Any]:
                     "ratio_fwd": _ratio(b.ratio)} for b in plan.layers],
         "outputs": [{"value": n, "placement": p} for n, p in plan.outputs],
         "attention": [{"name": a.name, "kind": a.kind, "module": a.module, "source": a.source,
-                       "floor_fwd": a.floor, "mask": a.mask} for a in plan.attention],
+                       "floor_fwd": a.floor, "mask": a.mask, "runs": a.runs, "why": a.why}
+                      for a in plan.attention],
         "collectives": [_collective(c) for c in plan.collectives],
         "values": [_value(v) for v in plan.values],
         "remat": plan.remat.to_dict() if plan.remat is not None else None,
@@ -98,7 +99,7 @@ def from_json(text: str) -> ShardingPlan:
                         c.get("recomputed", False), tuple(c.get("carries", ())))
              for c in d["collectives"]]
     att = [Attention(a["name"], a["kind"], a["module"], a["source"], a["floor_fwd"],
-                     a.get("mask", ""))
+                     a.get("mask", ""), a.get("runs", ""), a.get("why", ""))
            for a in d["attention"]]
     remat = RematChoice.from_dict(d["remat"]) if d.get("remat") else None
     return ShardingPlan(d["axis"], d["parts"], values, colls,

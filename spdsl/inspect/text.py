@@ -120,11 +120,14 @@ def render(plan: ShardingPlan) -> str:
     if t.state_fwd or t.state_bwd:
         lines.append(f"  sharded state:      parameter all-gathers and gradient reduce-scatters "
                      f"{fmt_bytes(t.state_fwd)} forward, {fmt_bytes(t.state_bwd)} backward")
-    sites: dict[tuple[str, str], int] = {}
+    sites: dict[tuple[str, str, str, str], int] = {}
     for a in plan.attention:
-        sites[(a.kind, a.mask)] = sites.get((a.kind, a.mask), 0) + 1
-    for (kind, mask), n in sites.items():
+        key = (a.kind, a.mask, a.runs, a.why)
+        sites[key] = sites.get(key, 0) + 1
+    for (kind, mask, runs, why), n in sites.items():
         lines.append(f"  attention:          {n} x {kind}, mask: {mask}")
+        if runs:
+            lines.append(f"                      runs {runs}" + (f": {why}" if why else ""))
     if t.floor_fwd:
         lines.append(f"  Ulysses floor:      forward {fmt_bytes(t.floor_fwd)}, backward "
                      f"{fmt_bytes(t.floor_bwd)}  ->  {fmt_ratio(t.ratio_fwd)} forward, "

@@ -147,7 +147,7 @@ def choose_remat(local: torch.fx.GraphModule, remat: Remat, state: list[TensorSp
     if not fits:
         warnings.warn(f"spdsl: no remat mode fits this step: {choice}. Give a larger "
                       "budget (memory_budget=), more ranks, shard_state=True, or "
-                      "remat=spdsl.Remat('full', recompute_collectives=True)", stacklevel=3)
+                      "remat=spdsl.Remat('full', recompute_collectives=True)", stacklevel=5)
     return tried[pick][2], modes[pick], choice
 
 

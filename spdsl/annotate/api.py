@@ -493,7 +493,9 @@ class Sharded:
         data = DataAxis(dprop, 0, "dp", "world") if dprop is not None else None
         gather = GatherState(sharded, world, 0, "sp" if data is None or self.parts == world
                              else "dp" if self.data_parts == world else "world")
-        local = lower(prop, 0, "sp", outs, data, data_out, gather)
+        # read only, never run: hybrid attention's groups by name alone
+        local = lower(prop, 0, "sp", outs, data, data_out, gather,
+                      lambda u: ("sp", 0, "sp", 0, self.parts // u))
         found = {}
         phs = [n for n in local.graph.nodes if n.op == "placeholder"]
         for n in local.graph.nodes:

@@ -1,9 +1,12 @@
 """The propagated plan: every value's placement and every collective, with where it came from.
 
-Built from the propagation decisions alone (fake tensors, no process group), so a model too
-large for this machine can be planned here. It reads the decision record
-(``spdsl.propagate.engine.Decision`` and its ``Move``s) and never writes to it; the other
-modules of ``spdsl.inspect`` present what this one collects.
+Values, placements and attention sites come from the propagation decisions (fake tensors, no
+process group), so a model too large for this machine can be planned here. It reads the
+decision record (``spdsl.propagate.engine.Decision`` and its ``Move``s) and never writes to
+it; the other modules of ``spdsl.inspect`` present what this one collects. The collectives of
+a plan ``spdsl.plan`` returns are read off the rank's final local program instead, one entry
+per call (``spdsl.inspect.program``); the list :func:`build_plan` derives from the decisions
+stands in only where that program cannot be built (and in plans built here directly).
 """
 
 from __future__ import annotations

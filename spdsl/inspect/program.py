@@ -95,7 +95,11 @@ def _walk(gm: torch.nn.Module, in_grads: list[bool] | None, region, out: list) -
 def _recomputed(region, n: torch.fx.Node) -> bool:
     """Whether the checkpointed layer ``region`` runs ``n``'s forward collective again in
     backward: its SAC policy (``spdsl.remat.policy``) saves collective outputs unless told
-    not to, and always recomputes parameter gathers."""
+    not to, and always recomputes parameter gathers. This assumes the recomputation reaches
+    ``n``: non-reentrant checkpoint stops once every tensor the layer saved is rebuilt, so a
+    collective after the layer's last saving op would not run again (in the Llama layer
+    ``tests/inspect/test_plan_runs.py`` measures, that op is the MLP's output projection,
+    after every collective of the layer)."""
     if region is None:
         return False
     policy = region.policy

@@ -132,7 +132,7 @@ def _forward(q, k, v, leaves, program_key, causal, scale, layout, parts, rank, g
                 m[:, :, r], den[:, :, r], acc[:, :, r] = attend_rows(
                     qf[:, :, r], ks, vs, blocks.spans(i0, i1), scale, m[:, :, r],
                     den[:, :, r], acc[:, :, r])
-        del kf, vf
+        kt = vt = kf = vf = ks = vs = None   # views of the piece: it goes once sent
         if nxt is not None:
             kv = nxt.wait()
     out = acc.div_(torch.where(den > 0, den, torch.ones_like(den)))
@@ -168,7 +168,7 @@ def _backward(dout, q, k, v, out, stats, leaves, program_key, causal, scale, lay
                 grad_rows(qf[:, :, r], do[:, :, r], delta[:, :, r], m[:, :, r], den[:, :, r],
                           ks, vs, blocks.spans(i0, i1), scale, dq[:, :, r],
                           dk[:, :, lk:lk + nk], dvv[:, :, lk:lk + nk])
-        del kf, vf
+        kt = vt = kf = vf = ks = vs = None   # views of the piece: it goes once sent
         if hk != h:
             dk = dk.view(b, hk, h // hk, s_k, d).sum(2)
             dvv = dvv.view(b, hk, h // hk, s_k, dv).sum(2)

@@ -15,10 +15,12 @@ from spdsl.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from spdsl.dtensor_ops import dtensor_attention
 from spdsl.errors import ShardingError
 from spdsl.inspect.plan import Collective, ShardingPlan
+from spdsl.propagate.attention_choice import AttentionConfig
 from spdsl.propagate.rules import RuleCtx, Strategy, register_rule
 from spdsl.remat import Remat
 
 __all__ = [
+    "AttentionConfig",
     "Collective",
     "P",
     "Remat",

@@ -142,6 +142,14 @@ def grad_all_reduce_many(xs: list[torch.Tensor], group: str) -> list[torch.Tenso
     return outs
 
 
+def all_to_all_rows(x: torch.Tensor, out_splits: list[int], in_splits: list[int],
+                    group: str) -> torch.Tensor:
+    """Rows of ``x`` to the ranks ``in_splits`` says (that many rows to each, in rank order),
+    rows from each rank as ``out_splits`` says; backward sends the gradients back the same
+    way. Uneven and empty splits allowed (a relayout of the sequence pieces)."""
+    return _AllToAll.apply(x, group, out_splits, in_splits)
+
+
 def _split_dim(x: torch.Tensor, dim: int, outer: int) -> tuple[torch.Tensor, int]:
     """View ``dim`` as ``(outer, rest)``; returns the view and the index of ``rest``."""
     shape = list(x.shape)

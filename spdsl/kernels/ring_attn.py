@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from torch.profiler import record_function
 
 from spdsl._torch import process_group
 from spdsl.kernels.masked_attn import (
@@ -43,6 +44,7 @@ from spdsl.kernels.masked_attn import (
 )
 
 LAYOUTS = ("contiguous", "zigzag")
+COMPUTE = "spdsl.ring_attn.compute"   # profiler range: a step's attention, no transfer or wait
 _KV_TAG, _DKV_TAG = 7, 8
 
 
@@ -99,11 +101,13 @@ def _unpack(buf: torch.Tensor, *shapes) -> list[torch.Tensor]:
 
 def _pairs(layout, s_q, s_k, parts, rank, src, causal):
     """The (query piece, key piece) pairs a step computes: causal skips keys that all
-    follow the queries."""
-    for lq, gq, nq in segments(layout, s_q, parts, rank):
-        for lk, gk, nk in segments(layout, s_k, parts, src):
-            if not (causal and gk > gq + nq - 1):
-                yield lq, gq, nq, lk, gk, nk
+    follow the queries. The loop over them is the step's compute: a profiler range
+    (``COMPUTE``) spans it, transfers and their waits outside."""
+    with record_function(COMPUTE):
+        for lq, gq, nq in segments(layout, s_q, parts, rank):
+            for lk, gk, nk in segments(layout, s_k, parts, src):
+                if not (causal and gk > gq + nq - 1):
+                    yield lq, gq, nq, lk, gk, nk
 
 
 def _forward(q, k, v, leaves, program_key, causal, scale, layout, parts, rank, group):

@@ -317,13 +317,14 @@ class Lowering:
             q, k, v, leaves, program, _, is_causal, scale = args[:8]
             out = self.graph.call_function(
                 ring.ring_attention_fn, (q, k, v, leaves, program, bool(is_causal), scale,
-                                         choice.ulysses, groups), _dtypes(node))
+                                         choice.ulysses, groups),
+                {**_dtypes(node), "layout": choice.layout})
         else:
             a = list(args) + [None] * (8 - len(args))
             q, k, v, mask, _, is_causal, scale = a[:7]
             out = self.graph.call_function(
                 ring.ring_attention, (q, k, v, mask, bool(is_causal), scale, choice.ulysses,
-                                      groups), _dtypes(node))
+                                      groups), {**_dtypes(node), "layout": choice.layout})
         out.meta[FORM] = form_of(node).name
         return out
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from spdsl.collectives import all_to_all
+from spdsl.collectives import all_to_all, all_to_all_rows
 from spdsl.kernels import ring_attn as _ring_attn  # noqa: F401  (spdsl::ring_attn)
 from spdsl.kernels.masked_attn import register_mask_program
 from spdsl.lower.ops import _HEADS, _SEQ, _to_heads
@@ -47,6 +47,8 @@ def ring_attention_fn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, leaves:
         n = hq // ulysses
         leaves = [t.narrow(1, urank * n, n) if t.shape[1] == hq and hq > 1 else t
                   for t in leaves]
+    if layout != "contiguous":        # the ring's pieces as the layout has them
+        q, k, v = relayout([q, k, v], "contiguous", layout, ring, rrank, rgroup)
     if compute_dtype is not None:
         q, k, v = (t.to(compute_dtype) for t in (q, k, v))
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
@@ -54,7 +56,45 @@ def ring_attention_fn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, leaves:
                                      layout, ring, rrank, rgroup)
     if out_dtype is not None:
         o = o.to(out_dtype)
+    if layout != "contiguous":
+        (o,) = relayout([o], layout, "contiguous", ring, rrank, rgroup)
     return all_to_all(o, _HEADS, _SEQ, ulysses, ugroup) if ulysses > 1 else o
+
+
+def _chunks(layout: str, parts: int, rank: int) -> list[int]:
+    """The chunks (of ``2P``) rank ``rank`` holds, in local order."""
+    return [rank, 2 * parts - 1 - rank] if layout == "zigzag" else [2 * rank, 2 * rank + 1]
+
+
+def _owner(layout: str, parts: int, c: int) -> int:
+    if layout == "zigzag":
+        return c if c < parts else 2 * parts - 1 - c
+    return c // 2
+
+
+def relayout(xs: list[torch.Tensor], src: str, dst: str, parts: int, rank: int,
+             group: str) -> list[torch.Tensor]:
+    """``[B, H, n, D]`` pieces of the sequence (dim 2) held as layout ``src`` -> as ``dst``
+    (``spdsl.kernels.ring_attn.segments``): one all-to-all of rows, each rank sending its
+    two half-pieces to their owners under ``dst``; several tensors go together."""
+    n = xs[0].shape[2]
+    h = n // 2
+    widths = [x[:, :, :1].numel() for x in xs]
+    rows = torch.cat([x.movedim(2, 0).reshape(n, -1) for x in xs], dim=1)     # [n, E]
+    mine, want = _chunks(src, parts, rank), _chunks(dst, parts, rank)
+    piece = dict(zip(mine, rows.split(h)))
+    sent = sorted(mine, key=lambda c: (_owner(dst, parts, c), c))
+    ins = [h * sum(_owner(dst, parts, c) == d for c in mine) for d in range(parts)]
+    outs = [h * sum(_owner(src, parts, c) == s for c in want) for s in range(parts)]
+    got = all_to_all_rows(torch.cat([piece[c] for c in sent]), outs, ins, group)
+    came = sorted(want, key=lambda c: (_owner(src, parts, c), c))
+    by = dict(zip(came, got.split(h)))
+    rows = torch.cat([by[c] for c in want])
+    out = []
+    for x, part in zip(xs, rows.split(widths, dim=1)):
+        shape = [n] + [x.shape[0], x.shape[1], x.shape[3]]
+        out.append(part.reshape(shape).permute(1, 2, 0, 3))
+    return out
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -126,8 +166,15 @@ def _describe(node, grad, mask_index: int | None) -> list:
     item = cast.itemsize if cast is not None else kk.element_size()
     elems = (kk.numel() + v.meta["val"].numel()) * rep
     piece, grads = elems * item, elems * max(4, item)
+    relaid = node.kwargs.get("layout", "contiguous") != "contiguous"
+    if relaid:       # q, k, v to the layout's pieces (exchanged to heads first in a hybrid)
+        qkv = nbytes(q) + (nbytes(k) + nbytes(v)) * rep
+        calls.append(Call("all_to_all", rgroup, qkv, qkv if back else 0, "zigzag", (q, k, v)))
     calls += [Call("send_recv", rgroup, piece, piece + grads if back else 0, "ring", (k, v))
               for _ in range(r - 1)]
+    if relaid:
+        o = nbytes(node)       # the output at the ring's heads and pieces: the same size
+        calls.append(Call("all_to_all", rgroup, o, o if back else 0, "zigzag", (node,)))
     if u > 1:
         o = nbytes(node)
         calls.append(Call("all_to_all", ugroup, o, o if back else 0, "ulysses", (node,)))

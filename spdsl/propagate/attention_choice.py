@@ -26,6 +26,7 @@ import os
 from dataclasses import dataclass, field
 
 KINDS = ("auto", "ulysses", "ring", "hybrid")
+LAYOUTS = ("contiguous", "zigzag")
 
 
 @dataclass(frozen=True)
@@ -53,16 +54,31 @@ class Links:
 @dataclass(frozen=True)
 class AttentionConfig:
     """The user's say: ``kind`` one of :data:`KINDS`; ``ulysses``: the Ulysses degree of a
-    forced hybrid."""
+    forced hybrid; ``layout``: which positions a ring rank's pieces hold (``"zigzag"``:
+    chunks ``r`` and ``2R - 1 - r`` of ``2R``, balancing causal work, reached by one
+    relayout of q, k, v before the ring and of the output after; ``"contiguous"``; ``"auto"``:
+    by the cost model).
+
+    Example::
+
+        spdsl.sp_shard(seq=8, attention=spdsl.AttentionConfig("ring", layout="zigzag"))
+    """
 
     kind: str = "auto"
     ulysses: int | None = None
     links: Links | None = None
+    layout: str = "auto"        # the ring's pieces: auto (by cost), contiguous, zigzag
 
     @classmethod
     def of(cls, value) -> AttentionConfig:
         from spdsl.errors import ShardingError
         if isinstance(value, AttentionConfig):
+            if value.kind not in KINDS or value.layout not in ("auto",) + LAYOUTS:
+                raise ShardingError(
+                    rule="attention option", value=repr(value),
+                    detail=f"kind must be one of {KINDS}, layout one of "
+                           f"{('auto',) + LAYOUTS}", fix="AttentionConfig(\"ring\", "
+                                                         "layout=\"zigzag\")")
             return value
         if value is None:
             return cls()
@@ -88,12 +104,14 @@ class Choice:
     ring: int
     why: str
     costs: dict = field(default_factory=dict, compare=False)   # kind label -> seconds
+    layout: str = "contiguous"  # the ring's pieces (spdsl.kernels.ring_attn.segments)
 
     @property
     def label(self) -> str:
+        zz = ", zigzag pieces" if self.layout == "zigzag" else ""
         if self.kind == "hybrid":
-            return f"hybrid {self.ulysses}x{self.ring} (ulysses x ring)"
-        return self.kind
+            return f"hybrid {self.ulysses}x{self.ring} (ulysses x ring{zz})"
+        return self.kind + (f" ({zz[2:]})" if zz else "")
 
 
 def heads_fit(hq: int, hk: int, u: int, unrepeated: bool = False) -> bool:
@@ -110,16 +128,17 @@ def _a2a_seconds(elements_per_rank: float, u: int, itemsize: int, links: Links) 
 
 
 def cost(b: int, hq: int, hk: int, s: int, d: int, itemsize: int, parts: int, u: int,
-         causal: bool, links: Links) -> float:
+         causal: bool, links: Links, layout: str = "contiguous") -> float:
     """Seconds of one forward and backward of one attention node at Ulysses degree ``u``
-    (ring over ``parts / u``): the exchanges nothing hides, and the busiest rank's compute."""
+    (ring over ``parts / u``, its pieces as ``layout`` says): the exchanges nothing hides,
+    and the busiest rank's compute."""
     r = parts // u
     rep = 1 if hk % u == 0 else max(1, u // hk)
     # Ulysses: q, k, v in and o out, forward; their gradients back in backward
     per_rank = b * s // parts * d * (2 * hq + 2 * hk * rep)
     t = 2 * _a2a_seconds(per_rank, u, itemsize, links)
     flops = 4 * b * hq * s * s * d * (0.5 if causal else 1.0) * 3.5 / parts   # fwd + bwd
-    busiest = 2 * r / (r + 1) if causal and r > 1 else 1.0
+    busiest = 2 * r / (r + 1) if causal and r > 1 and layout == "contiguous" else 1.0
     compute = flops * busiest / links.flops_per_s
     if r > 1:
         kv_heads = max(1, hk // u) if hk % u == 0 else 1
@@ -131,6 +150,8 @@ def cost(b: int, hq: int, hk: int, s: int, d: int, itemsize: int, parts: int, u:
         exposed = (r - 1) * max(0.0, step_comm - step_compute / 3.5) + \
             (r - 1) * max(0.0, step_comm * (1 + 4 / itemsize) - step_compute * 2.5 / 3.5)
         t += exposed
+        if layout == "zigzag":     # q, k, v and the output relaid once, and their gradients
+            t += 2 * _a2a_seconds(per_rank, parts, itemsize, links)
     return t + compute
 
 
@@ -141,13 +162,28 @@ def choose(config: AttentionConfig, b: int, hq: int, hk: int, s: int, d: int, it
     links = config.links or links or Links.default()
     degrees = [u for u in range(1, parts + 1) if parts % u == 0 and
                heads_fit(hq, hk, u, unrepeated)]
-    costs = {u: cost(b, hq, hk, s, d, itemsize, parts, u, causal, links) for u in degrees}
+
+    def layouts(u: int) -> tuple[str, ...]:
+        r = parts // u
+        if r == 1 or s % (2 * r):     # Ulysses alone, or pieces that do not halve
+            return ("contiguous",)
+        if config.layout != "auto":
+            return (config.layout,)
+        return LAYOUTS if causal else ("contiguous",)
+
+    def best(u: int) -> tuple[float, str]:
+        return min((cost(b, hq, hk, s, d, itemsize, parts, u, causal, links, lay), lay)
+                   for lay in layouts(u))
+
+    costs = {u: best(u) for u in degrees}
 
     def made(u: int, why: str) -> Choice:
         kind = "ulysses" if u == parts else "ring" if u == 1 else "hybrid"
-        labels = {("ulysses" if v == parts else "ring" if v == 1 else f"hybrid {v}x{parts // v}"):
-                  c for v, c in costs.items()}
-        return Choice(kind, u, parts // u, why, labels)
+        labels = {}
+        for v, (c, lay) in costs.items():
+            name = "ulysses" if v == parts else "ring" if v == 1 else f"hybrid {v}x{parts // v}"
+            labels[name + (" zigzag" if lay == "zigzag" else "")] = c
+        return Choice(kind, u, parts // u, why, labels, costs[u][1])
 
     if config.kind == "ulysses":
         if parts not in degrees:
@@ -162,9 +198,9 @@ def choose(config: AttentionConfig, b: int, hq: int, hk: int, s: int, d: int, it
                 return f"hybrid {u}"
             return made(u, "asked for")
         inner = [v for v in degrees if 1 < v < parts] or [v for v in degrees if v < parts]
-        u = min(inner, key=lambda v: (costs[v], -v))
+        u = min(inner, key=lambda v: (costs[v][0], -v))
         return made(u, "asked for; Ulysses degree by cost")
-    u = min(degrees, key=lambda v: (costs[v], -v))
+    u = min(degrees, key=lambda v: (costs[v][0], -v))
     if u == parts:
         why = "the heads split over every rank; the cheapest by the cost model"
     elif parts not in degrees:

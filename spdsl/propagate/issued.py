@@ -110,8 +110,14 @@ def _ring(prop, node: torch.fx.Node, ins: list[torch.fx.Node]) -> tuple[Issued, 
     piece = (_nbytes(k) + _nbytes(v)) * rep // P
     grad_piece = (k.numel() + v.numel()) * rep // P * max(4, k.element_size())
     what = tuple(prop.typed(ins[j]) + kv_note for j in (1, 2))
+    if choice.layout != "contiguous":    # q, k, v to the layout's pieces, the output back
+        qkv = (_nbytes(q) + (_nbytes(k) + _nbytes(v)) * rep) // P
+        out.append(Issued("all_to_all", qkv, qkv, "zigzag", (prop.typed(ins[0]),) + what))
     out += [Issued("send_recv", piece, piece + grad_piece, "ring", what)
             for _ in range(r - 1)]
+    if choice.layout != "contiguous":
+        o = _nbytes(node.meta["val"]) // P
+        out.append(Issued("all_to_all", o, o, "zigzag", (prop.typed(node, 0),)))
     if u > 1:
         out.append(Issued("all_to_all", o, o, "ulysses", (prop.typed(node, 0),)))
     return tuple(out)

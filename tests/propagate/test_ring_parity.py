@@ -3,8 +3,9 @@ equal single-device PyTorch (fp32) at SP 2 and 4 -- spdsl's Llama (causal, GQA),
 (a ``tril`` mask, einops layouts, ALiBi written out: per-head leaves), Hugging Face models on
 padded, packed and sliding-window batches in SDPA and eager attention, models with fewer query
 heads than ranks and a single kv head through a plain ``sp_shard(seq=P)``, remat, compiled,
-a dp x sp mesh and sharded state. The bytes sent point to point, counted at the process group
-(the profiler's ``c10d::send``), equal the analytic ring floor. One launch of gloo ranks per
+a dp x sp mesh and sharded state; contiguous and zigzag pieces (``zz``: q, k, v relaid before
+the ring, the output after). The bytes sent point to point, counted at the process group (the
+profiler's ``c10d::send``), equal the analytic ring floor. One launch of gloo ranks per
 degree."""
 
 from __future__ import annotations
@@ -22,17 +23,25 @@ pytestmark = [pytest.mark.multirank, pytest.mark.slow]
 S = 256
 LOSS_RTOL, GRAD_RTOL = 1e-5, 1e-4
 CASES = {
-    2: ["llama/ring,compile", "llama/ring", "llama/ring,remat=full", "llama/ring,remat=auto",
-        "gpt2like/ring", "einops/ring", "alibi_written/ring", "hf:llama/sdpa/pad_left/ring",
-        "hf:llama/eager/packed/ring", "hf:mistral/sdpa/window/ring"],
-    4: ["llama/ring", "llama/hybrid2", "heads2kv1/auto", "heads4kv1/ring",
-        "hf:llama/sdpa/pad_right/hybrid2", "hf:qwen2/eager/packed/ring",
-        "hf:gemma/sdpa/pad_right/ring", "llama/ring,dpxsp", "llama/hybrid2,shard_state"],
+    2: ["llama/ring,compile", "llama/ring", "llama/ringzz", "llama/ring,remat=full",
+        "llama/ring,remat=auto", "gpt2like/ring", "einops/ring", "alibi_written/ring",
+        "hf:llama/sdpa/pad_left/ring", "hf:llama/eager/packed/ringzz",
+        "hf:mistral/sdpa/window/ring"],
+    4: ["llama/ring", "llama/ringzz", "llama/hybrid2", "llama/hybrid2zz", "heads2kv1/auto",
+        "heads4kv1/ring", "hf:llama/sdpa/pad_right/hybrid2", "hf:qwen2/eager/packed/ring",
+        "hf:llama/sdpa/pad_left/ringzz", "hf:gemma/sdpa/pad_right/ring", "llama/ring,dpxsp",
+        "llama/hybrid2,shard_state"],
 }
 
 
 def _attention(kind: str):
-    return ("hybrid", int(kind[6:])) if kind.startswith("hybrid") and kind[6:] else kind
+    """``ring``, ``hybrid2`` (Ulysses over 2), a ``zz`` suffix: zigzag pieces."""
+    import spdsl
+    zz = kind.endswith("zz")
+    kind = kind.removesuffix("zz")
+    u = int(kind[6:]) if kind.startswith("hybrid") and kind[6:] else None
+    kind = "hybrid" if u else kind
+    return spdsl.AttentionConfig(kind, u, layout="zigzag" if zz else "contiguous")
 
 
 def _setup(case: str):
@@ -73,6 +82,7 @@ def _setup(case: str):
 def _run(case: str, world: int) -> dict:
     import spdsl
     from bench.baselines.measure import profile_step
+    from spdsl.propagate.rules.attention import CHOICE
     base, _, opt = case.partition(",")
     ref, make_fn, xs, kind = _setup(base)
     model = copy.deepcopy(ref)
@@ -90,8 +100,9 @@ def _run(case: str, world: int) -> dict:
     parts = 2 if opt == "dpxsp" else world
     step = spdsl.sp_shard(seq=parts, attention=_attention(kind), **kw)(make_fn(model))
     step.prepare(*xs)
-    kinds = {d.strategy.rule for d in step.build(xs, {}).prop.decisions.values()
-             if d.strategy.rule.startswith("attention.")}
+    decided = step.build(xs, {}).prop.decisions
+    kinds = {d.strategy.rule for d in decided.values() if d.strategy.rule.startswith("attention.")}
+    layouts = {n.meta[CHOICE].layout for n in decided if CHOICE in n.meta}
     out = {}
 
     def one():
@@ -111,7 +122,7 @@ def _run(case: str, world: int) -> dict:
         grad = max(grad, float((g - q.grad).abs().max()) / scale)
         n += 1
     return {"loss": abs(loss.item() - loss_ref.item()) / abs(loss_ref.item()), "grad": grad,
-            "n_grads": n, "kinds": sorted(kinds), "sent": sent}
+            "n_grads": n, "kinds": sorted(kinds), "sent": sent, "layouts": sorted(layouts)}
 
 
 def _all(rank: int, world: int) -> dict:
@@ -157,20 +168,24 @@ def test_exact(results, case):
         assert out["n_grads"] > 0
         assert out["loss"] <= LOSS_RTOL, f"{where}: loss rel err {out['loss']:.2e}"
         assert out["grad"] <= GRAD_RTOL, f"{where}: grad rel err {out['grad']:.2e}"
-        kind = case.split(",")[0].rsplit("/", 1)[1]
+        kind = case.split(",")[0].rsplit("/", 1)[1].removesuffix("zz")
         want = {"ring": "attention.ring", "hybrid2": "attention.hybrid"}.get(kind)
         if want is not None:
             assert out["kinds"] == [want], out["kinds"]
         else:       # auto with 2 query heads over 4 ranks: not Ulysses alone
             assert "attention.ulysses" not in out["kinds"], out["kinds"]
         assert out["sent"] > 0, f"{where}: no point-to-point bytes counted"
+        if kind != "auto":
+            zz = case.split(",")[0].endswith("zz")
+            assert out["layouts"] == ["zigzag" if zz else "contiguous"], out["layouts"]
 
 
 @pytest.mark.parametrize("case,ring", [("llama/ring", 2), ("llama/ring", 4),
-                                       ("llama/hybrid2", 2)])
+                                       ("llama/hybrid2", 2), ("llama/ringzz", 2),
+                                       ("llama/ringzz", 4)])
 def test_sent_bytes_are_the_ring_floor(results, case, ring):
     world, per_rank = results
-    if case not in CASES[world] or (case == "llama/ring" and ring != world):
+    if case not in CASES[world] or (case.startswith("llama/ring") and ring != world):
         pytest.skip(f"not a case at SP {world}")
     floor = _ring_floor(world, ring)
     for r, res in enumerate(per_rank):

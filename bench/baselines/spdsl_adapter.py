@@ -12,7 +12,8 @@ The hook this benchmark relies on (keep it compatible):
 reported as not available.
 
 ``spdsl-ring``: the same call with ``attention="ring"`` (spdsl's ring attention instead of its
-all-to-alls); reported as not available while ``sp_shard`` does not take that keyword.
+all-to-alls; the pieces' layout by spdsl's cost model: zigzag for a causal Llama); reported as
+not available with an spdsl whose ``sp_shard`` does not take that keyword.
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ class SpdslTrainer(LossTrainer):
         sp_shard = _sp_shard()
         self.llama = build_llama(cfg.model, cfg.seed)
         kwargs = {"compile": True} if compiled else {}
-        if remat is not None:       # else spdsl's default ("auto")
+        if remat is not None:       # else spdsl's default ("fit")
             kwargs["remat"] = remat
         if attention is not None:   # else spdsl's default (Ulysses all-to-alls)
             kwargs["attention"] = attention

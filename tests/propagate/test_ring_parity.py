@@ -2,9 +2,9 @@
 equal single-device PyTorch (fp32) at SP 2 and 4 -- spdsl's Llama (causal, GQA), toy families
 (a ``tril`` mask, einops layouts, ALiBi written out: per-head leaves), Hugging Face models on
 padded, packed and sliding-window batches in SDPA and eager attention, models with fewer query
-heads than ranks and a single kv head through a plain ``sp_shard(seq=P)``, remat, compiled,
-a dp x sp mesh and sharded state; contiguous and zigzag pieces (``zz``: q, k, v relaid before
-the ring, the output after). The bytes sent point to point, counted at the process group (the
+heads than ranks and a single kv head through a plain ``sp_shard(seq=P)``, remat, offload,
+compiled, a dp x sp mesh and sharded state; contiguous and zigzag pieces (``zz``: q, k, v
+relaid before the ring, the output after). The bytes sent point to point, counted at the process group (the
 profiler's ``c10d::send``), equal the analytic ring floor. One launch of gloo ranks per
 degree."""
 
@@ -24,7 +24,7 @@ S = 256
 LOSS_RTOL, GRAD_RTOL = 1e-5, 1e-4
 CASES = {
     2: ["llama/ring,compile", "llama/ring", "llama/ringzz", "llama/ring,remat=full",
-        "llama/ring,remat=auto", "gpt2like/ring", "einops/ring", "alibi_written/ring",
+        "llama/ring,remat=auto", "llama/ringzz,offload", "gpt2like/ring", "einops/ring", "alibi_written/ring",
         "hf:llama/sdpa/pad_left/ring", "hf:llama/eager/packed/ringzz",
         "hf:mistral/sdpa/window/ring"],
     4: ["llama/ring", "llama/ringzz", "llama/hybrid2", "llama/hybrid2zz", "heads2kv1/auto",
@@ -93,6 +93,8 @@ def _run(case: str, world: int) -> dict:
         kw["remat"] = opt[6:]
     elif opt == "compile":
         kw["compile"] = True
+    elif opt == "offload":
+        kw["remat"] = spdsl.Remat("full", offload=True)
     elif opt == "dpxsp":
         kw["mesh"] = spdsl.mesh(dp=2, sp=2)
     elif opt == "shard_state":

@@ -182,3 +182,13 @@ def test_data_dependent_control_flow_names_the_line():
     assert "[data-dependent control flow]" in msg
     assert "tests/propagate/test_errors.py:" in msg and "if torch.rand([]) < 0.1:" in msg
     assert "torch.where" in msg and "model.eval()" in msg
+
+
+def test_dropout_in_attention_past_the_heads_names_the_rule():
+    def attend(q, k, v):
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, dropout_p=0.1)
+
+    q = torch.randn(1, 2, 64, 8)        # 2 heads over 4 ranks: only a ring could run it
+    with pytest.raises(ShardingError, match=r"\[ring attention\]") as e:
+        spdsl.plan(spdsl.sp_shard(seq=4, seq_dim=2)(attend), q, q, q)
+    assert "dropout_p=0.1" in str(e.value)

@@ -12,7 +12,7 @@ import torch
 
 import spdsl.propagate.trace  # noqa: F401  (defines torch.ops.spdsl.*, attention_fn too)
 from spdsl.errors import ShardingError
-from spdsl.propagate.attention_choice import AttentionConfig, Choice, choose
+from spdsl.propagate.attention_choice import AttentionConfig, Choice, choose, heads_fit
 from spdsl.propagate.heads import UNREPEATED
 from spdsl.propagate.placement import REPLICATE, Replicate, Shard, typed_shape
 from spdsl.propagate.rules import RuleCtx, Strategy, rule
@@ -73,14 +73,15 @@ def choose_kind(ctx: RuleCtx, where: str) -> Choice:
     dropout, causal = _call_args(ctx.node)
     unrepeated = bool(ctx.node.meta.get(UNREPEATED))
     check_heads(ctx, where, heads=False)
-    if dropout and config.kind in ("auto", "ulysses"):
+    fits = heads_fit(q.shape[1], k.shape[1], ctx.parts, unrepeated)
+    if dropout and (config.kind == "ulysses" or (config.kind == "auto" and fits)):
         config = AttentionConfig("ulysses", links=config.links)   # ring: no dropout
     elif dropout:
         raise ShardingError(
             rule="ring attention", value=f"dropout_p={dropout}", where=where,
             detail="ring attention merges partial softmaxes and applies no dropout to them",
-            fix='use attention="ulysses", or dropout_p=0 in attention (dropout elsewhere is '
-                "fine)")
+            fix="dropout_p=0 in attention (dropout elsewhere is fine), or a sequence-parallel "
+                'degree the heads split over, with attention="ulysses"')
     b, hq, s, d = q.shape
     got = choose(config, b, hq, k.shape[1], s, d, q.element_size(), ctx.parts, causal,
                  unrepeated)

@@ -35,20 +35,26 @@ class Links:
     node (NVLink ~150 GB/s per direction and GPU achieved on all-to-all, ~25 GB/s per GPU
     across nodes on 200 Gb/s InfiniBand, ~300 TFLOP/s achieved by flash attention in bf16);
     CPU, gloo over loopback (~2 GB/s, ~20 GFLOP/s per rank on two cores). ``node_ranks``: ranks
-    that share the fast links (``LOCAL_WORLD_SIZE`` under torchrun)."""
+    that share the fast links (``LOCAL_WORLD_SIZE`` under torchrun). ``ring_slowdown``: a ring
+    step's block kernel (``spdsl.kernels.masked_attn``'s recurrence, PyTorch ops in a Python
+    loop) against the fused attention kernel a Ulysses rank runs, per flop, forward and
+    backward: 2.0 on CPU, measured (causal, 4,096 tokens: 2.05x SDPA at 4 heads of 16, 1.76x
+    at 8 of 64; 8,192 tokens, 4 of 64: 2.15x; one thread); 4.0 on CUDA, assumed (the loop's
+    launches against flash attention's one kernel; not measured)."""
 
     intra_bytes_per_s: float
     inter_bytes_per_s: float
     flops_per_s: float
     latency_s: float
     node_ranks: int
+    ring_slowdown: float = 2.0
 
     @classmethod
     def default(cls, device: str = "cpu") -> Links:
         node = int(os.environ.get("LOCAL_WORLD_SIZE", "0")) or 8
         if device == "cuda":
-            return cls(150e9, 25e9, 300e12, 10e-6, node)
-        return cls(2e9, 2e9, 20e9, 50e-6, node)
+            return cls(150e9, 25e9, 300e12, 10e-6, node, 4.0)
+        return cls(2e9, 2e9, 20e9, 50e-6, node, 2.0)
 
 
 @dataclass(frozen=True)
@@ -139,7 +145,8 @@ def cost(b: int, hq: int, hk: int, s: int, d: int, itemsize: int, parts: int, u:
     t = 2 * _a2a_seconds(per_rank, u, itemsize, links)
     flops = 4 * b * hq * s * s * d * (0.5 if causal else 1.0) * 3.5 / parts   # fwd + bwd
     busiest = 2 * r / (r + 1) if causal and r > 1 and layout == "contiguous" else 1.0
-    compute = flops * busiest / links.flops_per_s
+    slower = links.ring_slowdown if r > 1 else 1.0
+    compute = flops * busiest * slower / links.flops_per_s
     if r > 1:
         kv_heads = max(1, hk // u) if hk % u == 0 else 1
         piece = b * (s // parts) * kv_heads * d * 2 * itemsize       # k and v of one step
@@ -157,9 +164,9 @@ def cost(b: int, hq: int, hk: int, s: int, d: int, itemsize: int, parts: int, u:
 
 def choose(config: AttentionConfig, b: int, hq: int, hk: int, s: int, d: int, itemsize: int,
            parts: int, causal: bool, unrepeated: bool = False,
-           links: Links | None = None) -> Choice | str:
+           links: Links | None = None, device: str = "cpu") -> Choice | str:
     """The choice for one node, or a string saying why none works (the caller's error)."""
-    links = config.links or links or Links.default()
+    links = config.links or links or Links.default(device)
     degrees = [u for u in range(1, parts + 1) if parts % u == 0 and
                heads_fit(hq, hk, u, unrepeated)]
 

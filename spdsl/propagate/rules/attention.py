@@ -84,7 +84,7 @@ def choose_kind(ctx: RuleCtx, where: str) -> Choice:
                 'degree the heads split over, with attention="ulysses"')
     b, hq, s, d = q.shape
     got = choose(config, b, hq, k.shape[1], s, d, q.element_size(), ctx.parts, causal,
-                 unrepeated)
+                 unrepeated, device=q.device.type)
     if isinstance(got, str):
         if got == "ulysses":
             check_heads(ctx, where)

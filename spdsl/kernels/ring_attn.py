@@ -46,6 +46,8 @@ from spdsl.kernels.masked_attn import (
 LAYOUTS = ("contiguous", "zigzag")
 COMPUTE = "spdsl.ring_attn.compute"   # profiler range: a step's attention, no transfer or wait
 _KV_TAG, _DKV_TAG = 7, 8
+# mask-free pieces on PyTorch's fused CPU flash attention ([False]: always the block recurrence)
+FUSED = [True]
 
 
 def segments(layout: str, n: int, parts: int, rank: int) -> list[tuple[int, int, int]]:
@@ -110,6 +112,33 @@ def _pairs(layout, s_q, s_k, parts, rank, src, causal):
                     yield lq, gq, nq, lk, gk, nk
 
 
+def _fused(program, causal: bool, q: torch.Tensor, gq: int, nq: int, gk: int, nk: int):
+    """How a (query piece, key piece) pair runs on PyTorch's fused CPU flash attention
+    (``"causal"``: the diagonal pair; ``"full"``: keys all visible), or None: the block
+    recurrence (a mask program, or not on the CPU). The fused kernel returns each row's
+    log-sum-exp, which merges like a block's row max and sum; its backward takes the whole
+    row's output and log-sum-exp (ring-flash-attn's use of it)."""
+    if program is not None or q.device.type != "cpu" or not FUSED[0]:
+        return None
+    if not causal:
+        return "full"
+    if gq == gk and nq == nk:
+        return "causal"
+    return "full" if gk + nk <= gq else None
+
+
+def _attend_fused(q_rows, ks, vs, how: str, scale: float, m, den, acc):
+    """One pair on the fused kernel, merged into the running max, sum and output."""
+    o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        q_rows, ks, vs, 0.0, how == "causal", scale=scale)
+    lse = lse.unsqueeze(-1)
+    m_new = torch.maximum(m, lse)
+    keep = torch.isfinite(m_new)
+    alpha = torch.where(torch.isfinite(m), torch.exp(m - m_new), torch.zeros_like(m))
+    beta = torch.where(keep & torch.isfinite(lse), torch.exp(lse - m_new), torch.zeros_like(m))
+    return m_new, den * alpha + beta, acc * alpha + o * beta
+
+
 def _forward(q, k, v, leaves, program_key, causal, scale, layout, parts, rank, group):
     program = mask_program(program_key) if program_key else None
     leaves = typed_leaves(program_key, leaves)
@@ -128,8 +157,14 @@ def _forward(q, k, v, leaves, program_key, causal, scale, layout, parts, rank, g
         kt, vt = _unpack(kv, k.shape, v.shape)
         kf, vf = _up(_grouped(kt, h), _grouped(vt, h))
         for lq, gq, nq, lk, gk, nk in _pairs(layout, s_q, s_k, parts, rank, src, causal):
-            blocks = _Blocks(program, leaves, causal, nk, cols, q.device, gq, gk)
             ks, vs = kf[:, :, lk:lk + nk], vf[:, :, lk:lk + nk]
+            fused = _fused(program, causal, q, gq, nq, gk, nk)
+            if fused is not None:
+                r = slice(lq, lq + nq)
+                m[:, :, r], den[:, :, r], acc[:, :, r] = _attend_fused(
+                    qf[:, :, r], ks, vs, fused, scale, m[:, :, r], den[:, :, r], acc[:, :, r])
+                continue
+            blocks = _Blocks(program, leaves, causal, nk, cols, q.device, gq, gk)
             for i0 in range(0, nq, rows):
                 i1 = min(nq, i0 + rows)
                 r = slice(lq + i0, lq + i1)
@@ -153,6 +188,7 @@ def _backward(dout, q, k, v, out, stats, leaves, program_key, causal, scale, lay
     do, of = _up(dout, out)
     delta = (do * of).sum(-1, keepdim=True)
     m, den = stats[..., 0:1], stats[..., 1:2]
+    lse = None                          # the rows' log-sum-exp, for fused pieces
     dq = qf.new_zeros(qf.shape)         # contiguous, as the fake kernel says (q may be a view)
     rows, cols = block_sizes(b, h, s_q, s_k)
     ring = _Ring(group, parts, rank) if parts > 1 else None
@@ -164,8 +200,21 @@ def _backward(dout, q, k, v, out, stats, leaves, program_key, causal, scale, lay
         kf, vf = _up(_grouped(kt, h), _grouped(vt, h))
         dk, dvv = torch.zeros_like(kf), torch.zeros_like(vf)
         for lq, gq, nq, lk, gk, nk in _pairs(layout, s_q, s_k, parts, rank, src, causal):
-            blocks = _Blocks(program, leaves, causal, nk, cols, q.device, gq, gk)
             ks, vs = kf[:, :, lk:lk + nk], vf[:, :, lk:lk + nk]
+            fused = _fused(program, causal, q, gq, nq, gk, nk)
+            if fused is not None:
+                if lse is None:
+                    lse = (m + den.log()).squeeze(-1)        # den 0: -inf, no key kept
+                r = slice(lq, lq + nq)
+                gq_, gk_, gv_ = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+                    do[:, :, r], qf[:, :, r], ks, vs, of[:, :, r], lse[:, :, r], 0.0,
+                    fused == "causal", scale=scale)
+                dq[:, :, r] += gq_
+                dk[:, :, lk:lk + nk] += gk_
+                dvv[:, :, lk:lk + nk] += gv_
+                del gq_, gk_, gv_
+                continue
+            blocks = _Blocks(program, leaves, causal, nk, cols, q.device, gq, gk)
             for i0 in range(0, nq, rows):
                 i1 = min(nq, i0 + rows)
                 r = slice(lq + i0, lq + i1)
@@ -270,7 +319,7 @@ def ring_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group: str, 
 
 def workspace_bytes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, leaves: list = (),
                     program: str = "", causal: bool = False, backward: bool = False,
-                    parts: int | None = None) -> int:
+                    parts: int | None = None, layout: str = "contiguous") -> int:
     """The op's peak scratch beyond its inputs and outputs, for the memory planner (checked
     against the allocator in tests/memory/test_ring_workspace.py), on a ring of ``parts``
     ranks (``None``: the most any ring needs, that of four ranks or more).
@@ -286,6 +335,12 @@ def workspace_bytes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, leaves: l
     one arriving), a narrow dtype's fp32 q, dout, output and dq, and the block's scratch
     (``delta`` included); or, when larger (few heads, long pieces), the moment a step packs
     its dk/dv (two more accumulators, no block).
+
+    Without a mask program on the CPU, pieces run on the fused flash kernel instead of blocks:
+    per pair (``layout``: zigzag pairs are half a piece) forward its output and log-sum-exp
+    and then either its own tiles (``spdsl.kernels.cpu_flash``) or the merge's three
+    ``[rows, Dv]`` fp32 temporaries and the masks of finite rows; backward its tiles, its
+    dq, dk, dv, the rows' log-sum-exp and ``delta``.
 
     Example::
 
@@ -309,6 +364,20 @@ def workspace_bytes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, leaves: l
     rows, _ = block_sizes(b, h, s_q, s_k)
     qf = b * h * s_q * d * w if narrow else 0
     of = b * h * s_q * dv * w if narrow else 0
+    if not program and q.device.type in ("cpu", "meta") and FUSED[0]:
+        from spdsl.kernels.cpu_flash import flash_cpu_backward, flash_cpu_forward
+        nq, nk = (s_q // 2, s_k // 2) if layout == "zigzag" else (s_q, s_k)
+        with torch.device("meta"):
+            qp = torch.empty((b, h, nq, d), dtype=f32)
+            kp = torch.empty((b, h, nk, d), dtype=f32)
+        if backward:
+            block = flash_cpu_backward((qp, qp, kp), {}) + b * h * (nq * d + nk * (d + dv)) * w \
+                + 2 * b * h * s_q * w                                    # lse, delta
+        else:
+            # the kernel's tiles while it runs, then the merge's temporaries: never both
+            block = b * h * nq * (dv + 1) * w + max(flash_cpu_forward((qp, kp), {}),
+                                                    b * h * nq * ((3 * dv + 2) * w + 2))
+            rows = 0
     if not backward:
         running = 2 * b * h * rows * dv * w      # beyond the block count's two [rows, Dv]
         return pieces + up + block + running + 2 * b * h * s_q * w + qf + of

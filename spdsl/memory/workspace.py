@@ -16,44 +16,10 @@ from __future__ import annotations
 
 import torch
 
+from spdsl.kernels.cpu_flash import flash_cpu_backward as _flash_cpu_backward
+from spdsl.kernels.cpu_flash import flash_cpu_forward as _flash_cpu_forward
+
 aten = torch.ops.aten
-
-
-def _blocks(q_len: int, kv_len: int) -> tuple[int, int]:
-    # the kernels' template arguments (flash_attention{,_backward}_kernel_impl)
-    q_split = 256 if q_len >= 768 else 64 if q_len >= 192 else 32
-    return min(q_split, q_len), min(512, kv_len)
-
-
-def _accum_size(dtype: torch.dtype) -> tuple[int, bool]:
-    reduced = dtype in (torch.bfloat16, torch.float16)
-    return (4 if reduced else torch.empty((), dtype=dtype).element_size()), reduced
-
-
-def _flash_cpu_forward(args, kwargs) -> int:
-    q, k = args[0], args[1]
-    q_len, e = q.shape[2], q.shape[3]                      # q: [B, H, L, E]
-    qb, kvb = _blocks(q_len, k.shape[2])
-    acc, reduced = _accum_size(q.dtype)
-    threads = torch.get_num_threads()
-    buf = threads * (qb * kvb + 2 * qb + qb * e) * acc
-    return buf + (threads * qb * kvb * q.element_size() if reduced else 0)
-
-
-def _flash_cpu_backward(args, kwargs) -> int:
-    grad_out, q, k = args[0], args[1], args[2]
-    b, h, q_len = q.shape[:3]
-    qb, kvb = _blocks(q_len, k.shape[2])
-    acc, reduced = _accum_size(q.dtype)
-    threads = torch.get_num_threads()
-    buf = threads * 2 * qb * kvb * acc
-    buf += threads * 2 * qb * kvb * q.element_size() if reduced else 0
-    buf += min(threads, b * h) * qb * acc                  # dsum, one per parallel chunk
-    # the kernel takes [B, L, H, E] views and copies grad_out unless that view is contiguous
-    # (flash_attention_backward_kernel_impl: grad_out.contiguous())
-    if not grad_out.transpose(1, 2).is_contiguous():
-        buf += grad_out.numel() * grad_out.element_size()
-    return buf
 
 
 def _masked_attn(args, kwargs) -> int:
@@ -85,14 +51,15 @@ _masked_entries()
 
 def _ring_attn(args, kwargs) -> int:
     from spdsl.kernels.ring_attn import workspace_bytes as ring
-    q, k, v, leaves, program, causal = args[:6]
-    return ring(q, k, v, leaves, program, causal)
+    q, k, v, leaves, program, causal, _, layout, parts = args[:9]  # (..., scale, layout,
+    return ring(q, k, v, leaves, program, causal, parts=parts, layout=layout)   # parts, ...)
 
 
 def _ring_attn_backward(args, kwargs) -> int:
     from spdsl.kernels.ring_attn import workspace_bytes as ring
-    q, k, v, leaves, program, causal = (*args[1:4], *args[6:9])
-    return ring(q, k, v, leaves, program, causal, backward=True)
+    q, k, v, leaves, program, causal = (*args[1:4], *args[6:9])    # (dout, q, k, v, out,
+    layout, parts = args[10:12]                                     # stats, leaves, ...)
+    return ring(q, k, v, leaves, program, causal, backward=True, parts=parts, layout=layout)
 
 
 def _ring_entries() -> None:

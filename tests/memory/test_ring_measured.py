@@ -57,16 +57,7 @@ def _results(world: int) -> list[dict]:
     return spawn(_run, world, timeout=1800)
 
 
-# the planner's scratch entry for the ring op (spdsl/memory/workspace.py) does not pass the
-# ring's size (``parts``, args[8] forward, args[11] backward) to ``workspace_bytes``, which then
-# assumes a ring of four or more: with the ring of 2 of ("hybrid", 2), ``full`` reads +12.3%
-# (+3.3% with parts passed; SP 2 ring: +2.6%, exact with parts passed)
-_RING_SIZE_NOT_PASSED = pytest.mark.xfail(
-    strict=True, reason="workspace.py's ring entries do not pass the ring's size")
-
-
-@pytest.mark.parametrize("world", [2, pytest.param(4, marks=_RING_SIZE_NOT_PASSED)],
-                         ids=lambda w: f"sp{w}")
+@pytest.mark.parametrize("world", [2, 4], ids=lambda w: f"sp{w}")
 def test_ring_and_hybrid_planned_within_10pct_of_allocator(world):
     rows, bad = [], []
     for rank, res in enumerate(_results(world)):

@@ -51,9 +51,10 @@ def _measure(rank: int, world: int) -> list[tuple[int, int, int, int]]:
                                    g, q, k, v, out, stats, [], "", causal, 0.3, layout, *ring))
         assert fwd.end == 0 and bwd.end == 0, (fwd, bwd)
         rows.append((fwd.peak - out.nbytes - stats.nbytes,
-                     R.workspace_bytes(q, k, v, [], "", causal, parts=world),
+                     R.workspace_bytes(q, k, v, [], "", causal, parts=world, layout=layout),
                      bwd.peak - q.nbytes - k.nbytes - v.nbytes,
-                     R.workspace_bytes(q, k, v, [], "", causal, backward=True, parts=world)))
+                     R.workspace_bytes(q, k, v, [], "", causal, backward=True, parts=world,
+                                       layout=layout)))
     return rows
 
 

@@ -36,11 +36,15 @@ class Links:
     across nodes on 200 Gb/s InfiniBand, ~300 TFLOP/s achieved by flash attention in bf16);
     CPU, gloo over loopback (~2 GB/s, ~20 GFLOP/s per rank on two cores). ``node_ranks``: ranks
     that share the fast links (``LOCAL_WORLD_SIZE`` under torchrun). ``ring_slowdown``: a ring
-    step's block kernel (``spdsl.kernels.masked_attn``'s recurrence, PyTorch ops in a Python
-    loop) against the fused attention kernel a Ulysses rank runs, per flop, forward and
-    backward: 2.0 on CPU, measured (causal, 4,096 tokens: 2.05x SDPA at 4 heads of 16, 1.76x
-    at 8 of 64; 8,192 tokens, 4 of 64: 2.15x; one thread); 4.0 on CUDA, assumed (the loop's
-    launches against flash attention's one kernel; not measured)."""
+    step's kernel against the fused attention kernel a Ulysses rank runs, per flop, forward
+    and backward, for a masked node (the block recurrence of ``spdsl.kernels.masked_attn``,
+    PyTorch ops in a Python loop) and ``ring_slowdown_fused`` for a mask-free one (CPU:
+    PyTorch's fused flash attention per piece, merged by log-sum-exp). CPU, measured: the
+    block kernel 2.05x SDPA (causal, 4,096 tokens, 4 heads of 16; 1.76x at 8 of 64, 2.15x at
+    8,192 tokens; one thread); a mask-free ring step 1.5x, read off the tiny Llama's whole
+    step at SP 4 and 4,096 tokens (``attention="ring"`` 1.30x the Ulysses step,
+    ``bench/RESULTS.md``), attention about two thirds of it. CUDA: 4.0 for both, assumed (the
+    block loop's launches against flash attention's one kernel; not measured)."""
 
     intra_bytes_per_s: float
     inter_bytes_per_s: float
@@ -48,13 +52,14 @@ class Links:
     latency_s: float
     node_ranks: int
     ring_slowdown: float = 2.0
+    ring_slowdown_fused: float = 1.5
 
     @classmethod
     def default(cls, device: str = "cpu") -> Links:
         node = int(os.environ.get("LOCAL_WORLD_SIZE", "0")) or 8
         if device == "cuda":
-            return cls(150e9, 25e9, 300e12, 10e-6, node, 4.0)
-        return cls(2e9, 2e9, 20e9, 50e-6, node, 2.0)
+            return cls(150e9, 25e9, 300e12, 10e-6, node, 4.0, 4.0)
+        return cls(2e9, 2e9, 20e9, 50e-6, node, 2.0, 1.5)
 
 
 @dataclass(frozen=True)
@@ -134,7 +139,7 @@ def _a2a_seconds(elements_per_rank: float, u: int, itemsize: int, links: Links) 
 
 
 def cost(b: int, hq: int, hk: int, s: int, d: int, itemsize: int, parts: int, u: int,
-         causal: bool, links: Links, layout: str = "contiguous") -> float:
+         causal: bool, links: Links, layout: str = "contiguous", masked: bool = True) -> float:
     """Seconds of one forward and backward of one attention node at Ulysses degree ``u``
     (ring over ``parts / u``, its pieces as ``layout`` says): the exchanges nothing hides,
     and the busiest rank's compute."""
@@ -145,7 +150,7 @@ def cost(b: int, hq: int, hk: int, s: int, d: int, itemsize: int, parts: int, u:
     t = 2 * _a2a_seconds(per_rank, u, itemsize, links)
     flops = 4 * b * hq * s * s * d * (0.5 if causal else 1.0) * 3.5 / parts   # fwd + bwd
     busiest = 2 * r / (r + 1) if causal and r > 1 and layout == "contiguous" else 1.0
-    slower = links.ring_slowdown if r > 1 else 1.0
+    slower = 1.0 if r == 1 else links.ring_slowdown if masked else links.ring_slowdown_fused
     compute = flops * busiest * slower / links.flops_per_s
     if r > 1:
         kv_heads = max(1, hk // u) if hk % u == 0 else 1
@@ -164,7 +169,7 @@ def cost(b: int, hq: int, hk: int, s: int, d: int, itemsize: int, parts: int, u:
 
 def choose(config: AttentionConfig, b: int, hq: int, hk: int, s: int, d: int, itemsize: int,
            parts: int, causal: bool, unrepeated: bool = False,
-           links: Links | None = None, device: str = "cpu") -> Choice | str:
+           links: Links | None = None, device: str = "cpu", masked: bool = True) -> Choice | str:
     """The choice for one node, or a string saying why none works (the caller's error)."""
     links = config.links or links or Links.default(device)
     degrees = [u for u in range(1, parts + 1) if parts % u == 0 and
@@ -179,8 +184,8 @@ def choose(config: AttentionConfig, b: int, hq: int, hk: int, s: int, d: int, it
         return LAYOUTS if causal else ("contiguous",)
 
     def best(u: int) -> tuple[float, str]:
-        return min((cost(b, hq, hk, s, d, itemsize, parts, u, causal, links, lay), lay)
-                   for lay in layouts(u))
+        return min((cost(b, hq, hk, s, d, itemsize, parts, u, causal, links, lay, masked),
+                    lay) for lay in layouts(u))
 
     costs = {u: best(u) for u in degrees}
 

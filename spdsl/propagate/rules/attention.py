@@ -83,8 +83,10 @@ def choose_kind(ctx: RuleCtx, where: str) -> Choice:
             fix="dropout_p=0 in attention (dropout elsewhere is fine), or a sequence-parallel "
                 'degree the heads split over, with attention="ulysses"')
     b, hq, s, d = q.shape
+    masked = ctx.node.target is torch.ops.spdsl.attention_fn.default or (
+        len(ctx.inputs) > 3 and ctx.meta(3).dim() >= 2)       # a program, or a dense mask
     got = choose(config, b, hq, k.shape[1], s, d, q.element_size(), ctx.parts, causal,
-                 unrepeated, device=q.device.type)
+                 unrepeated, device=q.device.type, masked=masked)
     if isinstance(got, str):
         if got == "ulysses":
             check_heads(ctx, where)

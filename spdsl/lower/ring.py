@@ -100,11 +100,11 @@ def relayout(xs: list[torch.Tensor], src: str, dst: str, parts: int, rank: int,
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                    mask: torch.Tensor | None, is_causal: bool, scale: float | None,
                    ulysses: int, groups: tuple, compute_dtype: torch.dtype | None = None,
-                   out_dtype: torch.dtype | None = None, written_out: bool = False,
-                   kernel: bool = False, layout: str = "contiguous") -> torch.Tensor:
+                   out_dtype: torch.dtype | None = None,
+                   layout: str = "contiguous") -> torch.Tensor:
     """``ring_attention_fn`` for SDPA's arguments: a dense mask (replicated, global) is the
-    one leaf of the program that returns it. ``written_out``/``kernel`` (how a Ulysses rank
-    would compute its heads) do not apply: every ring step runs the block kernel."""
+    one leaf of the program that returns it. Every ring step runs the ring kernel, whatever
+    a Ulysses rank would have run for the node's form (written-out ops, the flash kernel)."""
     leaves, program = [], ""
     if mask is not None:
         while mask.dim() < 4:

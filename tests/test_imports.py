@@ -23,7 +23,8 @@ LAYERS = [
     {"collectives"},
     {"lower", "dtensor_ops"},
     {"remat"},
-    {"memory", "inspect"},
+    {"memory"},
+    {"inspect"},              # the plan reads the program the memory planner builds
     {"annotate"},
     {"__init__", "__main__"},
 ]

@@ -17,6 +17,7 @@ from spdsl.errors import ShardingError
 from spdsl.inspect.plan import Collective, ShardingPlan
 from spdsl.propagate.attention_choice import AttentionConfig
 from spdsl.propagate.rules import RuleCtx, Strategy, register_rule
+from spdsl.propagate.tokenwise import token_wise
 from spdsl.remat import Remat
 
 __all__ = [
@@ -38,5 +39,6 @@ __all__ = [
     "save_checkpoint",
     "shard",
     "sp_shard",
+    "token_wise",
     "with_sharding_constraint",
 ]

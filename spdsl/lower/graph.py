@@ -17,7 +17,7 @@ import torch
 
 from spdsl import collectives as C
 from spdsl._torch import tree_map
-from spdsl.lower import ops, ring
+from spdsl.lower import ops, ring, tokenwise
 from spdsl.lower.factories import VAL as REPLICATED_VAL
 from spdsl.lower.factories import split_factories
 from spdsl.propagate.eager_attention import COMPUTE_DTYPE, OUT_DTYPE
@@ -338,6 +338,8 @@ class Lowering:
             return self.graph.call_function(node.target, args, kwargs)
         local = self._inputs(node)
         args, kwargs = self._args(node, local)
+        if node.target is torch.ops.spdsl.token_wise.default:   # the module on the rank's tokens
+            return self.graph.call_function(tokenwise.run, args, kwargs)
         low = d.strategy.lowering
         if self.parts == 1 and low not in ("view", "constraint", "ulysses"):
             low = None

@@ -40,6 +40,7 @@ from spdsl.propagate.forms import captured, find_all
 from spdsl.propagate.masks import masks_as_functions
 from spdsl.propagate.replay import LayerReplay
 from spdsl.propagate.source import user_frame
+from spdsl.propagate.tokenwise import captured_functions, captured_modules
 
 _TRACING = [False]
 
@@ -91,7 +92,7 @@ class _KeepAttention(TorchFunctionMode):
 
     def __init__(self) -> None:
         super().__init__()
-        self.captured = captured()
+        self.captured = {**captured(), **captured_functions()}
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -262,6 +263,7 @@ def trace(fn: Callable, args: tuple, kwargs: dict) -> Traced:
                 stack.enter_context(reparametrize_module(
                     root, {n: st[i] for n, i in names.items()}, tie_weights=True, strict=False))
             stack.enter_context(_KeepAttention())
+            stack.enter_context(captured_modules(roots))    # mixture-of-experts blocks
             stack.enter_context(_HFPackedCheck())
             out = fn(*a, **kw)
         flat_out, spec = tree_flatten(out)

@@ -107,5 +107,6 @@ from spdsl.propagate.rules import (  # noqa: F401  (registration side effects)
     matmul,
     pointwise,
     reduction,
+    tokenwise,
     views,
 )

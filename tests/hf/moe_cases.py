@@ -1,0 +1,152 @@
+"""Hugging Face mixture-of-experts causal LMs under ``sp_shard``: tiny random configs, the
+cases the parity tests run on every rank of one launch, and what each case measures.
+
+Every family is built with ``output_router_logits=True`` and a large ``router_aux_loss_coef``,
+so the load-balancing loss (means over every token of the batch) is a visible part of
+``.loss``. A case returns the errors of the loss, of the load-balancing loss alone and of every
+parameter gradient against single-device PyTorch, plus the error the load-balancing loss would
+have if its statistics were taken from the rank's own tokens only (``aux_local``): that one
+must be large, or the test could not tell the two apart.
+"""
+
+from __future__ import annotations
+
+import copy
+import traceback
+from dataclasses import dataclass
+
+import torch
+
+import spdsl
+from tests.hf.cases import grad_errors
+from tests.hf.families import VOCAB, batch, padded
+
+EXPERTS_IMPLEMENTATIONS = ("eager", "batched_mm", "grouped_mm")
+
+_BASE = {"vocab_size": VOCAB, "hidden_size": 64, "num_hidden_layers": 2,
+         "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256,
+         "attention_dropout": 0.0, "output_router_logits": True, "router_aux_loss_coef": 0.5}
+
+# family -> (config class, model class, config keyword arguments)
+MOE_FAMILIES: dict[str, tuple[str, str, dict]] = {
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM",
+                {**_BASE, "intermediate_size": 32, "num_local_experts": 4,
+                 "num_experts_per_tok": 2, "sliding_window": None}),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
+                  {**_BASE, "intermediate_size": 64, "moe_intermediate_size": 32,
+                   "head_dim": 16, "num_experts": 4, "num_experts_per_tok": 2,
+                   "decoder_sparse_step": 1, "norm_topk_prob": True}),
+}
+
+
+def build_moe(family: str, experts: str = "eager", attn: str = "sdpa",
+              seed: int = 0) -> torch.nn.Module:
+    """The tiny random model of ``family`` with ``config._experts_implementation=experts``."""
+    import transformers
+    cfg_name, model_name, kwargs = MOE_FAMILIES[family]
+    cfg = getattr(transformers, cfg_name)(**kwargs)
+    cfg._attn_implementation = attn
+    cfg._experts_implementation = experts
+    torch.manual_seed(seed)
+    model = getattr(transformers, model_name)(cfg).float().train()
+    with torch.no_grad():     # a decisive router: each piece of the sequence routes its own way
+        for name, p in model.named_parameters():
+            if name.endswith("mlp.gate.weight"):
+                p.mul_(ROUTER_SCALE)
+    return model
+
+
+ROUTER_SCALE = 20.0
+
+
+@dataclass(frozen=True)
+class MoeCase:
+    family: str
+    experts: str = "eager"
+    remat: str | None = None
+    data: str = "plain"             # plain | pad_right
+
+    @property
+    def name(self) -> str:
+        return f"{self.family}/{self.experts}/{self.data}" + (
+            f",remat={self.remat}" if self.remat else "")
+
+
+def _inputs(data: str):
+    if data == "plain":
+        ids, labels = batch()
+        return ids, labels, None
+    return padded(side="right")
+
+
+def _outputs(model, ids, labels, mask):
+    out = model(input_ids=ids, labels=labels, attention_mask=mask, use_cache=False)
+    return out.loss, out.aux_loss
+
+
+def aux_from(model, logits: tuple[torch.Tensor, ...], mask=None) -> torch.Tensor:
+    """Hugging Face's load-balancing loss of ``model`` from router logits."""
+    import importlib
+    mod = importlib.import_module(type(model).__module__)
+    cfg = model.config
+    experts = getattr(cfg, "num_local_experts", None) or cfg.num_experts
+    return mod.load_balancing_loss_func(logits, experts, cfg.num_experts_per_tok, mask)
+
+
+def local_aux_error(model, ids, mask, rank: int, world: int) -> float:
+    """Relative error of the load-balancing loss computed from the rank's own piece of the
+    sequence only (a mean of local statistics) against the global one."""
+    with torch.no_grad():
+        out = model(input_ids=ids, attention_mask=mask, use_cache=False,
+                    output_router_logits=True)
+        full = aux_from(model, out.router_logits, mask)
+        b, s = ids.shape
+        lo, hi = rank * s // world, (rank + 1) * s // world
+        piece = tuple(g.reshape(b, s, -1)[:, lo:hi].reshape(b * (hi - lo), -1)
+                      for g in out.router_logits)
+        local = aux_from(model, piece, None if mask is None else mask[:, lo:hi])
+    return float((local - full).abs() / full.abs())
+
+
+def run_moe_case(case: MoeCase, rank: int, world: int) -> dict:
+    ids, labels, mask = _inputs(case.data)
+    ref = build_moe(case.family, case.experts)
+    model = copy.deepcopy(ref)
+    loss_ref, aux_ref = _outputs(ref, ids, labels, mask)
+    loss_ref.backward()
+    if mask is None:
+        def f(i, l):
+            return _outputs(model, i, l, None)
+        args = (ids, labels)
+    else:
+        def f(i, l, a):
+            return _outputs(model, i, l, a)
+        args = (ids, labels, mask)
+    step = spdsl.sp_shard(seq=world, remat=case.remat or "none")(f)
+    loss, aux = step(*args)
+    loss.backward()
+    out = grad_errors(model, ref)
+    out["loss"] = abs(loss.item() - loss_ref.item()) / abs(loss_ref.item())
+    out["aux"] = abs(aux.item() - aux_ref.item()) / abs(aux_ref.item())
+    out["aux_local"] = local_aux_error(ref, ids, mask, rank, world)
+    out["loss_value"] = loss.item()
+    plan = spdsl.plan(step, *args)
+    out["token_wise"] = sorted({v.module for v in plan.values if v.origin == "token_wise"})
+    out["moe_collectives"] = [(c.kind, c.module) for c in plan.collectives
+                              if ".mlp" in c.module and c.purpose != "gradient"]
+    return out
+
+
+def run_moe_all(rank: int, world: int, cases: list[MoeCase]) -> dict:
+    torch.manual_seed(0)
+    results = {}
+    for case in cases:
+        try:
+            results[case.name] = run_moe_case(case, rank, world)
+        except Exception:  # noqa: BLE001 - reported per case
+            results[case.name] = {"error": traceback.format_exc()[-3000:]}
+    return results
+
+
+MOE_CASES = [MoeCase(f, e) for f in MOE_FAMILIES for e in EXPERTS_IMPLEMENTATIONS] + [
+    MoeCase(f, "eager", remat="full") for f in MOE_FAMILIES]

@@ -1,0 +1,64 @@
+"""Unchanged Hugging Face mixture-of-experts causal LMs (Mixtral, Qwen3-MoE) under
+``sp_shard(seq=P)``: loss, the load-balancing loss inside it and every parameter gradient equal
+single-device PyTorch (fp32) at SP 2 and 4, in each experts implementation (``eager``,
+``batched_mm``, ``grouped_mm``) and under ``remat="full"``. Each rank runs the experts on its
+own tokens (one ``token_wise`` node per layer, no collective in the MoE layers); the router's
+statistics are global (a load-balancing loss from one rank's tokens would be 1-3% off, far
+outside the tolerance). One launch per degree."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("transformers")
+
+from tests.dist import spawn
+from tests.hf.families import LAYERS
+from tests.hf.moe_cases import MOE_CASES, run_moe_all
+
+pytestmark = [pytest.mark.multirank, pytest.mark.slow]
+
+LOSS_RTOL = 1e-5
+GRAD_RTOL = 1e-4
+
+
+@pytest.fixture(scope="module", params=[2, 4], ids=lambda w: f"sp{w}")
+def results(request):
+    world = request.param
+    return world, spawn(run_moe_all, world, MOE_CASES, timeout=3000)
+
+
+@pytest.mark.parametrize("name", [c.name for c in MOE_CASES])
+def test_loss_aux_loss_and_gradients(results, name):
+    world, per_rank = results
+    for r, res in enumerate(per_rank):
+        out = res[name]
+        assert "error" not in out, f"sp{world} rank {r}: {out['error']}"
+        assert out["missing"] == [] and out["extra"] == [], out
+        assert out["n_grads"] > 0
+        assert out["loss"] <= LOSS_RTOL, f"sp{world} rank {r}: loss rel err {out['loss']:.2e}"
+        assert out["aux"] <= LOSS_RTOL, f"sp{world} rank {r}: aux loss rel err {out['aux']:.2e}"
+        assert out["grad"] <= GRAD_RTOL, \
+            f"sp{world} rank {r}: grad rel err {out['grad']:.2e} ({out['worst']})"
+    assert len({res[name]["loss_value"] for res in per_rank}) == 1
+
+
+@pytest.mark.parametrize("name", [c.name for c in MOE_CASES])
+def test_router_statistics_are_global(results, name):
+    """The load-balancing loss from each rank's own tokens is measurably different: a run that
+    reduced only local statistics would fail the parity test above."""
+    _world, per_rank = results
+    for res in per_rank:
+        assert res[name]["aux_local"] > 100 * LOSS_RTOL, res[name]["aux_local"]
+
+
+@pytest.mark.parametrize("name", [c.name for c in MOE_CASES])
+def test_experts_run_token_wise_without_collectives(results, name):
+    """Each layer's experts are one token_wise node; nothing in the MoE layers moves data
+    (no all-gather of the sequence, no all-to-all): only their parameters' gradients are
+    reduced, in the gradient buckets."""
+    _world, per_rank = results
+    for res in per_rank:
+        assert res[name]["token_wise"] == [f"model.layers.{i}.mlp.experts"
+                                           for i in range(LAYERS)]
+        assert res[name]["moe_collectives"] == []

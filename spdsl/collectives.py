@@ -18,7 +18,9 @@ Replicate, used split  identity                    all-reduce (partial grad)
 slice of a split dim   halo exchange (all-to-all)  halo exchange back
 =====================  ==========================  ===============================
 
-All-to-alls are real ``all_to_all_single`` calls (DTensor's CPU path gathers instead). The
+All-to-alls are real ``all_to_all_single`` calls (DTensor's CPU path gathers instead). Each
+collective waits where it is issued, except ``all_to_all_many_start``'s, which is waited
+later (pipelined Ulysses overlaps it with another head group's attention). The
 gradient all-reduces of parameters go in buckets (``grad_all_reduce_many``): one flat
 all-reduce per bucket instead of one per parameter.
 """
@@ -199,6 +201,79 @@ def all_to_all_many(xs: list[torch.Tensor], srcs, dsts, parts: int,
     got = _AllToAll.apply(buf.contiguous(), group, None, None).reshape(parts, -1)
     pieces = torch.split(got, sizes, dim=1) if len(packed) > 1 else [got]
     return [_unpack(p, list(x.shape), s, d, parts) for p, x, s, d in zip(pieces, xs, srcs, dsts)]
+
+
+# -- an all-to-all in flight: issued at one point, waited at a later one ----------------------
+# Two autograd Functions around the functional op and its wait, so that whatever runs between
+# the issue and the wait (another head group's attention) overlaps the transfer; on gloo the
+# transfer runs on the backend's threads. Backward mirrors forward: the wait's backward issues
+# the reverse all-to-all of the gradient, the issue's backward waits for it, and the autograd
+# engine (highest sequence number first) runs the backward of what ran in between in between.
+
+def _a2a_issue(buf: torch.Tensor, parts: int, group: str) -> torch.Tensor:
+    buf = buf.contiguous()
+    sizes = [buf.shape[0] // parts] * parts
+    return c10d_functional.all_to_all_single(buf, sizes, sizes, group)
+
+
+class _AllToAllIssue(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, buf: torch.Tensor, parts: int, group: str):
+        return _a2a_issue(buf, parts, group)         # not filled until waited
+
+    @staticmethod
+    def backward(ctx, grad):
+        return c10d_functional.wait_tensor(grad), None, None
+
+
+class _AllToAllWait(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, got: torch.Tensor, parts: int, group: str):
+        ctx.args = (parts, group)
+        return c10d_functional.wait_tensor(got)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _a2a_issue(grad, *ctx.args), None, None
+
+
+class PendingAllToAll:
+    """An ``all_to_all_many`` issued by :func:`all_to_all_many_start`; :meth:`wait` gives its
+    results. Wait once, on every rank in the same order as the issues."""
+
+    def __init__(self, got: torch.Tensor, xs: list[torch.Tensor], srcs, dsts, sizes: list[int],
+                 parts: int, group: str) -> None:
+        self._got, self._shapes = got, [list(x.shape) for x in xs]
+        self._srcs, self._dsts, self._sizes = list(srcs), list(dsts), sizes
+        self._parts, self._group = parts, group
+
+    def wait(self) -> list[torch.Tensor]:
+        parts = self._parts
+        got = _AllToAllWait.apply(self._got, parts, self._group).reshape(parts, -1)
+        pieces = torch.split(got, self._sizes, dim=1) if len(self._sizes) > 1 else [got]
+        return [_unpack(p, shape, s, d, parts)
+                for p, shape, s, d in zip(pieces, self._shapes, self._srcs, self._dsts)]
+
+
+def all_to_all_many_start(xs: list[torch.Tensor], srcs, dsts, parts: int,
+                          group: str) -> PendingAllToAll:
+    """``all_to_all_many`` issued now and finished by ``.wait()``: the same buffer, the same
+    results (bit for bit), but the work between the two calls runs while the exchange is in
+    flight, and in backward the gradients' reverse exchange is in flight during the backward
+    of that work. Under ``torch.compile`` the issue and the wait are the graph's
+    ``all_to_all_single`` and ``wait_tensor`` nodes, in that order.
+
+    Example::
+
+        a = all_to_all_many_start([q0, k0, v0], [(2, 1)] * 3, [(1, 1)] * 3, 4, group)
+        b = all_to_all_many_start([q1], [(2, 1)], [(1, 1)], 4, group)
+        q0h, k0h, v0h = a.wait()          # b is in flight while group 0 attends
+    """
+    packed = [_pack(x, d, parts) for x, d in zip(xs, dsts)]
+    sizes = [p.shape[1] for p in packed]
+    buf = torch.cat(packed, dim=1) if len(packed) > 1 else packed[0]
+    got = _AllToAllIssue.apply(buf, parts, group)
+    return PendingAllToAll(got, xs, srcs, dsts, sizes, parts, group)
 
 
 def _positions(split: tuple[int, int, int], parts: int, rank: int) -> list[int]:

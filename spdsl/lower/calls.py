@@ -19,7 +19,7 @@ call                       forward                backward (where a gradient flo
 ``grad_all_reduce``        --                     all-reduce
 ``grad_all_reduce_many``   --                     one all-reduce: the bucket
 ``gather_param``           all-gather (rows)      reduce-scatter when it reduces
-Ulysses attention ops      2 all-to-alls          2 all-to-alls
+Ulysses attention ops      2 per head group       2 per head group
 ``nll_mean``               all-reduce (2 elems)   --
 =========================  =====================  ==================================
 
@@ -204,16 +204,45 @@ def _gather_param(node, grad):
     return calls
 
 
-def _ulysses(node, grad, q, k, v, out, parts: int, group: str) -> list[Call]:
+def _ulysses(node, grad, q, k, v, out, parts: int, group: str,
+             pipelined: bool = True) -> list[Call]:
     if parts == 1:
         return []
-    rep = kv_repeat(q.meta["val"].shape[1], k.meta["val"].shape[1], parts)
-    qkv = nbytes(q) + (nbytes(k) + nbytes(v)) * rep
-    o = nbytes(out)
+    hq, hk = q.meta["val"].shape[1], k.meta["val"].shape[1]
+    rep = kv_repeat(hq, hk, parts)
     back = _back(grad, q, k, v)
-    kv = ((k, f" repeated x{rep}"), (v, f" repeated x{rep}")) if rep > 1 else (k, v)
-    return [Call("all_to_all", group, qkv, qkv if back else 0, "ulysses", (q, *kv)),
-            Call("all_to_all", group, o, o if back else 0, "ulysses", (node,))]
+    groups = ops.head_groups(hq, hk, parts) if pipelined else [None]
+    if len(groups) == 1:
+        qkv = nbytes(q) + (nbytes(k) + nbytes(v)) * rep
+        o = nbytes(out)
+        kv = ((k, f" repeated x{rep}"), (v, f" repeated x{rep}")) if rep > 1 else (k, v)
+        return [Call("all_to_all", group, qkv, qkv if back else 0, "ulysses", (q, *kv)),
+                Call("all_to_all", group, o, o if back else 0, "ulysses", (node,))]
+    # one exchange of each head group's q (and the kv heads it brings) in, one of its output
+    # back: the q bytes of nq of the H_q heads, the kv bytes of P * nk of the kv heads moved
+    ins, outs = [], []
+    n = hq // parts
+    for i, g in enumerate(groups):
+        tag = f" {_heads(g.q, g.nq)} of each rank's {n}"
+        b = nbytes(q) * g.nq // n
+        values = [(q, tag)]
+        if g.nk:
+            kvb = (nbytes(k) + nbytes(v)) * parts * g.nk // hk
+            b += kvb
+            rk = f" repeated x{rep}" if rep > 1 else ""
+            kvtag = f"{rk} kv {_heads(g.k, g.nk)}"
+            values += [(k, kvtag), (v, kvtag)]
+        ins.append(Call("all_to_all", group, b, b if back else 0, "ulysses", tuple(values)))
+        o = nbytes(out) * g.nq // n
+        outs.append(Call("all_to_all", group, o, o if back else 0, "ulysses",
+                         ((node, f" group {i + 1} of {len(groups)}"),)))
+    # in the order they are issued: group 0's input, then each group's output after the
+    # next group's input
+    return [ins[0]] + [c for i, o in enumerate(outs) for c in (ins[i + 1:i + 2] + [o])]
+
+
+def _heads(first: int, count: int) -> str:
+    return f"head {first}" if count == 1 else f"heads {first}-{first + count - 1}"
 
 
 @register(ops.ulysses_attention)
@@ -233,7 +262,7 @@ def _ulysses_flex(node, grad):
     q, k, v = node.args[:3]
     out = node.meta.get("val")
     out = out[0] if isinstance(out, (tuple, list)) else out
-    return _ulysses(node, grad, q, k, v, out, node.args[9], node.args[11])
+    return _ulysses(node, grad, q, k, v, out, node.args[9], node.args[11], pipelined=False)
 
 
 def _loss_pair(node, group) -> list[Call]:

@@ -2,16 +2,69 @@
 
 from __future__ import annotations
 
+import os
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 
-from spdsl.collectives import all_reduce, all_to_all, all_to_all_many
+from spdsl.collectives import all_reduce, all_to_all, all_to_all_many, all_to_all_many_start
 from spdsl.kernels import flash_attn
 from spdsl.kernels import masked_attn as _masked_attn  # noqa: F401  (spdsl::masked_attn)
 from spdsl.kernels.masked_attn_flex import masked_attn_auto
 from spdsl.propagate.heads import kv_repeat
 
 aten = torch.ops.aten
+
+
+# Head groups a rank's Ulysses attention pipelines (``SPDSL_ULYSSES_GROUPS``; 1: one exchange
+# of all the rank's heads in, one out). With G > 1 the exchange of group i + 1 is in flight
+# while group i attends, and group i's output goes back while group i + 1 attends; the bytes
+# are the same, in G all-to-alls each way. Heads are independent, so the output is bitwise
+# the one-group output; a kv head read by two groups gets its gradient in two parts (fp32
+# rounding).
+ULYSSES_GROUPS = int(os.environ.get("SPDSL_ULYSSES_GROUPS", "2"))
+
+
+class HeadGroup(NamedTuple):
+    """One group's heads, in the rank's local head indices after the exchange: query heads
+    ``[q, q + nq)`` attend; kv heads ``[k, k + nk)`` travel with this group (those no earlier
+    group brought), and the group reads kv heads ``[read, read + n_read)``."""
+
+    q: int
+    nq: int
+    k: int
+    nk: int
+    read: int
+    n_read: int
+
+
+def head_groups(hq: int, hk: int, parts: int, groups: int | None = None) -> list[HeadGroup]:
+    """How a rank's Ulysses attention splits its heads into pipelined groups: the largest
+    ``G <= groups`` (default :data:`ULYSSES_GROUPS`) that divides the rank's ``H_q / P`` query
+    heads into groups each reading whole kv heads (a group's query heads a multiple or a
+    divisor of the query heads per kv head). A kv head crosses once, with the first group
+    that reads it. The plan (``spdsl.lower.calls``) lists one all-to-all per group each way.
+
+    Example::
+
+        head_groups(8, 4, 4, 2)    # 2 query heads and 1 kv head per rank
+        # [HeadGroup(q=0, nq=1, k=0, nk=1, read=0, n_read=1),
+        #  HeadGroup(q=1, nq=1, k=1, nk=0, read=0, n_read=1)]
+    """
+    n = hq // parts
+    m = hk * kv_repeat(hq, hk, parts) // parts           # kv heads a rank holds after it
+    per = max(1, n // max(1, m))                         # query heads per kv head
+    g = max(1, min(ULYSSES_GROUPS if groups is None else groups, n))
+    while g > 1 and not (n % g == 0 and ((n // g) % per == 0 or per % (n // g) == 0)):
+        g -= 1
+    s = n // g
+    out = []
+    for i in range(g):
+        k0, k1 = -(-i * s // per), -(-(i + 1) * s // per)
+        r0, r1 = i * s // per, ((i + 1) * s - 1) // per + 1
+        out.append(HeadGroup(i * s, s, k0, k1 - k0, r0, r1 - r0))
+    return out
 
 
 def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -21,7 +74,9 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                       compute_dtype: torch.dtype | None = None,
                       out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """Local ``[B, H, S/P, D]`` q, k, v -> attention over the whole sequence for ``H/P`` heads
-    -> local ``[B, H, S/P, D]`` output. One all-to-all in (q, k, v fused), one out.
+    -> local ``[B, H, S/P, D]`` output. One all-to-all in (q, k, v fused), one out, per head
+    group (:func:`head_groups`: pipelined, each group's exchanges in flight while another
+    attends).
     ``kernel``: spdsl's flash attention instead of SDPA (set by ``spdsl.lower.kernels``).
     ``compute_dtype``/``out_dtype``: q, k, v arrive before the user's upcast and are cast
     after the exchange; the output is cast down before the exchange back
@@ -31,28 +86,86 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                                kernel=kernel, written_out=written_out,
                                compute_dtype=compute_dtype, out_dtype=out_dtype)
     hq = q.shape[1]
-    qh, kh, vh = _to_heads(q, k, v, parts, group)
+    n = hq // parts
     if mask is not None and mask.dim() >= 3 and mask.shape[-3] == hq and hq > 1:
-        n = hq // parts
         mask = mask.narrow(-3, rank * n, n)
-    gqa = qh.shape[1] != kh.shape[1]
-    o = local_attention(qh, kh, vh, mask, dropout_p, is_causal, scale, gqa, kernel=kernel,
-                        written_out=written_out, compute_dtype=compute_dtype,
-                        out_dtype=out_dtype)
-    return all_to_all(o, _HEADS, _SEQ, parts, group)
+    per_head = mask is not None and mask.dim() >= 3 and mask.shape[-3] == n and n > 1
+
+    def attend(g: HeadGroup, qh, kh, vh):
+        m = mask.narrow(-3, g.q, g.nq) if per_head else mask
+        return local_attention(qh, kh, vh, m, dropout_p, is_causal, scale,
+                               qh.shape[1] != kh.shape[1], kernel=kernel,
+                               written_out=written_out, compute_dtype=compute_dtype,
+                               out_dtype=out_dtype)
+    return _pipelined(q, k, v, parts, group, attend)
 
 
 _SEQ, _HEADS = (2, 1), (1, 1)          # (dim, outer) of [B, H, S, D] split on S, on H
 
 
-def _to_heads(q, k, v, parts: int, group: str):
-    """Sequence-split q, k, v -> head-split over the whole sequence, in one all-to-all."""
+def _repeat_kv(q, k, v, parts: int):
     r = kv_repeat(q.shape[1], k.shape[1], parts)
     if r > 1:
         # fewer kv heads than ranks: each rank needs the kv head of its query heads, so repeat
         # each kv head P/H_kv times (not H_q/H_kv: that would move more than needed)
         k, v = k.repeat_interleave(r, dim=1), v.repeat_interleave(r, dim=1)
+    return k, v
+
+
+def _to_heads(q, k, v, parts: int, group: str):
+    """Sequence-split q, k, v -> head-split over the whole sequence, in one all-to-all."""
+    k, v = _repeat_kv(q, k, v, parts)
     return all_to_all_many([q, k, v], [_SEQ] * 3, [_HEADS] * 3, parts, group)
+
+
+def _heads(x: torch.Tensor, parts: int, first: int, count: int) -> torch.Tensor:
+    """Local heads ``[first, first + count)`` of every rank's share of ``x``'s heads."""
+    b, h, s, d = x.shape
+    return x.reshape(b, parts, h // parts, s, d).narrow(2, first, count).reshape(
+        b, parts * count, s, d)
+
+
+def _pipelined(q, k, v, parts: int, group: str, attend) -> torch.Tensor:
+    """Ulysses over head groups: issue group 0's exchange, then for each group issue the
+    next one's, wait for its own, attend (``attend(group, qh, kh, vh)``) and issue its output
+    back; wait for the outputs last. One group: today's single exchange each way."""
+    k, v = _repeat_kv(q, k, v, parts)
+    groups = head_groups(q.shape[1], k.shape[1], parts)
+    if len(groups) == 1:
+        qh, kh, vh = all_to_all_many([q, k, v], [_SEQ] * 3, [_HEADS] * 3, parts, group)
+        return all_to_all(attend(groups[0], qh, kh, vh), _HEADS, _SEQ, parts, group)
+
+    def issue(g: HeadGroup):
+        xs = [_heads(q, parts, g.q, g.nq)]
+        if g.nk:
+            xs += [_heads(k, parts, g.k, g.nk), _heads(v, parts, g.k, g.nk)]
+        return all_to_all_many_start(xs, [_SEQ] * len(xs), [_HEADS] * len(xs), parts, group)
+
+    pending, kv, outs = [issue(groups[0])], [], []
+    for i, g in enumerate(groups):
+        if i + 1 < len(groups):
+            pending.append(issue(groups[i + 1]))
+        got = pending[i].wait()
+        if g.nk:
+            kv.append((g.k, got[1], got[2]))
+        kh, vh = _kv_heads(kv, g.read, g.n_read)
+        o = attend(g, got[0], kh, vh)
+        outs.append(all_to_all_many_start([o], [_HEADS], [_SEQ], parts, group))
+    back = [p.wait()[0] for p in outs]      # [B, P * nq, S/P, D] each, source rank outer
+    b, _, s, d = back[0].shape
+    return torch.stack([o.reshape(b, parts, -1, s, d) for o in back], dim=2).reshape(
+        b, -1, s, d)
+
+
+def _kv_heads(kv: list, first: int, count: int):
+    """kv heads ``[first, first + count)`` from the pieces received so far."""
+    for lo, kh, vh in kv:
+        if lo <= first and first + count <= lo + kh.shape[1]:
+            return kh.narrow(1, first - lo, count), vh.narrow(1, first - lo, count)
+    ks = [(lo, kh, vh) for lo, kh, vh in kv if lo < first + count and first < lo + kh.shape[1]]
+    k = torch.cat([kh for _, kh, _ in ks], dim=1).narrow(1, first - ks[0][0], count)
+    v = torch.cat([vh for _, _, vh in ks], dim=1).narrow(1, first - ks[0][0], count)
+    return k, v
 
 
 class _HeadOffset(torch.nn.Module):
@@ -100,21 +213,25 @@ def ulysses_attention_fn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, leav
                          out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """``ulysses_attention`` for a mask given as a program of per-token ``leaves``
     (``spdsl.propagate.masks``): the rank's heads over the whole sequence, a block of queries
-    at a time (``spdsl.kernels.masked_attn``); per-head leaves (ALiBi slopes) are cut to the
-    rank's heads."""
+    at a time (``spdsl.kernels.masked_attn``), pipelined by head groups as
+    ``ulysses_attention``; per-head leaves (ALiBi slopes) are cut to the rank's heads (and to
+    each group's)."""
     hq = q.shape[1]
-    if parts > 1:
-        q, k, v = _to_heads(q, k, v, parts, group)
-        n = hq // parts
-        leaves = [t.narrow(1, rank * n, n) if t.shape[1] == hq and hq > 1 else t
-                  for t in leaves]
-    if compute_dtype is not None:
-        q, k, v = (t.to(compute_dtype) for t in (q, k, v))
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
-    o = masked_attn_auto(q, k, v, list(leaves), program, is_causal, scale)   # flex or blocks
-    if out_dtype is not None:
-        o = o.to(out_dtype)
-    return all_to_all(o, _HEADS, _SEQ, parts, group) if parts > 1 else o
+
+    def attend(g: HeadGroup | None, q, k, v, leaves=leaves):
+        if compute_dtype is not None:
+            q, k, v = (t.to(compute_dtype) for t in (q, k, v))
+        o = masked_attn_auto(q, k, v, list(leaves), program, is_causal, scale)  # flex/blocks
+        return o.to(out_dtype) if out_dtype is not None else o
+
+    if parts == 1:
+        return attend(None, q, k, v)
+    n = hq // parts
+    heads = [hq > 1 and t.shape[1] == hq for t in leaves]
+    leaves = [t.narrow(1, rank * n, n) if h else t for t, h in zip(leaves, heads)]
+    return _pipelined(q, k, v, parts, group, lambda g, qh, kh, vh: attend(
+        g, qh, kh, vh, [t.narrow(1, g.q, g.nq) if h else t for t, h in zip(leaves, heads)]))
 
 
 def local_attention(q, k, v, mask=None, dropout_p=0.0, is_causal=False, scale=None,

@@ -1,9 +1,10 @@
-"""Unchanged Hugging Face mixture-of-experts causal LMs (Mixtral, Qwen3-MoE) under
-``sp_shard(seq=P)``: loss, the load-balancing loss inside it and every parameter gradient equal
-single-device PyTorch (fp32) at SP 2 and 4, in each experts implementation (``eager``,
-``batched_mm``, ``grouped_mm``) and under ``remat="full"``. Each rank runs the experts on its
-own tokens (one ``token_wise`` node per layer, no collective in the MoE layers); the router's
-statistics are global (a load-balancing loss from one rank's tokens would be 1-3% off, far
+"""Unchanged Hugging Face mixture-of-experts causal LMs under ``sp_shard(seq=P)``: loss, the
+load-balancing loss inside it and every parameter gradient equal single-device PyTorch (fp32)
+at SP 2 and 4. Mixtral and Qwen3-MoE in each experts implementation (``eager``,
+``batched_mm``, ``grouped_mm``), under ``remat="full"`` and on a padded batch; Qwen2-MoE,
+OLMoE, DeepSeek-V3 and gpt-oss in their default experts. Each rank runs the experts on its own
+tokens (one ``token_wise`` node per layer, no collective in the MoE layers); the router's
+statistics are global (a load-balancing loss from one rank's tokens would be 0.1-3% off, far
 outside the tolerance). One launch per degree."""
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ pytest.importorskip("transformers")
 
 from tests.dist import spawn
 from tests.hf.families import LAYERS
-from tests.hf.moe_cases import MOE_CASES, run_moe_all
+from tests.hf.moe_cases import MOE_CASES, MOE_LAYERS, run_moe_all
 
 pytestmark = [pytest.mark.multirank, pytest.mark.slow]
 
@@ -48,6 +49,8 @@ def test_router_statistics_are_global(results, name):
     """The load-balancing loss from each rank's own tokens is measurably different: a run that
     reduced only local statistics would fail the parity test above."""
     _world, per_rank = results
+    if per_rank[0][name].get("aux_local") is None:
+        pytest.skip("no load-balancing loss (DeepSeek-V3 balances by a bias)")
     for res in per_rank:
         assert res[name]["aux_local"] > 100 * LOSS_RTOL, res[name]["aux_local"]
 
@@ -59,6 +62,6 @@ def test_experts_run_token_wise_without_collectives(results, name):
     reduced, in the gradient buckets."""
     _world, per_rank = results
     for res in per_rank:
-        assert res[name]["token_wise"] == [f"model.layers.{i}.mlp.experts"
-                                           for i in range(LAYERS)]
+        layers = MOE_LAYERS.get(name.split("/")[0], range(LAYERS))
+        assert res[name]["token_wise"] == [f"model.layers.{i}.mlp.experts" for i in layers]
         assert res[name]["moe_collectives"] == []

@@ -18,7 +18,7 @@ tables up by ``table[position_ids]``. The factors, as data:
 
 from __future__ import annotations
 
-from spdsl.propagate.placement import REPLICATE, Shard
+from spdsl.propagate.placement import PARTIAL, REPLICATE, Shard
 from spdsl.propagate.rules import RuleCtx, Strategy, aten, rule
 
 
@@ -96,3 +96,32 @@ def gather(ctx: RuleCtx) -> list[Strategy]:
     return cands
 
 
+
+
+_ZEROS = {aten.zeros.default, aten.zeros_like.default, aten.new_zeros.default}
+
+
+@rule(aten.scatter, aten.scatter_, aten.scatter_add, aten.scatter_add_, name="scatter")
+def scatter(ctx: RuleCtx) -> list[Strategy]:
+    """``x.scatter(dim, idx, src)`` (and ``scatter_add``, in place too): ``x``, ``idx`` and
+    ``src`` split on the same dim other than ``dim`` keep it, each row scattered within itself
+    (a router's group mask, ``zeros.scatter_(1, top_groups, 1)``). Counts added into zeros by
+    an index split along ``dim`` itself (a load-balancing loss,
+    ``zeros(E).scatter_add_(0, experts, weights)``) are each rank's partial sums."""
+    n = len(ctx.inputs)
+    nd = ctx.meta(0).dim()
+    dim = ctx.node.args[1] % max(nd, 1)
+    cands = []
+    for s in ctx.placements:
+        if isinstance(s, Shard) and s.dim != dim and s.dim < nd and all(
+                ctx.meta(i).dim() == nd and ctx.meta(i).shape[s.dim] == ctx.meta(0).shape[s.dim]
+                for i in range(n)):
+            cands.append(Strategy((s,) * n, s, None, "scatter.carry"))
+            break
+    pi = ctx.placements[1]
+    adds = ctx.node.target.overloadpacket in (aten.scatter_add, aten.scatter_add_)
+    if adds and n == 3 and isinstance(pi, Shard) and pi.dim == dim and \
+            ctx.meta(1).shape == ctx.meta(2).shape and ctx.inputs[0].target in _ZEROS:
+        cands.append(Strategy((REPLICATE, pi, pi), PARTIAL, None, "scatter.partial_sum"))
+    cands.append(Strategy((REPLICATE,) * n, REPLICATE, None, "scatter"))
+    return cands

@@ -33,6 +33,8 @@ from spdsl.models.llama import Llama, LlamaConfig, apply_rotary
 CONFIGS: dict[str, Callable[[], LlamaConfig]] = {
     "tiny": LlamaConfig.tiny,
     "small": LlamaConfig.small,
+    # 8 query, 4 kv heads: 2 query heads a rank at SP 4, for Ulysses' head groups (overlap.py)
+    "tiny-h8": lambda: LlamaConfig.tiny().replace(n_heads=8, n_kv_heads=4),
 }
 
 Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]

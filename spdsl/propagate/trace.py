@@ -310,7 +310,7 @@ def trace(fn: Callable, args: tuple, kwargs: dict) -> Traced:
                              [_plain(t) for t in state] +
                              [_plain(leaves[i]) for i in tensor_leaf_index]))
     except _DATA_DEPENDENT as e:
-        raise _data_dependent(e) from e
+        raise _data_dependent(e, stack[-1] if stack else "") from e
     finally:
         _TRACING[0] = False
         h1.remove()
@@ -328,9 +328,13 @@ _DATA_DEPENDENT = (GuardOnDataDependentSymNode, DataDependentOutputException,
                    DynamicOutputShapeException)
 
 
-def _data_dependent(e: Exception) -> ShardingError:
+def _data_dependent(e: Exception, module: str = "") -> ShardingError:
     """A Python decision on a tensor's value (``if x < p:``, ``.item()``, an output whose
-    shape depends on data): tracing at global shapes sees no values."""
+    shape depends on data): tracing at global shapes sees no values. ``module``: the module
+    being traced, which may compute each token alone (a mixture of experts' experts)."""
+    token_wise = (f"; if {module} computes each token on its own (the experts of a mixture of "
+                  f"experts), mark it spdsl.token_wise(model.get_submodule({module!r})) (or "
+                  "its class): each rank then runs it eagerly on its tokens") if module else ""
     return ShardingError(
         rule="data-dependent control flow",
         where=user_frame(e.__traceback__) if e is not None else "",
@@ -339,7 +343,7 @@ def _data_dependent(e: Exception) -> ShardingError:
                "the inputs' shapes, without their values",
         fix="compute it with tensor ops instead (torch.where, masks); for Hugging Face models "
             "whose training mode draws layerdrop in Python (OPT), call model.eval() when every "
-            "dropout probability is 0: eval mode gives the same loss and gradients")
+            "dropout probability is 0: eval mode gives the same loss and gradients" + token_wise)
 
 
 _OUTPUT_LEAVES = (torch.Tensor, int, float, bool, str, type(None), torch.SymInt, torch.SymFloat,

@@ -4,7 +4,7 @@ at SP 2 and 4. Mixtral and Qwen3-MoE in each experts implementation (``eager``,
 ``batched_mm``, ``grouped_mm``), under ``remat="full"`` and on a padded batch; Qwen2-MoE,
 OLMoE, DeepSeek-V3 and gpt-oss in their default experts. Each rank runs the experts on its own
 tokens (one ``token_wise`` node per layer, no collective in the MoE layers); the router's
-statistics are global (a load-balancing loss from one rank's tokens would be 0.1-3% off, far
+statistics are global (a load-balancing loss from one rank's tokens would be 0.3-1.6% off, far
 outside the tolerance). One launch per degree."""
 
 from __future__ import annotations

@@ -230,16 +230,18 @@ def _finite(m: torch.Tensor) -> torch.Tensor:
 def attend_rows(q_blk, kf, vf, spans, scale, m, den, acc):
     """One block of query rows against the key blocks ``spans`` yields: the flash
     recurrence's running row max ``m``, sum ``den`` and unnormalised output ``acc``
-    (``[B, H, rows, 1 | Dv]``, fp32) updated; returns them."""
+    (``[B, H, rows, 1 | Dv]``, fp32) updated; returns them. Keys are the next-to-last dim:
+    ``[B, H_kv, 1, S_k, D]`` against queries ``[B, H_kv, G, rows, D]`` broadcasts over the
+    group (grouped query heads without repeating k and v)."""
     for j0, j1, keep, bias in spans:
-        s = _scores(q_blk, kf[:, :, j0:j1], keep, bias, scale)
+        s = _scores(q_blk, kf[..., j0:j1, :], keep, bias, scale)
         del keep, bias
         m_new = torch.maximum(m, s.amax(-1, keepdim=True))
         alpha = torch.where(torch.isfinite(m), torch.exp(m - _finite(m_new)),
                             torch.zeros_like(m))        # nothing kept before: nothing to scale
         p = s.sub_(_finite(m_new)).exp_()               # the probabilities, in place
         den = den * alpha + p.sum(-1, keepdim=True)
-        acc = acc * alpha + torch.matmul(p, vf[:, :, j0:j1])
+        acc = acc * alpha + torch.matmul(p, vf[..., j0:j1, :])
         m = m_new
         del s, p
     return m, den, acc
@@ -248,18 +250,27 @@ def attend_rows(q_blk, kf, vf, spans, scale, m, den, acc):
 def grad_rows(q_blk, do_blk, d_blk, m, den, kf, vf, spans, scale, dq_blk, dk, dv) -> None:
     """The gradients of one block of query rows against the key blocks ``spans`` yields,
     from the rows' final max ``m`` and sum ``den`` and ``d_blk = sum(dout * out)``:
-    added into ``dq_blk``, ``dk``, ``dv`` (fp32, at the query heads)."""
+    added into ``dq_blk``, ``dk``, ``dv`` (fp32; keys the next-to-last dim; grouped query
+    heads as in :func:`attend_rows`, dk and dv summed over the group)."""
     inv = torch.where(den > 0, 1.0 / den, torch.zeros_like(den))
     for j0, j1, keep, bias in spans:
-        s = _scores(q_blk, kf[:, :, j0:j1], keep, bias, scale)
+        k_blk, v_blk = kf[..., j0:j1, :], vf[..., j0:j1, :]
+        s = _scores(q_blk, k_blk, keep, bias, scale)
         del keep, bias
         p = s.sub_(_finite(m)).exp_().mul_(inv)        # in place: two fp32 blocks live
-        dv[:, :, j0:j1] += torch.matmul(p.transpose(-2, -1), do_blk)
-        ds = torch.matmul(do_blk, vf[:, :, j0:j1].transpose(-2, -1))
+        _add(dv[..., j0:j1, :], torch.matmul(p.transpose(-2, -1), do_blk))
+        ds = torch.matmul(do_blk, v_blk.transpose(-2, -1))
         ds.sub_(d_blk).mul_(p).mul_(scale)
-        dq_blk += torch.matmul(ds, kf[:, :, j0:j1])
-        dk[:, :, j0:j1] += torch.matmul(ds.transpose(-2, -1), q_blk)
+        dq_blk += torch.matmul(ds, k_blk)
+        _add(dk[..., j0:j1, :], torch.matmul(ds.transpose(-2, -1), q_blk))
         del s, p, ds
+
+
+def _add(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """``dst += src``, summed over a query-head group ``dst`` holds once."""
+    if src.dim() == 5 and dst.shape[2] != src.shape[2]:
+        src = src.sum(2, keepdim=True)
+    dst += src
 
 
 def _forward(q, k, v, leaves, program_key, causal, scale):

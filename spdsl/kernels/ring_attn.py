@@ -35,7 +35,6 @@ from spdsl._torch import process_group
 from spdsl.kernels.masked_attn import (
     _Blocks,
     _grouped,
-    _up,
     attend_rows,
     block_sizes,
     grad_rows,
@@ -128,10 +127,11 @@ def _fused(program, causal: bool, q: torch.Tensor, gq: int, nq: int, gk: int, nk
 
 
 def _attend_fused(q_rows, ks, vs, how: str, scale: float, m, den, acc):
-    """One pair on the fused kernel, merged into the running max, sum and output."""
+    """One pair on the fused kernel (``[B, H, rows, D]``, kv heads repeated to the query
+    heads), merged into the running max, sum and output (``[B, H_kv, G, rows, 1 | Dv]``)."""
     o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
         q_rows, ks, vs, 0.0, how == "causal", scale=scale)
-    lse = lse.unsqueeze(-1)
+    o, lse = o.unflatten(1, m.shape[1:3]), lse.unflatten(1, m.shape[1:3]).unsqueeze(-1)
     m_new = torch.maximum(m, lse)
     keep = torch.isfinite(m_new)
     alpha = torch.where(torch.isfinite(m), torch.exp(m - m_new), torch.zeros_like(m))
@@ -139,15 +139,31 @@ def _attend_fused(q_rows, ks, vs, how: str, scale: float, m, den, acc):
     return m_new, den * alpha + beta, acc * alpha + o * beta
 
 
+def _grouped_spans(spans, h: int, hk: int):
+    """A block's masks ``[B, H | 1, rows, cols]`` as ``[B, H_kv, G | 1, rows, cols]``: the
+    query heads as (kv head, member of its group), so that k and v are read at their own
+    heads, never repeated."""
+    def five(t):
+        if t is None or t.dim() < 4:       # [rows, cols] (causal alone) broadcasts as it is
+            return t
+        return t.unflatten(1, (hk, h // hk)) if t.shape[1] == h and h > 1 else t.unsqueeze(2)
+    for j0, j1, keep, bias in spans:
+        yield j0, j1, five(keep), five(bias)
+
+
 def _forward(q, k, v, leaves, program_key, causal, scale, layout, parts, rank, group):
+    """Queries held as ``[B, H_kv, G, S, D]`` (the query heads grouped by the kv head they
+    read), k and v at their own heads: the matmuls broadcast over the group, nothing is
+    repeated; q is cast to fp32 a block of rows at a time, k and v a piece at a time."""
     program = mask_program(program_key) if program_key else None
     leaves = typed_leaves(program_key, leaves)
     b, h, s_q, _ = q.shape
-    s_k, dv = k.shape[2], v.shape[3]
-    (qf,) = _up(q)
-    m = qf.new_full((b, h, s_q, 1), float("-inf"))
-    den = qf.new_zeros(b, h, s_q, 1)
-    acc = qf.new_zeros(b, h, s_q, dv)
+    hk, s_k, dv = k.shape[1], k.shape[2], v.shape[3]
+    f32 = torch.promote_types(q.dtype, torch.float32)
+    q5 = q.unflatten(1, (hk, h // hk))
+    m = q.new_full((b, hk, h // hk, s_q, 1), float("-inf"), dtype=f32)
+    den = q.new_zeros((b, hk, h // hk, s_q, 1), dtype=f32)
+    acc = q.new_zeros((b, hk, h // hk, s_q, dv), dtype=f32)
     rows, cols = block_sizes(b, h, s_q, s_k)
     ring = _Ring(group, parts, rank) if parts > 1 else None
     kv = _pack(k, v)
@@ -155,41 +171,44 @@ def _forward(q, k, v, leaves, program_key, causal, scale, layout, parts, rank, g
         src = (rank - t) % parts
         nxt = ring.shift(kv, _KV_TAG) if t < parts - 1 else None
         kt, vt = _unpack(kv, k.shape, v.shape)
-        kf, vf = _up(_grouped(kt, h), _grouped(vt, h))
+        kf, vf = (x.unsqueeze(2).to(f32) for x in (kt, vt))          # [B, H_kv, 1, S, D]
         for lq, gq, nq, lk, gk, nk in _pairs(layout, s_q, s_k, parts, rank, src, causal):
-            ks, vs = kf[:, :, lk:lk + nk], vf[:, :, lk:lk + nk]
+            ks, vs = kf[..., lk:lk + nk, :], vf[..., lk:lk + nk, :]
             fused = _fused(program, causal, q, gq, nq, gk, nk)
             if fused is not None:
                 r = slice(lq, lq + nq)
-                m[:, :, r], den[:, :, r], acc[:, :, r] = _attend_fused(
-                    qf[:, :, r], ks, vs, fused, scale, m[:, :, r], den[:, :, r], acc[:, :, r])
+                m[..., r, :], den[..., r, :], acc[..., r, :] = _attend_fused(
+                    q[:, :, r].to(f32), _grouped(ks.squeeze(2), h), _grouped(vs.squeeze(2), h),
+                    fused, scale, m[..., r, :], den[..., r, :], acc[..., r, :])
                 continue
             blocks = _Blocks(program, leaves, causal, nk, cols, q.device, gq, gk)
             for i0 in range(0, nq, rows):
                 i1 = min(nq, i0 + rows)
                 r = slice(lq + i0, lq + i1)
-                m[:, :, r], den[:, :, r], acc[:, :, r] = attend_rows(
-                    qf[:, :, r], ks, vs, blocks.spans(i0, i1), scale, m[:, :, r],
-                    den[:, :, r], acc[:, :, r])
+                m[..., r, :], den[..., r, :], acc[..., r, :] = attend_rows(
+                    q5[..., r, :].to(f32), ks, vs, _grouped_spans(blocks.spans(i0, i1), h, hk),
+                    scale, m[..., r, :], den[..., r, :], acc[..., r, :])
         kt = vt = kf = vf = ks = vs = None   # views of the piece: it goes once sent
         if nxt is not None:
             kv = nxt.wait()
-    out = acc.div_(torch.where(den > 0, den, torch.ones_like(den)))
-    return out.to(q.dtype), torch.cat([m, den], dim=-1)
+    out = acc.div_(torch.where(den > 0, den, torch.ones_like(den))).flatten(1, 2)
+    return out.to(q.dtype), torch.cat([m, den], dim=-1).flatten(1, 2)
 
 
 def _backward(dout, q, k, v, out, stats, leaves, program_key, causal, scale, layout, parts,
               rank, group):
+    """As forward: grouped query heads, k and v at their own heads (dk and dv summed over
+    the group as they are made), q, dout and out cast a block of rows at a time."""
     program = mask_program(program_key) if program_key else None
     leaves = typed_leaves(program_key, leaves)
     b, h, s_q, _ = q.shape
     hk, s_k, d, dv = k.shape[1], k.shape[2], k.shape[3], v.shape[3]
-    (qf,) = _up(q)
-    do, of = _up(dout, out)
-    delta = (do * of).sum(-1, keepdim=True)
-    m, den = stats[..., 0:1], stats[..., 1:2]
+    g = h // hk
+    f32 = torch.promote_types(q.dtype, torch.float32)
+    q5, do5, o5 = (x.unflatten(1, (hk, g)) for x in (q, dout, out))
+    m, den = (stats[..., i:i + 1].unflatten(1, (hk, g)) for i in (0, 1))
     lse = None                          # the rows' log-sum-exp, for fused pieces
-    dq = qf.new_zeros(qf.shape)         # contiguous, as the fake kernel says (q may be a view)
+    dq = q.new_zeros((b, hk, g, s_q, d), dtype=f32)
     rows, cols = block_sizes(b, h, s_q, s_k)
     ring = _Ring(group, parts, rank) if parts > 1 else None
     kv, grads = _pack(k, v), None
@@ -197,34 +216,36 @@ def _backward(dout, q, k, v, out, stats, leaves, program_key, causal, scale, lay
         src = (rank - t) % parts
         nxt = ring.shift(kv, _KV_TAG) if t < parts - 1 else None
         kt, vt = _unpack(kv, k.shape, v.shape)
-        kf, vf = _up(_grouped(kt, h), _grouped(vt, h))
-        dk, dvv = torch.zeros_like(kf), torch.zeros_like(vf)
+        kf, vf = (x.unsqueeze(2).to(f32) for x in (kt, vt))          # [B, H_kv, 1, S, D]
+        dk = kf.new_zeros((b, hk, 1, s_k, d))
+        dvv = kf.new_zeros((b, hk, 1, s_k, dv))
         for lq, gq, nq, lk, gk, nk in _pairs(layout, s_q, s_k, parts, rank, src, causal):
-            ks, vs = kf[:, :, lk:lk + nk], vf[:, :, lk:lk + nk]
+            ks, vs = kf[..., lk:lk + nk, :], vf[..., lk:lk + nk, :]
             fused = _fused(program, causal, q, gq, nq, gk, nk)
             if fused is not None:
                 if lse is None:
-                    lse = (m + den.log()).squeeze(-1)        # den 0: -inf, no key kept
+                    lse = (m + den.log()).flatten(1, 2).squeeze(-1)   # den 0: -inf
                 r = slice(lq, lq + nq)
                 gq_, gk_, gv_ = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-                    do[:, :, r], qf[:, :, r], ks, vs, of[:, :, r], lse[:, :, r], 0.0,
+                    dout[:, :, r].to(f32), q[:, :, r].to(f32), _grouped(ks.squeeze(2), h),
+                    _grouped(vs.squeeze(2), h), out[:, :, r].to(f32), lse[:, :, r], 0.0,
                     fused == "causal", scale=scale)
-                dq[:, :, r] += gq_
-                dk[:, :, lk:lk + nk] += gk_
-                dvv[:, :, lk:lk + nk] += gv_
+                dq[..., r, :] += gq_.unflatten(1, (hk, g))
+                dk[..., lk:lk + nk, :] += gk_.unflatten(1, (hk, g)).sum(2, keepdim=True)
+                dvv[..., lk:lk + nk, :] += gv_.unflatten(1, (hk, g)).sum(2, keepdim=True)
                 del gq_, gk_, gv_
                 continue
             blocks = _Blocks(program, leaves, causal, nk, cols, q.device, gq, gk)
             for i0 in range(0, nq, rows):
                 i1 = min(nq, i0 + rows)
                 r = slice(lq + i0, lq + i1)
-                grad_rows(qf[:, :, r], do[:, :, r], delta[:, :, r], m[:, :, r], den[:, :, r],
-                          ks, vs, blocks.spans(i0, i1), scale, dq[:, :, r],
-                          dk[:, :, lk:lk + nk], dvv[:, :, lk:lk + nk])
+                do_blk, o_blk = do5[..., r, :].to(f32), o5[..., r, :].to(f32)
+                grad_rows(q5[..., r, :].to(f32), do_blk, (do_blk * o_blk).sum(-1, keepdim=True),
+                          m[..., r, :], den[..., r, :], ks, vs,
+                          _grouped_spans(blocks.spans(i0, i1), h, hk), scale, dq[..., r, :],
+                          dk[..., lk:lk + nk, :], dvv[..., lk:lk + nk, :])
+                del do_blk, o_blk
         kt = vt = kf = vf = ks = vs = None   # views of the piece: it goes once sent
-        if hk != h:
-            dk = dk.view(b, hk, h // hk, s_k, d).sum(2)
-            dvv = dvv.view(b, hk, h // hk, s_k, dv).sum(2)
         mine = _pack(dk, dvv)
         del dk, dvv                      # packed: not held beside the next step's blocks
         if t == 0:
@@ -241,7 +262,8 @@ def _backward(dout, q, k, v, out, stats, leaves, program_key, causal, scale, lay
         own += grads.wait()
     dk, dvv = _unpack(own, (b, hk, s_k, d), (b, hk, s_k, dv))
     # dk and dv are views of one received buffer: copies, so the op's outputs do not alias
-    return dq.to(q.dtype), dk.to(k.dtype, copy=True), dvv.to(v.dtype, copy=True)
+    return (dq.flatten(1, 2).to(q.dtype), dk.to(k.dtype, copy=True),
+            dvv.to(v.dtype, copy=True))
 
 
 @torch.library.custom_op("spdsl::ring_attn", mutates_args=())
@@ -324,23 +346,24 @@ def workspace_bytes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, leaves: l
     against the allocator in tests/memory/test_ring_workspace.py), on a ring of ``parts``
     ranks (``None``: the most any ring needs, that of four ranks or more).
 
-    Forward: the k/v piece attended and the one arriving (packed, k's dtype), their fp32
-    copies at the query heads (GQA or a narrow dtype), the running row max and sum, a
-    narrow dtype's fp32 queries and output, and a block's scratch as in
-    :func:`spdsl.kernels.masked_attn.workspace_bytes` plus the running output of the block's
-    previous key block and its update (four ``[rows, Dv]`` fp32 at once). Backward, at the
-    block phase of its fullest step: the pieces and their fp32 copies as forward, the step's
-    fp32 dk/dv at the query heads, gradient accumulators (fp32, kv heads, packed: the
-    owner's share from step 1; from step 2 also the one in flight to the next rank and the
-    one arriving), a narrow dtype's fp32 q, dout, output and dq, and the block's scratch
-    (``delta`` included); or, when larger (few heads, long pieces), the moment a step packs
-    its dk/dv (two more accumulators, no block).
+    Both directions hold the k/v piece attended and the one arriving (packed, k's dtype) and,
+    for a narrow dtype, their fp32 copies at the kv heads (never repeated: the query heads are
+    grouped by the kv head they read). Forward: the running row max and sum (fp32; the
+    running output is the op's output in fp32, scratch beside a narrow one), a block of rows
+    of q in fp32, a block's scratch as in :func:`spdsl.kernels.masked_attn.workspace_bytes`
+    and the running output of its previous key block and its update. Backward, at the block
+    phase of its fullest step: the step's fp32 dk/dv at the kv heads, gradient accumulators
+    (fp32, kv heads, packed: the owner's share from step 1; from step 2 also the one in
+    flight and the one arriving), a narrow dtype's fp32 dq, a block of rows of q, dout and
+    the output in fp32 and their product, and the block's scratch; or, when larger, the
+    moment a step packs its dk/dv (two more accumulators, no block).
 
-    Without a mask program on the CPU, pieces run on the fused flash kernel instead of blocks:
-    per pair (``layout``: zigzag pairs are half a piece) forward its output and log-sum-exp
-    and then either its own tiles (``spdsl.kernels.cpu_flash``) or the merge's three
-    ``[rows, Dv]`` fp32 temporaries and the masks of finite rows; backward its tiles, its
-    dq, dk, dv, the rows' log-sum-exp and ``delta``.
+    Without a mask program on the CPU, pieces run on the fused flash kernel instead of
+    blocks: per pair (``layout``: zigzag pairs are half a piece) k and v repeated to the
+    query heads (GQA) and the pair's rows of q (and in backward dout and the output) in
+    fp32; forward its output and log-sum-exp, then either its own tiles
+    (``spdsl.kernels.cpu_flash``) or the merge's three ``[rows, Dv]`` fp32 temporaries and
+    the masks of finite rows; backward its tiles, its dq, dk, dv and the rows' log-sum-exp.
 
     Example::
 
@@ -356,35 +379,40 @@ def workspace_bytes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, leaves: l
     narrow = q.dtype != f32
     piece = b * hk * s_k * (d + dv) * k.element_size()         # one packed k/v piece
     pieces = piece * (2 if parts is None or parts > 1 else 1)  # attended, arriving
-    up = b * h * s_k * (d + dv) * w if (hk != h or narrow) else 0          # kf, vf
-    with torch.device("meta"):         # the block's own scratch: fp32, heads as the queries
-        qm = torch.empty((b, h, s_q, d), dtype=f32)
-        km, vm = torch.empty((b, h, s_k, d), dtype=f32), torch.empty((b, h, s_k, dv), dtype=f32)
-        block = block_bytes(qm, km, vm, list(leaves), program, causal, backward)
+    acc = b * hk * s_k * (d + dv) * w            # k/v (or dk/dv) at the kv heads in fp32
+    up = acc if narrow else 0                                    # kf, vf
     rows, _ = block_sizes(b, h, s_q, s_k)
-    qf = b * h * s_q * d * w if narrow else 0
-    of = b * h * s_q * dv * w if narrow else 0
-    if not program and q.device.type in ("cpu", "meta") and FUSED[0]:
+    fused = not program and q.device.type in ("cpu", "meta") and FUSED[0]
+    if fused:
         from spdsl.kernels.cpu_flash import flash_cpu_backward, flash_cpu_forward
         nq, nk = (s_q // 2, s_k // 2) if layout == "zigzag" else (s_q, s_k)
         with torch.device("meta"):
             qp = torch.empty((b, h, nq, d), dtype=f32)
             kp = torch.empty((b, h, nk, d), dtype=f32)
+        rep = b * h * nk * (d + dv) * w if (hk != h or narrow) else 0    # the pair's k, v
         if backward:
-            block = flash_cpu_backward((qp, qp, kp), {}) + b * h * (nq * d + nk * (d + dv)) * w \
-                + 2 * b * h * s_q * w                                    # lse, delta
+            block = flash_cpu_backward((qp, qp, kp), {}) + rep + b * h * s_q * w \
+                + b * h * (nq * d + nk * (d + dv)) * w \
+                + (b * h * nq * (d + 2 * dv) * w if narrow else 0)    # dout, q, out rows
         else:
-            # the kernel's tiles while it runs, then the merge's temporaries: never both
-            block = b * h * nq * (dv + 1) * w + max(flash_cpu_forward((qp, kp), {}),
-                                                    b * h * nq * ((3 * dv + 2) * w + 2))
-            rows = 0
+            block = rep + (b * h * nq * d * w if narrow else 0) + b * h * nq * (dv + 1) * w \
+                + max(flash_cpu_forward((qp, kp), {}), b * h * nq * ((3 * dv + 2) * w + 2))
+    else:
+        with torch.device("meta"):     # the block's own scratch: fp32, heads as the queries
+            qm = torch.empty((b, h, s_q, d), dtype=f32)
+            km = torch.empty((b, h, s_k, d), dtype=f32)
+            vm = torch.empty((b, h, s_k, dv), dtype=f32)
+            block = block_bytes(qm, km, vm, list(leaves), program, causal, backward)
+        if backward:                   # a block of rows of q, dout, out and dout * out
+            block += b * h * rows * ((d + 2 * dv) * w if narrow else 0) + b * h * rows * dv * w
+        else:
+            block += 2 * b * h * rows * dv * w + (b * h * rows * d * w if narrow else 0)
     if not backward:
-        running = 2 * b * h * rows * dv * w      # beyond the block count's two [rows, Dv]
-        return pieces + up + block + running + 2 * b * h * s_q * w + qf + of
-    acc = b * hk * s_k * (d + dv) * w            # one packed fp32 gradient accumulator
+        out = b * h * s_q * dv * w if narrow else 0          # the running output, in fp32
+        return pieces + up + block + 2 * b * h * s_q * w + out
     # (pieces, accumulators) held at a step's blocks and when it packs its dk/dv (then also
-    # dk/dv summed to the kv heads and the packed copy: two more); step 0 holds none, step 1
-    # the owner's share, later steps also the one in flight and the one arriving
+    # the packed copy); step 0 holds none, step 1 the owner's share, later steps also the one
+    # in flight and the one arriving
     if parts is None or parts >= 4:
         blocks_at, packing = pieces + 3 * acc, pieces + 5 * acc
     elif parts == 3:                             # step 1: two pieces; step 2: the last one
@@ -394,5 +422,5 @@ def workspace_bytes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, leaves: l
         blocks_at, packing = max(pieces, piece + acc), piece + 3 * acc
     else:
         blocks_at, packing = piece, piece + 2 * acc
-    dkv = b * h * s_k * (d + dv) * w             # the step's dk, dv at the query heads
-    return max(blocks_at + up + dkv + block, packing) + 2 * qf + 2 * of  # q, dq; dout, out
+    dq = b * h * s_q * d * w if narrow else 0    # in fp32 beside a narrow output
+    return max(blocks_at + up + acc + block, packing) + dq        # acc: the step's dk, dv

@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 from spdsl.kernels import masked_attn as M
+from spdsl.kernels import ring_attn as R
 from spdsl.kernels.ring_attn import ring_attn, segments
 from tests.dist import spawn
 from tests.kernels.test_masked_attn import _dense, _masks
@@ -33,7 +34,10 @@ def _cases(rank: int, world: int) -> dict:
         cases = dict(_masks(b, h, s))
         cases["causal"] = (None, [], True)           # no program: the fused CPU kernel
         cases["full"] = (None, [], False)
+        cases["causal/blocks"] = (None, [], True)    # ... or the block recurrence (CUDA's)
+        cases["full/blocks"] = (None, [], False)
         for name, (fn, leaves, causal) in cases.items():
+            R.FUSED[0] = not name.endswith("/blocks")
             for layout in ("contiguous", "zigzag"):
                 torch.manual_seed(0)
                 q = torch.randn(b, h, s, d, dtype=torch.float64, requires_grad=True)
@@ -52,6 +56,7 @@ def _cases(rank: int, world: int) -> dict:
                          for a, t in ((pq, q), (pk, k), (pv, v))]
                 out[(name, layout, block)] = max(float(e) for e in errs)
         M.BLOCK_ELEMENTS, M.KEY_BLOCK = 1 << 18, 512
+    R.FUSED[0] = True
     return out
 
 
@@ -65,6 +70,6 @@ def test_ring_matches_dense_forward_and_every_gradient(results):
     for per_rank in results:
         for key, err in per_rank.items():
             worst[key] = max(worst.get(key, 0.0), err)
-    assert len(worst) == 2 * 2 * 8
+    assert len(worst) == 2 * 2 * 10
     bad = {k: e for k, e in worst.items() if e > 1e-11}
     assert not bad, bad

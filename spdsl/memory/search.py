@@ -79,15 +79,19 @@ def _kernels(kernels: str):
     if kernels != "triton":
         yield kernels
         return
+    from spdsl.kernels import ring_attn
     from spdsl.kernels.backend import kernel_backend
     # fake tensors never launch a kernel: the interpreter flag only lets the backend choose
-    # Triton (and so the custom ops' fake kernels) for CPU-device fakes
+    # Triton (and so the custom ops' fake kernels) for CPU-device fakes; ring attention's
+    # mask-free pieces run the block recurrence on a GPU, not the CPU's fused kernel
     old = os.environ.get("TRITON_INTERPRET")
     os.environ["TRITON_INTERPRET"] = "1"
+    fused, ring_attn.FUSED[0] = ring_attn.FUSED[0], False
     try:
         with kernel_backend("triton"):
             yield "on"
     finally:
+        ring_attn.FUSED[0] = fused
         if old is None:
             os.environ.pop("TRITON_INTERPRET")
         else:

@@ -12,8 +12,10 @@ transfer overlaps compute, on gloo as on NCCL.
 
 Backward (ring-flash-attn's): the k/v pieces go around again; each rank adds its queries'
 contribution to the gradient of the piece it holds into an fp32 accumulator that travels with
-the piece, one rank behind it, and arrives at the piece's owner after ``P`` steps. The
-probabilities are recomputed from the saved row max and sum.
+the piece, one rank behind it, from the owner's next rank, and reaches the owner after
+``P - 1`` hops. A rank attends its own piece last and adds its share to what arrives (the
+first piece's transfer is the one not hidden). The probabilities are recomputed from the
+saved row max and sum.
 
 Masks: ``causal`` and mask programs of per-token leaves (``spdsl.propagate.masks``) work as in
 the block kernel, with global positions: the leaves are the global ones (replicated), cut at
@@ -211,14 +213,25 @@ def _backward(dout, q, k, v, out, stats, leaves, program_key, causal, scale, lay
     dq = q.new_zeros((b, hk, g, s_q, d), dtype=f32)
     rows, cols = block_sizes(b, h, s_q, s_k)
     ring = _Ring(group, parts, rank) if parts > 1 else None
-    kv, grads = _pack(k, v), None
-    for t in range(parts):
+    n_dk, n_dv = b * hk * s_k * d, b * hk * s_k * dv
+    # the others' pieces first, the rank's own last: its share of dk/dv is then added to
+    # what the others send home, and no accumulator waits for it through the whole loop (the
+    # first piece's transfer is not hidden); a piece's accumulator, one flat fp32 buffer
+    # that dk and dv are views of, follows it one rank behind
+    nxt = ring.shift(_pack(k, v), _KV_TAG) if ring is not None else None
+    grads = None
+    for t in list(range(1, parts)) + [0]:
         src = (rank - t) % parts
-        nxt = ring.shift(kv, _KV_TAG) if t < parts - 1 else None
-        kt, vt = _unpack(kv, k.shape, v.shape)
+        if t:
+            kv = nxt.wait()
+            nxt = ring.shift(kv, _KV_TAG) if t < parts - 1 else None
+            kt, vt = _unpack(kv, k.shape, v.shape)
+        else:
+            kv, kt, vt = None, k, v
         kf, vf = (x.unsqueeze(2).to(f32) for x in (kt, vt))          # [B, H_kv, 1, S, D]
-        dk = kf.new_zeros((b, hk, 1, s_k, d))
-        dvv = kf.new_zeros((b, hk, 1, s_k, dv))
+        mine = kf.new_zeros(n_dk + n_dv)
+        dk = mine[:n_dk].view(b, hk, 1, s_k, d)
+        dvv = mine[n_dk:].view(b, hk, 1, s_k, dv)
         for lq, gq, nq, lk, gk, nk in _pairs(layout, s_q, s_k, parts, rank, src, causal):
             ks, vs = kf[..., lk:lk + nk, :], vf[..., lk:lk + nk, :]
             fused = _fused(program, causal, q, gq, nq, gk, nk)
@@ -245,23 +258,15 @@ def _backward(dout, q, k, v, out, stats, leaves, program_key, causal, scale, lay
                           _grouped_spans(blocks.spans(i0, i1), h, hk), scale, dq[..., r, :],
                           dk[..., lk:lk + nk, :], dvv[..., lk:lk + nk, :])
                 del do_blk, o_blk
-        kt = vt = kf = vf = ks = vs = None   # views of the piece: it goes once sent
-        mine = _pack(dk, dvv)
-        del dk, dvv                      # packed: not held beside the next step's blocks
-        if t == 0:
-            own = mine                   # the rank's own piece: added when the rest arrives
-        else:
-            if grads is not None:        # the piece's gradient from the ranks before
-                mine += grads.wait()
-                grads = None             # the received buffer goes before the next is made
-            # one rank behind its piece: after the last step it reaches the piece's owner
+        kv = kt = vt = kf = vf = ks = vs = dk = dvv = None   # the piece goes once sent
+        if grads is not None:            # the piece's gradient from the ranks before (or,
+            mine += grads.wait()         # last, the rank's own from all the others)
+            grads = None                 # the received buffer goes before the next is made
+        if t:                            # on to the next rank: the owner after the last step
             grads = ring.shift(mine, _DKV_TAG)
-        if nxt is not None:
-            kv = nxt.wait()
-    if grads is not None:
-        own += grads.wait()
-    dk, dvv = _unpack(own, (b, hk, s_k, d), (b, hk, s_k, dv))
-    # dk and dv are views of one received buffer: copies, so the op's outputs do not alias
+            mine = None
+    dk, dvv = mine[:n_dk].view(b, hk, s_k, d), mine[n_dk:].view(b, hk, s_k, dv)
+    # dk and dv are views of one buffer: copies, so the op's outputs do not alias
     return (dq.flatten(1, 2).to(q.dtype), dk.to(k.dtype, copy=True),
             dvv.to(v.dtype, copy=True))
 
@@ -352,11 +357,11 @@ def workspace_bytes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, leaves: l
     running output is the op's output in fp32, scratch beside a narrow one), a block of rows
     of q in fp32, a block's scratch as in :func:`spdsl.kernels.masked_attn.workspace_bytes`
     and the running output of its previous key block and its update. Backward, at the block
-    phase of its fullest step: the step's fp32 dk/dv at the kv heads, gradient accumulators
-    (fp32, kv heads, packed: the owner's share from step 1; from step 2 also the one in
-    flight and the one arriving), a narrow dtype's fp32 dq, a block of rows of q, dout and
-    the output in fp32 and their product, and the block's scratch; or, when larger, the
-    moment a step packs its dk/dv (two more accumulators, no block).
+    phase of its fullest step: the step's dk/dv (one flat fp32 buffer at the kv heads, sent on
+    as the piece's accumulator) and, from the second piece on, the previous accumulator in
+    flight and the one arriving (the rank's own piece comes last, so no share of its own
+    waits through the loop), a narrow dtype's fp32 dq, a block of rows of q, dout and the
+    output in fp32 and their product, and the block's scratch.
 
     Without a mask program on the CPU, pieces run on the fused flash kernel instead of
     blocks: per pair (``layout``: zigzag pairs are half a piece) k and v repeated to the
@@ -410,17 +415,14 @@ def workspace_bytes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, leaves: l
     if not backward:
         out = b * h * s_q * dv * w if narrow else 0          # the running output, in fp32
         return pieces + up + block + 2 * b * h * s_q * w + out
-    # (pieces, accumulators) held at a step's blocks and when it packs its dk/dv (then also
-    # the packed copy); step 0 holds none, step 1 the owner's share, later steps also the one
-    # in flight and the one arriving
-    if parts is None or parts >= 4:
-        blocks_at, packing = pieces + 3 * acc, pieces + 5 * acc
-    elif parts == 3:                             # step 1: two pieces; step 2: the last one
-        blocks_at = max(pieces + acc, piece + 3 * acc)
-        packing = max(pieces + 3 * acc, piece + 5 * acc)
-    elif parts == 2:
-        blocks_at, packing = max(pieces, piece + acc), piece + 3 * acc
+    # (pieces, accumulators) held at a step's blocks: the step's own dk/dv buffer; from the
+    # second piece on also the previous one in flight and the one arriving; the rank's own
+    # piece comes last, with no k/v piece held
+    if parts is None or parts >= 3:
+        blocks_at = pieces + 3 * acc
+    elif parts == 2:             # the one accumulator sent has arrived by the own piece
+        blocks_at = max(piece + acc, 2 * acc)
     else:
-        blocks_at, packing = piece, piece + 2 * acc
+        blocks_at = acc
     dq = b * h * s_q * d * w if narrow else 0    # in fp32 beside a narrow output
-    return max(blocks_at + up + acc + block, packing) + dq        # acc: the step's dk, dv
+    return blocks_at + up + block + dq

@@ -7,7 +7,7 @@ Measured (``spdsl.memory.measure``, no code shared with the estimate): the most 
 allocator held during the op above what it held before, less the op's outputs (forward: the
 output and its row statistics; backward: dq, dk, dv), the largest of the ranks (a causal rank
 whose later pieces are all masked skips their blocks). The estimate must never be below any
-rank's and at most 25% above the largest (0.0% to 24.9% above at the shapes below), with
+rank's and at most 25% above the largest (0.0% to 21.8% above at the shapes below), with
 mask-free pieces on the fused CPU kernel and on the block recurrence (what CUDA runs).
 """
 

@@ -232,16 +232,23 @@ def attend_rows(q_blk, kf, vf, spans, scale, m, den, acc):
     recurrence's running row max ``m``, sum ``den`` and unnormalised output ``acc``
     (``[B, H, rows, 1 | Dv]``, fp32) updated; returns them. Keys are the next-to-last dim:
     ``[B, H_kv, 1, S_k, D]`` against queries ``[B, H_kv, G, rows, D]`` broadcasts over the
-    group (grouped query heads without repeating k and v)."""
+    group (grouped query heads without repeating k and v). k and v may be narrower than the
+    queries: each key block is cast as it is used (a block of the cast, ``rows`` times less
+    than the block's matmul). ``m`` None: a fresh row block (made here: an argument would be
+    held by the caller through the whole call)."""
+    if m is None:
+        rows = q_blk.shape[:-1] + (1,)
+        m, den = q_blk.new_full(rows, float("-inf")), q_blk.new_zeros(rows)
+        acc = q_blk.new_zeros(q_blk.shape[:-1] + (vf.shape[-1],))
     for j0, j1, keep, bias in spans:
-        s = _scores(q_blk, kf[..., j0:j1, :], keep, bias, scale)
+        s = _scores(q_blk, kf[..., j0:j1, :].to(q_blk.dtype), keep, bias, scale)
         del keep, bias
         m_new = torch.maximum(m, s.amax(-1, keepdim=True))
         alpha = torch.where(torch.isfinite(m), torch.exp(m - _finite(m_new)),
                             torch.zeros_like(m))        # nothing kept before: nothing to scale
         p = s.sub_(_finite(m_new)).exp_()               # the probabilities, in place
         den = den * alpha + p.sum(-1, keepdim=True)
-        acc = acc * alpha + torch.matmul(p, vf[..., j0:j1, :])
+        acc = acc * alpha + torch.matmul(p, vf[..., j0:j1, :].to(p.dtype))
         m = m_new
         del s, p
     return m, den, acc
@@ -254,7 +261,7 @@ def grad_rows(q_blk, do_blk, d_blk, m, den, kf, vf, spans, scale, dq_blk, dk, dv
     heads as in :func:`attend_rows`, dk and dv summed over the group)."""
     inv = torch.where(den > 0, 1.0 / den, torch.zeros_like(den))
     for j0, j1, keep, bias in spans:
-        k_blk, v_blk = kf[..., j0:j1, :], vf[..., j0:j1, :]
+        k_blk, v_blk = kf[..., j0:j1, :].to(q_blk.dtype), vf[..., j0:j1, :].to(q_blk.dtype)
         s = _scores(q_blk, k_blk, keep, bias, scale)
         del keep, bias
         p = s.sub_(_finite(m)).exp_().mul_(inv)        # in place: two fp32 blocks live
@@ -289,12 +296,11 @@ def _forward(q, k, v, leaves, program_key, causal, scale):
     blocks = _Blocks(program, leaves, causal, s_k, cols, q.device)
     for i0 in range(0, s_q, rows):
         i1 = min(s_q, i0 + rows)
-        m, den, acc = attend_rows(
-            qf[:, :, i0:i1], kf, vf, blocks.spans(i0, i1), scale,
-            qf.new_full((b, h, i1 - i0, 1), float("-inf")), qf.new_zeros(b, h, i1 - i0, 1),
-            qf.new_zeros(b, h, i1 - i0, v.shape[-1]))
+        m, den, acc = attend_rows(qf[:, :, i0:i1], kf, vf, blocks.spans(i0, i1), scale,
+                                  None, None, None)
         out[:, :, i0:i1] = acc / torch.where(den > 0, den, torch.ones_like(den))
         stats[:, :, i0:i1, 0:1], stats[:, :, i0:i1, 1:2] = m, den
+        del m, den, acc                 # not held through the next row block's call
     return out.to(q.dtype), stats
 
 

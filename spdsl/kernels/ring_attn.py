@@ -173,14 +173,15 @@ def _forward(q, k, v, leaves, program_key, causal, scale, layout, parts, rank, g
         src = (rank - t) % parts
         nxt = ring.shift(kv, _KV_TAG) if t < parts - 1 else None
         kt, vt = _unpack(kv, k.shape, v.shape)
-        kf, vf = (x.unsqueeze(2).to(f32) for x in (kt, vt))          # [B, H_kv, 1, S, D]
+        kf, vf = kt.unsqueeze(2), vt.unsqueeze(2)   # [B, H_kv, 1, S, D], cast a block at a time
         for lq, gq, nq, lk, gk, nk in _pairs(layout, s_q, s_k, parts, rank, src, causal):
             ks, vs = kf[..., lk:lk + nk, :], vf[..., lk:lk + nk, :]
             fused = _fused(program, causal, q, gq, nq, gk, nk)
             if fused is not None:
                 r = slice(lq, lq + nq)
                 m[..., r, :], den[..., r, :], acc[..., r, :] = _attend_fused(
-                    q[:, :, r].to(f32), _grouped(ks.squeeze(2), h), _grouped(vs.squeeze(2), h),
+                    q[:, :, r].to(f32), _grouped(ks.squeeze(2), h).to(f32),
+                    _grouped(vs.squeeze(2), h).to(f32),
                     fused, scale, m[..., r, :], den[..., r, :], acc[..., r, :])
                 continue
             blocks = _Blocks(program, leaves, causal, nk, cols, q.device, gq, gk)
@@ -228,8 +229,8 @@ def _backward(dout, q, k, v, out, stats, leaves, program_key, causal, scale, lay
             kt, vt = _unpack(kv, k.shape, v.shape)
         else:
             kv, kt, vt = None, k, v
-        kf, vf = (x.unsqueeze(2).to(f32) for x in (kt, vt))          # [B, H_kv, 1, S, D]
-        mine = kf.new_zeros(n_dk + n_dv)
+        kf, vf = kt.unsqueeze(2), vt.unsqueeze(2)   # [B, H_kv, 1, S, D], cast a block at a time
+        mine = q.new_zeros(n_dk + n_dv, dtype=f32)
         dk = mine[:n_dk].view(b, hk, 1, s_k, d)
         dvv = mine[n_dk:].view(b, hk, 1, s_k, dv)
         for lq, gq, nq, lk, gk, nk in _pairs(layout, s_q, s_k, parts, rank, src, causal):
@@ -240,8 +241,8 @@ def _backward(dout, q, k, v, out, stats, leaves, program_key, causal, scale, lay
                     lse = (m + den.log()).flatten(1, 2).squeeze(-1)   # den 0: -inf
                 r = slice(lq, lq + nq)
                 gq_, gk_, gv_ = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-                    dout[:, :, r].to(f32), q[:, :, r].to(f32), _grouped(ks.squeeze(2), h),
-                    _grouped(vs.squeeze(2), h), out[:, :, r].to(f32), lse[:, :, r], 0.0,
+                    dout[:, :, r].to(f32), q[:, :, r].to(f32), _grouped(ks.squeeze(2), h).to(f32),
+                    _grouped(vs.squeeze(2), h).to(f32), out[:, :, r].to(f32), lse[:, :, r], 0.0,
                     fused == "causal", scale=scale)
                 dq[..., r, :] += gq_.unflatten(1, (hk, g))
                 dk[..., lk:lk + nk, :] += gk_.unflatten(1, (hk, g)).sum(2, keepdim=True)
@@ -351,9 +352,9 @@ def workspace_bytes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, leaves: l
     against the allocator in tests/memory/test_ring_workspace.py), on a ring of ``parts``
     ranks (``None``: the most any ring needs, that of four ranks or more).
 
-    Both directions hold the k/v piece attended and the one arriving (packed, k's dtype) and,
-    for a narrow dtype, their fp32 copies at the kv heads (never repeated: the query heads are
-    grouped by the kv head they read). Forward: the running row max and sum (fp32; the
+    Both directions hold the k/v piece attended and the one arriving (packed, k's dtype; cast
+    to fp32 a key block at a time, never repeated: the query heads are grouped by the kv head
+    they read). Forward: the running row max and sum (fp32; the
     running output is the op's output in fp32, scratch beside a narrow one), a block of rows
     of q in fp32, a block's scratch as in :func:`spdsl.kernels.masked_attn.workspace_bytes`
     and the running output of its previous key block and its update. Backward, at the block
@@ -384,9 +385,8 @@ def workspace_bytes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, leaves: l
     narrow = q.dtype != f32
     piece = b * hk * s_k * (d + dv) * k.element_size()         # one packed k/v piece
     pieces = piece * (2 if parts is None or parts > 1 else 1)  # attended, arriving
-    acc = b * hk * s_k * (d + dv) * w            # k/v (or dk/dv) at the kv heads in fp32
-    up = acc if narrow else 0                                    # kf, vf
-    rows, _ = block_sizes(b, h, s_q, s_k)
+    acc = b * hk * s_k * (d + dv) * w            # dk/dv at the kv heads in fp32
+    rows, cols = block_sizes(b, h, s_q, s_k)
     fused = not program and q.device.type in ("cpu", "meta") and FUSED[0]
     if fused:
         from spdsl.kernels.cpu_flash import flash_cpu_backward, flash_cpu_forward
@@ -412,9 +412,11 @@ def workspace_bytes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, leaves: l
             block += b * h * rows * ((d + 2 * dv) * w if narrow else 0) + b * h * rows * dv * w
         else:
             block += 2 * b * h * rows * dv * w + (b * h * rows * d * w if narrow else 0)
+        if narrow:                     # a key block of k and v in fp32
+            block += b * hk * cols * (d + dv) * w
     if not backward:
         out = b * h * s_q * dv * w if narrow else 0          # the running output, in fp32
-        return pieces + up + block + 2 * b * h * s_q * w + out
+        return pieces + block + 2 * b * h * s_q * w + out
     # (pieces, accumulators) held at a step's blocks: the step's own dk/dv buffer; from the
     # second piece on also the previous one in flight and the one arriving; the rank's own
     # piece comes last, with no k/v piece held
@@ -425,4 +427,4 @@ def workspace_bytes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, leaves: l
     else:
         blocks_at = acc
     dq = b * h * s_q * d * w if narrow else 0    # in fp32 beside a narrow output
-    return blocks_at + up + block + dq
+    return blocks_at + block + dq

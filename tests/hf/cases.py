@@ -180,10 +180,19 @@ def run_all(rank: int, world: int, cases: list[Case], extras: bool = True) -> di
     return results
 
 
-EXPECTED_ALL_TO_ALL = 4 * LAYERS      # per layer: q/k/v in and out, forward and backward
+EXPECTED_ALL_TO_ALL = 4 * LAYERS      # per layer and head group: q/k/v in and out, fwd and bwd
 
 
-def expected_all_to_alls(name: str) -> int:
-    """Hugging Face models gather their (integer) labels for the in-model shift; spdsl's
-    own Llama shifts them by a halo exchange, one more gloo all-to-all in forward."""
-    return EXPECTED_ALL_TO_ALL + (1 if name.startswith("plain_tied") else 0)
+def expected_all_to_alls(name: str, world: int) -> int:
+    """Per layer, one exchange in and one out, forward and backward, for each of the head
+    groups a rank pipelines its Ulysses attention in (``spdsl.lower.ops.head_groups``: 2 at
+    SP 2 with 4 query heads, 1 at SP 4). Hugging Face models gather their (integer) labels
+    for the in-model shift; spdsl's own Llama shifts them by a halo exchange, one more gloo
+    all-to-all in forward."""
+    from spdsl.lower.ops import head_groups
+    from tests.hf.families import FAMILIES, HEADS
+    kw = FAMILIES[name.split("/")[0]].kwargs if name.split("/")[0] in FAMILIES else {}
+    hq = kw.get("num_attention_heads", kw.get("n_head", HEADS))
+    hk = kw.get("num_key_value_heads") or hq
+    groups = len(head_groups(hq, hk, world))
+    return EXPECTED_ALL_TO_ALL * groups + (1 if name.startswith("plain_tied") else 0)

@@ -52,7 +52,7 @@ def check(world: int, per_rank: list, name: str) -> None:
         assert out["loss"] <= LOSS_RTOL, f"sp{world} rank {r}: loss rel err {out['loss']:.2e}"
         assert out["grad"] <= GRAD_RTOL, \
             f"sp{world} rank {r}: grad rel err {out['grad']:.2e} ({out['worst']})"
-        assert out["all_to_all"] == expected_all_to_alls(name), \
+        assert out["all_to_all"] == expected_all_to_alls(name, world), \
             f"sp{world} rank {r}: {out['all_to_all']} all-to-alls ran"
     assert len({res[name]["loss_value"] for res in per_rank}) == 1
 

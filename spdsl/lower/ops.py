@@ -22,8 +22,9 @@ aten = torch.ops.aten
 # while group i attends, and group i's output goes back while group i + 1 attends; the bytes
 # are the same, in G all-to-alls each way. Heads are independent, so the output is bitwise
 # the one-group output; a kv head read by two groups gets its gradient in two parts (fp32
-# rounding).
-ULYSSES_GROUPS = int(os.environ.get("SPDSL_ULYSSES_GROUPS", "2"))
+# rounding). One by default: on CPU ranks the pipelined exchange measured no faster
+# (bench/RESULTS.md) and no GPU has measured it yet.
+ULYSSES_GROUPS = int(os.environ.get("SPDSL_ULYSSES_GROUPS", "1"))
 
 
 class HeadGroup(NamedTuple):

@@ -185,8 +185,8 @@ EXPECTED_ALL_TO_ALL = 4 * LAYERS      # per layer and head group: q/k/v in and o
 
 def expected_all_to_alls(name: str, world: int) -> int:
     """Per layer, one exchange in and one out, forward and backward, for each of the head
-    groups a rank pipelines its Ulysses attention in (``spdsl.lower.ops.head_groups``: 2 at
-    SP 2 with 4 query heads, 1 at SP 4). Hugging Face models gather their (integer) labels
+    groups a rank pipelines its Ulysses attention in (``spdsl.lower.ops.head_groups``; one
+    unless ``SPDSL_ULYSSES_GROUPS`` says more). Hugging Face models gather their (integer) labels
     for the in-model shift; spdsl's own Llama shifts them by a halo exchange, one more gloo
     all-to-all in forward."""
     from spdsl.lower.ops import head_groups

@@ -112,8 +112,8 @@ def main() -> None:
         f"batch; `exact` means loss <= {LOSS_RTOL:g} and every gradient <= {GRAD_RTOL:g} "
         "relative (to the parameter's largest gradient, floored at 1e-3 of the model's), "
         "with the worst of the two in brackets; the process group ran "
-        f"{EXPECTED_ALL_TO_ALL} all-to-alls per step per head group (2 per layer forward, 2 "
-        "backward; a rank pipelines its heads in 2 groups at SP 2, 1 at SP 4) unless a count "
+        f"{EXPECTED_ALL_TO_ALL} all-to-alls per step per Ulysses head group (2 per layer "
+        "forward, 2 backward; one group unless SPDSL_ULYSSES_GROUPS says more) unless a count "
         "is shown."),
         "",
         ("Batches: `plain` (no mask), `pad_right`/`pad_left` (a 2-D `attention_mask`, one row "

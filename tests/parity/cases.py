@@ -92,7 +92,7 @@ def ran_and_planned(step, model, args, loss_of=None) -> tuple[list, list]:
     plan = spdsl.plan(step, *args)
     planned = []
     for c in plan.collectives:
-        size = ITEMSIZE[c.values[0].split("[")[0]]
+        size = ITEMSIZE[c.values[0].lstrip("(").split("[")[0]]    # a tuple: its first
         planned.append((c.kind, c.purpose, c.bytes // size, c.bytes_bwd // size))
     return ran, planned
 

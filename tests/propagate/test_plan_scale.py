@@ -38,16 +38,19 @@ def test_big_plans_move_exactly_the_ulysses_bytes(preset, seq, parts):
     assert len(ulysses) == 2 * cfg.n_layers                # fused q/k/v, then the output
     assert sum(c.bytes for c in ulysses) == cfg.n_layers * per_layer
     assert sum(c.bytes_bwd for c in ulysses) == cfg.n_layers * per_layer
-    # the rest of the forward: the loss's (sum, count) and one shifted label per row
+    # the rest of the forward: the loss's (sum, count) and the in-model label shift, int64
+    # labels (never the logits): rank 0 hands the process group the s/P - 1 labels it keeps
+    # and receives the one shifted label from rank 1
     rest = sorted((c.kind, c.bytes) for c in plan.collectives
                   if c.purpose not in ("ulysses", "gradient"))
-    assert rest == [("all_reduce", 8), ("halo_exchange", 8)]
+    assert rest == [("all_reduce", 8), ("halo_exchange", (seq // parts - 1) * 8)]
     grads = sum(c.bytes_bwd for c in plan.collectives if c.purpose == "gradient")
     assert grads == num_params(cfg) * 2
 
     t = plan.totals
     assert t.floor_fwd == cfg.n_layers * per_layer and t.floor_bwd == t.floor_fwd
-    assert t.bytes_fwd == t.floor_fwd + 16 and t.bytes_bwd == t.floor_bwd
+    assert t.bytes_fwd == t.floor_fwd + 8 + (seq // parts - 1) * 8   # the loss, the labels
+    assert t.bytes_bwd == t.floor_bwd
     (layers,) = [b for b in plan.layers if b.count > 1]
     assert layers.name == f"layers.0-{cfg.n_layers - 1}" and layers.bytes_fwd == per_layer
     assert f"layers.0-{cfg.n_layers - 1} (x{cfg.n_layers})" in str(plan)

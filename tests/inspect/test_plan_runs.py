@@ -8,47 +8,18 @@ dp 2 x sp 2 on 4. Print the table with ``python -m tests.inspect.test_plan_runs`
 
 from __future__ import annotations
 
-import math
 from collections import Counter
 
 import pytest
 import torch
 
 from tests.dist import spawn
+from tests.parity.cases import ITEMSIZE, counted
 
 pytestmark = [pytest.mark.multirank, pytest.mark.slow]
 
-# process-group event names (``c10d::<name>_``) -> the plan's kinds; a halo exchange is an
-# all-to-all at the process group
-PG_KINDS = {"alltoall_base": "all_to_all", "allreduce": "all_reduce",
-            "allgather_into_tensor_coalesced": "all_gather", "_allgather_base": "all_gather",
-            "allgather": "all_gather", "reduce_scatter_tensor_coalesced": "reduce_scatter",
-            "_reduce_scatter_base": "reduce_scatter"}
-ITEMSIZE = {"f32": 4, "f64": 8, "bf16": 2, "f16": 2, "i64": 8, "i32": 4, "bool": 1}
-
 SP_CASES = ["none", "auto", "full", "full_recompute", "offload", "compiled", "shard_state"]
 MESH_CASES = ["dp2xsp2", "dp2xsp2_shard_state"]
-
-
-def _counted(fn) -> list[tuple[str, int]]:
-    """``(kind, elements)`` of each process-group collective ``fn()`` runs (profiler events:
-    ``c10d::<op>``, then the gloo backend's record with the input's shape)."""
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
-                                record_shapes=True) as prof:
-        fn()
-    calls, pending = [], None
-    for e in prof.events():
-        if e.name == "c10d::alltoall_base_":
-            # its own record has the input (an all-to-all issued before the previous one's
-            # gloo record, as pipelined Ulysses does, would pair with the wrong one)
-            calls.append(("all_to_all", math.prod(e.input_shapes[1])))
-        elif e.name.startswith("c10d::"):
-            pending = e.name.removeprefix("c10d::").rstrip("_")
-        elif e.name.startswith("gloo:") and e.name != "gloo:all_to_all" and pending is not None:
-            shape = e.input_shapes[0] if e.input_shapes and e.input_shapes[0] else []
-            calls.append((PG_KINDS.get(pending, pending), math.prod(shape)))
-            pending = None
-    return calls
 
 
 def planned_calls(collectives) -> Counter:
@@ -57,7 +28,7 @@ def planned_calls(collectives) -> Counter:
     out: Counter = Counter()
     for c in collectives:
         kind = "all_to_all" if c.kind == "halo_exchange" else c.kind
-        size = ITEMSIZE[c.values[0].split("[")[0]]
+        size = ITEMSIZE[c.values[0].lstrip("(").split("[")[0]]
         for phase, b in (("fwd", c.bytes), ("bwd", c.bytes_bwd)):
             if b:
                 out[(phase, kind, b // size)] += 1
@@ -101,8 +72,8 @@ def _case(name: str, world: int) -> dict:
     step(ids, ids).backward()                   # builds (and compiles) the step
     model.zero_grad(set_to_none=True)
     box = {}
-    fwd = _counted(lambda: box.setdefault("loss", step(ids, ids)))
-    bwd = _counted(lambda: box["loss"].backward())
+    fwd = counted(lambda: box.setdefault("loss", step(ids, ids)))
+    bwd = counted(lambda: box["loss"].backward())
     ran = Counter([("fwd", *c) for c in fwd] + [("bwd", *c) for c in bwd])
     plan = step.build((ids, ids), {}).plan
     return {"ran": ran, "planned": planned_calls(plan.collectives),

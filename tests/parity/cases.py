@@ -66,17 +66,13 @@ PG_KINDS = {"alltoall_base": "all_to_all", "allreduce": "all_reduce",
 ITEMSIZE = {"f32": 4, "f64": 8, "bf16": 2, "f16": 2, "i64": 8, "i32": 4, "bool": 1}
 
 
-def ran_and_planned(step, model, args, loss_of=None) -> tuple[list, list]:
-    """The collectives one training step really ran, from the profiler's process-group events
-    (``c10d::*``, each followed by the gloo backend's record with its input shape): ``(kind,
-    elements)`` per call; and the plan's list: ``(kind, purpose, elements forward, elements
-    backward)`` per collective. ``loss_of(outputs)``: the scalar to differentiate, when the
-    step does not return one."""
-    model.zero_grad(set_to_none=True)
+def counted(fn) -> list[tuple[str, int]]:
+    """``(kind, elements)`` of each process-group collective ``fn()`` runs, from the
+    profiler's process-group events (``c10d::*``; all-to-alls from their own record, the rest
+    from the gloo backend's record that follows, with its input shape)."""
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
                                 record_shapes=True) as prof:
-        out = step(*args)
-        (out if loss_of is None else loss_of(out)).backward()
+        fn()
     ran, pending = [], None
     for e in prof.events():
         if e.name == "c10d::alltoall_base_":
@@ -89,6 +85,20 @@ def ran_and_planned(step, model, args, loss_of=None) -> tuple[list, list]:
             shape = e.input_shapes[0] if e.input_shapes and e.input_shapes[0] else []
             ran.append((PG_KINDS.get(pending, pending), math.prod(shape)))
             pending = None
+    return ran
+
+
+def ran_and_planned(step, model, args, loss_of=None) -> tuple[list, list]:
+    """The collectives one training step really ran (:func:`counted`): ``(kind, elements)``
+    per call; and the plan's list: ``(kind, purpose, elements forward, elements backward)``
+    per collective. ``loss_of(outputs)``: the scalar to differentiate, when the step does not
+    return one."""
+    model.zero_grad(set_to_none=True)
+
+    def one() -> None:
+        out = step(*args)
+        (out if loss_of is None else loss_of(out)).backward()
+    ran = counted(one)
     plan = spdsl.plan(step, *args)
     planned = []
     for c in plan.collectives:

@@ -68,8 +68,14 @@ def main() -> int:
               f"{dist.get_world_size()} on node {node}, shard_state={shard_state}, loss rel "
               f"{loss_err:.1e}, {n} gradients, max rel {grad_err:.1e}", flush=True)
     dist.barrier()
-    dist.destroy_process_group()
     return 1 if missed else 0
 
+
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    sys.stdout.flush()
+    # Every rank has passed the barrier with its verdict printed. Leave without the gloo
+    # teardown: its worker threads can abort the process at interpreter exit on a loaded host
+    # ("terminate called without an active exception", pytorch/pytorch#190489), which would
+    # turn a parity pass into a failed agent.
+    os._exit(code)

@@ -257,15 +257,16 @@ def timeline(buffers: list[tuple], *, inputs_freed: bool) -> tuple[int, int, int
 
 def simulate_compiled(gm: torch.nn.Module, state: list[TensorSpec], inputs: list[TensorSpec], *,
                       optimizer: str = "adamw", tokens: int | None = None,
-                      label: str = "") -> MemoryPlan:
-    """Predicted per-rank memory of one step of ``torch.compile(gm)`` (see the module doc).
+                      label: str = "", **kw) -> MemoryPlan:
+    """Predicted per-rank memory of one step of ``torch.compile(gm)`` (see the module doc);
+    ``kw``: ``simulate``'s (the optimizer's precision and place, pinned host copies).
 
     Example::
 
         plan = simulate_compiled(apply_remat(local, "auto", state, ins), state, ins)
         plan.peak, plan.peak_phase
     """
-    eager = simulate(gm, state, inputs, optimizer=optimizer, tokens=tokens, label=label)
+    eager = simulate(gm, state, inputs, optimizer=optimizer, tokens=tokens, label=label, **kw)
     sched = graph_programs(gm, state, inputs)
     lasting = {c: eager.phases["forward"].get(c, 0) for c in ("parameter", "optimizer", "input")}
     fwd_peak, saved, _ = timeline(sched["forward"], inputs_freed=False)
@@ -282,4 +283,5 @@ def simulate_compiled(gm: torch.nn.Module, state: list[TensorSpec], inputs: list
     return MemoryPlan(sum(at.values()), at.get("parameter", 0), at.get("gradient", 0),
                       at.get("optimizer", 0), at.get("input", 0), at.get("activation", 0),
                       at.get("transient", 0), saved, top, tokens,
-                      f"{label}, compiled" if label else "compiled", phases)
+                      f"{label}, compiled" if label else "compiled", phases, eager.host,
+                      eager.one_pool, eager.host_requested)

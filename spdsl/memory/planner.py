@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import functools
 
+import torch
 import torch.distributed as dist
 
 from spdsl.lower.graph import lower
@@ -21,6 +22,7 @@ from spdsl.remat import Remat, apply_remat, local_specs
 
 
 def plan_memory(fn, *args, remat=None, rank: int = 0, optimizer: str = "adamw",
+                optimizer_on_host: bool = False, pinned_host: bool | None = None,
                 compiled: bool | None = None, **kwargs) -> MemoryPlan:
     """Predicted peak memory of one training step of ``fn(*args, **kwargs)`` on ``rank``.
 
@@ -30,7 +32,10 @@ def plan_memory(fn, *args, remat=None, rank: int = 0, optimizer: str = "adamw",
     replaying the program Inductor generates for its forward and backward graphs
     (``spdsl.memory.compiled``; this runs Inductor as far as that program, without compiling
     a kernel: seconds to minutes). Arguments may live on the
-    meta device.
+    meta device. ``optimizer`` (``"adamw-bf16"``, the default, or ``"adamw-fp32-master"``;
+    ``spdsl.memory.simulate``) and ``optimizer_on_host``: the update the step ends with.
+    ``pinned_host``: offloaded copies counted as CUDA's pinned host allocator takes them
+    (``spdsl.memory.host``; default: when the arguments are on CUDA).
 
     Example::
 
@@ -44,6 +49,11 @@ def plan_memory(fn, *args, remat=None, rank: int = 0, optimizer: str = "adamw",
         raise TypeError("plan_memory needs a function wrapped by spdsl.sp_shard or spdsl.shard")
     r = Remat.of(remat) if remat is not None else fn.remat
     compiled = fn.compile if compiled is None else compiled
+    if pinned_host is None:
+        pinned_host = any(isinstance(a, torch.Tensor) and a.device.type == "cuda"
+                          for a in args)
+    how = {"optimizer": optimizer, "optimizer_on_host": optimizer_on_host,
+           "pinned_host": pinned_host}
     entry = fn.build(args, kwargs)
     if r.fit and getattr(entry, "remat", None) is not None:
         r = entry.remat            # what the run chose (spdsl.memory.fit)
@@ -51,7 +61,7 @@ def plan_memory(fn, *args, remat=None, rank: int = 0, optimizer: str = "adamw",
         # a dp axis or sharded state needs the job's process groups: this rank's own lowering
         local = _off_meta(fn.lowered(entry, args, kwargs))
         state, ins = local_specs(entry, args, kwargs, fn.parts, entry.rank)
-        return _finish(fn, local, r, state, ins, optimizer, _local_tokens(entry, ins),
+        return _finish(fn, local, r, state, ins, how, _local_tokens(entry, ins),
                        entry.rank, compiled)
     state, ins = local_specs(entry, args, kwargs, fn.parts, rank)
     tokens = _local_tokens(entry, ins)
@@ -59,10 +69,10 @@ def plan_memory(fn, *args, remat=None, rank: int = 0, optimizer: str = "adamw",
     with _group(fn) as group:
         local = _off_meta(lower(entry.prop, rank, group, entry.out_placements,
                                 factor=factor))
-        return _finish(fn, local, r, state, ins, optimizer, tokens, rank, compiled)
+        return _finish(fn, local, r, state, ins, how, tokens, rank, compiled)
 
 
-def _finish(fn, local, r: Remat, state, ins, optimizer: str, tokens, rank: int,
+def _finish(fn, local, r: Remat, state, ins, how: dict, tokens, rank: int,
             compiled: bool) -> MemoryPlan:
     if hasattr(fn, "kernels"):      # the same kernel swaps as the real run (api.__call__)
         from spdsl.lower.kernels import swap_kernels
@@ -70,12 +80,12 @@ def _finish(fn, local, r: Remat, state, ins, optimizer: str, tokens, rank: int,
     if r.fit:       # not run yet: choose as the run would (this rank's budget alone)
         from spdsl.memory.fit import choose_remat
         local, r, _ = choose_remat(local, r, state, ins, compiled=compiled,
-                                   optimizer=optimizer)
+                                   optimizer=how["optimizer"])
     else:
         local = apply_remat(local, r, state, ins, peak=step_peak)
-    how = simulate_compiled if compiled else simulate
-    return how(local, state, ins, optimizer=optimizer, tokens=tokens,
-               label=f"{r.describe()}, rank {rank} of {fn.parts}")
+    run = simulate_compiled if compiled else simulate
+    return run(local, state, ins, tokens=tokens,
+               label=f"{r.describe()}, rank {rank} of {fn.parts}", **how)
 
 
 def _off_meta(gm):

@@ -32,8 +32,11 @@ class MemoryPlan:
     are still held (saved for backward); ``transient`` were allocated in backward or the
     optimizer step (recomputed layers, gradients of activations, temporaries).
     ``saved_activations`` is everything forward left for backward on the device (at the end
-    of forward). ``host`` is the peak of host memory the step holds per rank: what activation
-    offload (``Remat(offload=True)``) moved there; it is not part of ``peak``. ``one_pool`` is
+    of forward). ``host`` is the peak of host memory the step holds per rank, as the host
+    allocators take it: what activation offload (``Remat(offload=True)``) moved there, each copy
+    rounded up to a power of two when it is pinned (a CUDA run: ``spdsl.memory.host``), and a
+    host optimizer's state (``optimizer_on_host=True``); it is not part of ``peak``.
+    ``host_requested`` is the same peak in the tensors' own bytes. ``one_pool`` is
     the peak of device and host bytes together at one instant: what one allocator holding both
     (a CPU run, where the "host" copies are ordinary CPU tensors) reaches.
 
@@ -59,6 +62,7 @@ class MemoryPlan:
     phases: dict = field(default_factory=dict, compare=False)
     host: int = 0
     one_pool: int = 0
+    host_requested: int = 0
 
     @staticmethod
     def from_tracker(tracker, *, saved: int, tokens: int | None, label: str) -> MemoryPlan:
@@ -67,8 +71,9 @@ class MemoryPlan:
         return MemoryPlan(tracker.peak, at["parameter"], at["gradient"], at["optimizer"],
                           at["input"], at["activation"], at["transient"], saved,
                           tracker.peak_phase, tokens, label, phases,
-                          getattr(tracker, "host_peak", 0),
-                          max(tracker.peak, getattr(tracker, "one_pool_peak", 0)))
+                          getattr(tracker, "host_taken_peak", 0),
+                          max(tracker.peak, getattr(tracker, "one_pool_peak", 0)),
+                          getattr(tracker, "host_peak", 0))
 
     def with_state_shards(self, n: int, gathered: tuple[int, int] = (0, 0)) -> MemoryPlan:
         """The same step with parameters, gradients and optimizer state split ``n`` ways
@@ -93,7 +98,8 @@ class MemoryPlan:
         return MemoryPlan(sum(b.values()), b["parameter"], b["gradient"], b["optimizer"],
                           b["input"], b["activation"], b["transient"] + b["gathered"],
                           self.saved_activations, top, self.tokens,
-                          f"{self.label}, state / {n}", phases, self.host)
+                          f"{self.label}, state / {n} (divided)", phases, self.host,
+                          host_requested=self.host_requested)
 
     def with_extra(self, extra: dict[str, int], note: str) -> MemoryPlan:
         """The same step with ``extra[phase]`` more transient bytes at that phase's peak: memory
@@ -110,7 +116,7 @@ class MemoryPlan:
                           b["input"], b["activation"],
                           sum(v for k, v in b.items() if k in ("transient", "gathered")),
                           self.saved_activations, top, self.tokens, f"{self.label}, {note}",
-                          phases, self.host)
+                          phases, self.host, host_requested=self.host_requested)
 
     @property
     def saved_per_token(self) -> float | None:
@@ -132,8 +138,10 @@ class MemoryPlan:
         lines = [head] + [f"  {k:18} {fmt_bytes(v):>12}  {100 * v / max(1, self.peak):5.1f}%"
                           for k, v in rows]
         if self.host:
-            lines.append(f"  host (offloaded)   {fmt_bytes(self.host):>12}  per rank, not in the "
-                         "device peak")
+            taken = "" if self.host == self.host_requested else \
+                f" ({fmt_bytes(self.host_requested)} of tensors, pinned in powers of two)"
+            lines.append(f"  host (offloaded)   {fmt_bytes(self.host):>12}  per rank{taken}, not "
+                         "in the device peak")
         extra = f"  forward leaves {fmt_bytes(self.saved_activations)} for backward"
         if self.tokens:
             extra += f" ({self.saved_activations / self.tokens:.0f} B per local token)"

@@ -20,6 +20,7 @@ import torch
 
 from spdsl.memory.planner import plan_memory
 from spdsl.memory.report import MemoryPlan
+from spdsl.memory.simulate import planning_group
 from spdsl.modelspec import field, model_class_for, with_layers
 from spdsl.remat import Remat
 from spdsl.remat.segments import layer_of
@@ -27,7 +28,9 @@ from spdsl.remat.segments import layer_of
 
 def model_plan(cfg, seq: int, sp: int, remat, *, dtype: torch.dtype = torch.bfloat16,
                batch: int = 1, optimizer: str = "adamw", state_shards: int = 1,
-               kernels: str = "auto", attention="auto") -> MemoryPlan:
+               kernels: str = "auto", attention="auto", dp: int = 1,
+               optimizer_on_host: bool = False, pinned_host: bool | None = None,
+               ) -> MemoryPlan:
     """Planned memory of one step of the model ``cfg`` builds (``spdsl.modelspec``: e.g.
     ``Llama`` for a ``LlamaConfig``), on the meta device, at global length ``seq``, called as
     ``model(ids, labels)``.
@@ -38,6 +41,16 @@ def model_plan(cfg, seq: int, sp: int, remat, *, dtype: torch.dtype = torch.bflo
     norm temporaries or (attention) ``[S, S]`` scores. ``"auto"``: what runs here (CPU: none).
     ``attention``: as ``sp_shard(attention=...)`` (``"ring"``, ``("hybrid", 8)``, ...).
 
+    State split over every rank (``state_shards == dp * sp``) plans the sharded program itself
+    (``sp_shard(shard_state=True)`` over a fake process group of ``dp * sp`` ranks): each
+    rank's parameter rows, the gathers of the layer in flight, the whole gradients of the
+    parameter being reduced and then only its reduce-scattered rows. Any other split divides
+    the replicated program's state afterwards (``MemoryPlan.with_state_shards``), which keeps
+    the replicated program's whole gradients of finished layers: an over-count.
+    ``optimizer``/``optimizer_on_host``: ``spdsl.memory.simulate``. ``pinned_host``: offloaded
+    copies counted as CUDA's pinned allocator takes them (default: planning the GPU run,
+    ``kernels="triton"``). ``batch`` is per dp replica.
+
     Example::
 
         plan = model_plan(LlamaConfig.llama3_8b(), 131072, 8, "full", kernels="triton")
@@ -45,13 +58,22 @@ def model_plan(cfg, seq: int, sp: int, remat, *, dtype: torch.dtype = torch.bflo
     """
     import spdsl
 
+    if pinned_host is None:
+        pinned_host = kernels == "triton"
+    world = dp * sp
+    sharded = state_shards > 1 and state_shards == world
     with torch.device("meta"):
         model = model_class_for(cfg)(cfg).to(dtype)
-    ids = torch.empty(batch, seq, dtype=torch.long, device="meta")
-    with _kernels(kernels) as choice:
-        step = spdsl.sp_shard(seq=sp, remat=remat, kernels=choice, attention=attention)(model)
-        plan = plan_memory(step, ids, ids, optimizer=optimizer)
-    plan = plan.with_state_shards(state_shards, gathered_bytes(model))
+    ids = torch.empty(batch * (dp if sharded else 1), seq, dtype=torch.long, device="meta")
+    how = {"optimizer": optimizer, "optimizer_on_host": optimizer_on_host,
+           "pinned_host": pinned_host}
+    with _kernels(kernels) as choice, \
+            (planning_group(world) if sharded else contextlib.nullcontext()):
+        step = spdsl.sp_shard(seq=sp, remat=remat, kernels=choice, attention=attention,
+                              shard_state=sharded)(model)
+        plan = plan_memory(step, ids, ids, **how)
+    if not sharded:
+        plan = plan.with_state_shards(state_shards, gathered_bytes(model))
     if kernels == "triton":
         plan = plan.with_extra(kernel_workspace(cfg, batch * seq // sp, sp, dtype),
                                "kernel workspace")
@@ -128,11 +150,14 @@ class Estimator:
     state_shards: int = 1
     kernels: str = "auto"
     attention: object = "auto"
+    dp: int = 1
+    optimizer_on_host: bool = False
 
     def _kw(self) -> dict:
         return {"dtype": self.dtype, "batch": self.batch, "optimizer": self.optimizer,
                 "state_shards": self.state_shards, "kernels": self.kernels,
-                "attention": self.attention}
+                "attention": self.attention, "dp": self.dp,
+                "optimizer_on_host": self.optimizer_on_host}
 
     @property
     def depths(self) -> tuple[int, int]:

@@ -6,9 +6,25 @@ allocated: fake tensors carry shapes only, collectives run their fake kernels, a
 ``torch.utils.checkpoint``/SAC machinery as the real run decides what lives. So an 8B model at
 a million tokens simulates on a laptop in seconds.
 
-The optimizer is modelled on ``torch.optim.AdamW(foreach=False)``: two fp32 states per
-parameter plus a step counter, and per parameter two fp32 temporaries while it updates
-(``sqrt(v)`` and its quotient); ``"sgd"`` keeps no state, ``"none"`` skips the update.
+The optimizer is modelled on ``torch.optim.AdamW(foreach=False)``'s single-tensor update, one
+parameter at a time (its temporaries: the gradient cast to fp32, ``sqrt(v)`` and its quotient),
+in one of two precisions. Bytes per parameter, for bf16 parameters (divided by the state
+shards where state is sharded):
+
+============================  ======  ========  ===================  ==============
+``optimizer=``                weights gradient  fp32 master          moments (fp32)
+============================  ======  ========  ===================  ==============
+``"adamw-bf16"`` (default)    2       2         none: updates the    8 (``m``, ``v``)
+                                                bf16 weights
+``"adamw-fp32-master"``       2       2         4                    8
+============================  ======  ========  ===================  ==============
+
+so 12 and 16 B per parameter on the device (``"adamw"`` is ``"adamw-bf16"``). The master copy
+is updated in fp32 and cast into the bf16 weights; fp32 weights need no master. With
+``optimizer_on_host=True`` (fp32 master only: DeepSpeed's ZeRO-Offload, as ALST runs it) the
+master and moments (12 B per parameter) live in pageable host memory, each gradient is copied to
+the host in fp32 for its update (a host temporary) and the weights are written back: the device
+holds 4 B per parameter. ``"sgd"`` keeps no state, ``"none"`` skips the update.
 """
 
 from __future__ import annotations
@@ -23,29 +39,49 @@ from spdsl.lower.shapes import TensorSpec
 from spdsl.memory.report import MemoryPlan
 from spdsl.memory.tracker import LiveBytes
 
-OPTIMIZERS = ("adamw", "sgd", "none")
+OPTIMIZERS = ("adamw", "adamw-bf16", "adamw-fp32-master", "sgd", "none")
+MASTER = "adamw-fp32-master"
+
+
+def canonical_optimizer(optimizer: str, on_host: bool = False) -> str:
+    """``"adamw"`` is ``"adamw-bf16"``; a host optimizer needs fp32 masters (ZeRO-Offload)."""
+    if optimizer not in OPTIMIZERS:
+        raise ValueError(f"optimizer={optimizer!r}: use one of {OPTIMIZERS}")
+    if on_host and optimizer != MASTER:
+        raise ValueError(f"optimizer_on_host=True is planned for optimizer={MASTER!r} only "
+                         f"(got {optimizer!r})")
+    return "adamw-bf16" if optimizer == "adamw" else optimizer
 
 
 def optimizer_state_bytes(params: list[TensorSpec], optimizer: str) -> int:
-    """Persistent optimizer bytes: AdamW keeps fp32 ``exp_avg``, ``exp_avg_sq`` and ``step``."""
-    if optimizer != "adamw":
+    """Persistent optimizer bytes: AdamW keeps fp32 ``exp_avg``, ``exp_avg_sq`` and ``step``
+    (and with fp32 masters an fp32 copy of each non-fp32 parameter)."""
+    optimizer = canonical_optimizer(optimizer)
+    if not optimizer.startswith("adamw"):
         return 0
-    return sum(2 * math.prod(p.shape) * 4 + 4 for p in params if p.requires_grad)
+    master = optimizer == MASTER
+    return sum(math.prod(p.shape) * (8 + 4 * (master and p.dtype != torch.float32)) + 4
+               for p in params if p.requires_grad)
 
 
-def _adamw_update(p: torch.Tensor, m: torch.Tensor, v: torch.Tensor, step: torch.Tensor) -> None:
-    # the ops of torch.optim.adamw's single-tensor path, in order (same temporaries)
-    g = p.grad if p.grad.dtype == m.dtype else p.grad.to(m.dtype)
+def _adamw_update(p: torch.Tensor, m: torch.Tensor, v: torch.Tensor, step: torch.Tensor,
+                  master: torch.Tensor | None = None) -> None:
+    # the ops of torch.optim.adamw's single-tensor path, in order (same temporaries); with a
+    # master the update runs on it (where it lives: device or host) and is cast into p
+    w = p if master is None else master
+    g = p.grad.to(device=m.device, dtype=m.dtype)        # p.grad itself where nothing changes
     step += 1
-    p.mul_(1 - 1e-3 * 1e-2)
+    w.mul_(1 - 1e-3 * 1e-2)
     m.lerp_(g, 0.1)
     v.mul_(0.999).addcmul_(g, g, value=0.001)
     denom = (v.sqrt() / 0.5).add_(1e-8)
-    p.addcdiv_(m, denom, value=-1e-3)
+    w.addcdiv_(m, denom, value=-1e-3)
+    if master is not None:
+        p.copy_(master)
 
 
 def step_peak(gm: torch.nn.Module, state: list[TensorSpec], inputs: list[TensorSpec],
-              optimizer: str = "adamw") -> int:
+              optimizer: str = "adamw", optimizer_on_host: bool = False) -> int:
     """Predicted peak bytes per rank of one step: the model ``apply_remat(..., peak=)`` fits a
     remat budget against.
 
@@ -53,15 +89,21 @@ def step_peak(gm: torch.nn.Module, state: list[TensorSpec], inputs: list[TensorS
 
         local = apply_remat(local, Remat(budget="20GiB"), state, ins, peak=step_peak)
     """
-    return simulate(gm, state, inputs, optimizer=optimizer).peak
+    return simulate(gm, state, inputs, optimizer=optimizer,
+                    optimizer_on_host=optimizer_on_host).peak
 
 
 def simulate(gm: torch.nn.Module, state: list[TensorSpec], inputs: list[TensorSpec], *,
-             optimizer: str = "adamw", tokens: int | None = None, label: str = "") -> MemoryPlan:
+             optimizer: str = "adamw", optimizer_on_host: bool = False,
+             pinned_host: bool = False, tokens: int | None = None,
+             label: str = "") -> MemoryPlan:
     """Predicted per-rank memory of one step of ``gm(*state, *inputs)``.
 
     ``gm`` is a local graph after ``apply_remat``; its first floating output that needs a
     gradient is the loss (other outputs get a gradient of ones, as a ``.sum()`` would).
+    ``optimizer``/``optimizer_on_host``: see the module docstring. ``pinned_host``: offloaded
+    copies are pinned (a CUDA run) and counted as the pinned allocator takes them
+    (``spdsl.memory.host``).
 
     Example::
 
@@ -69,22 +111,19 @@ def simulate(gm: torch.nn.Module, state: list[TensorSpec], inputs: list[TensorSp
         plan = simulate(apply_remat(local, "full", state, ins), state, ins)
         print(plan)        # peak and its breakdown
     """
-    if optimizer not in OPTIMIZERS:
-        raise ValueError(f"optimizer={optimizer!r}: use one of {OPTIMIZERS}")
-    tracker = LiveBytes(workspace=True)
+    optimizer = canonical_optimizer(optimizer, optimizer_on_host)
+    tracker = LiveBytes(workspace=True, pinned=pinned_host)
     with FakeTensorMode(allow_non_fake_inputs=True):
         params = [s.fake() for s in state]
         xs = [s.fake() for s in inputs]
         states = {}
-        if optimizer == "adamw":
-            # on the parameter's device (a CUDA plan mixing devices would fail); step on CPU
-            states = {i: (torch.zeros(p.shape, dtype=torch.float32, device=p.device),
-                          torch.zeros(p.shape, dtype=torch.float32, device=p.device),
-                          torch.zeros(()))
+        if optimizer.startswith("adamw"):
+            states = {i: _adamw_state(p, optimizer == MASTER)
                       for i, p in enumerate(params) if p.requires_grad}
         tracker.register(params, "parameter")
         tracker.register(xs, "input")
-        tracker.register([t for s in states.values() for t in s], "optimizer")
+        tracker.register([t for s in states.values() for t in s if t is not None],
+                         "host-pageable" if optimizer_on_host else "optimizer")
         hooks = tracker.watch_gradients(params)
         try:
             with tracker, _rng_states_counted(tracker):
@@ -98,21 +137,34 @@ def simulate(gm: torch.nn.Module, state: list[TensorSpec], inputs: list[TensorSp
                 del outs, roots
                 tracker.mark("backward_end")
                 tracker.phase = "optimizer"
+                tracker._check_peak()       # the phase starts here, whatever it allocates
                 if optimizer != "none":
+                    tracker.on_host = optimizer_on_host
                     with torch.no_grad():
                         for i, p in enumerate(params):
                             if p.grad is None:
                                 continue
-                            if optimizer == "adamw":
+                            if i in states:
                                 _adamw_update(p, *states[i])
                             else:
                                 p.add_(p.grad, alpha=-1e-3)
+                    tracker.on_host = False
         finally:
             for h in hooks:
                 h.remove()
     fwd = tracker.marks["forward_end"]
     return MemoryPlan.from_tracker(tracker, saved=fwd.get("activation", 0),
                                    tokens=tokens, label=label)
+
+
+def _adamw_state(p: torch.Tensor, master: bool) -> tuple:
+    """``exp_avg``, ``exp_avg_sq``, ``step`` and the fp32 master (None where p is fp32 or
+    there is none), on the parameter's device (a CUDA plan mixing devices would fail). A host
+    optimizer's state is the same tensors, counted as host memory by the caller."""
+    m = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
+    v = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
+    w = p.detach().to(torch.float32, copy=True) if master and p.dtype != torch.float32 else None
+    return m, v, torch.zeros(()), w
 
 
 @contextlib.contextmanager

@@ -13,7 +13,12 @@ Categories, decided when a storage is first seen: ``parameter``, ``optimizer`` a
 (registered by the caller), ``gradient`` (re-tagged when autograd accumulates it into a
 parameter), ``activation`` (allocated during forward), ``transient`` (allocated later).
 Host copies made by activation offload (``spdsl.remat.offload``) are counted apart: ``host``,
-``host_peak``; ``current``, ``peak`` and the categories are device bytes only.
+``host_peak``; ``current``, ``peak`` and the categories are device bytes only. With
+``pinned=True`` (planning a CUDA run, where those copies are pinned) each is also counted as
+PyTorch's pinned host allocator takes it (``spdsl.memory.host.pinned_bytes``: the next power of
+two): ``host_taken``, ``host_taken_peak``. Tensors made while ``on_host`` is set (a host
+optimizer's update) or registered as ``"host-pageable"`` are pageable host memory: in ``host``
+and ``host_taken`` as they are.
 """
 
 from __future__ import annotations
@@ -30,11 +35,13 @@ from spdsl._torch import (
     is_traceable_wrapper_subclass,
     tree_flatten,
 )
+from spdsl.memory.host import pinned_bytes, round_threshold
 from spdsl.memory.workspace import workspace_bytes
 from spdsl.remat.offload import allocating_on_host
 
 _WAIT = c10d_functional.wait_tensor.default
 CATEGORIES = ("parameter", "gradient", "optimizer", "input", "activation", "transient")
+HOST = ("host", "host-pageable")      # pinned (offload copies), pageable (a host optimizer)
 
 
 def storage_key(t: torch.Tensor) -> int:
@@ -55,9 +62,15 @@ class LiveBytes(TorchDispatchMode):
         tracker.peak, tracker.at_peak["activation"]
     """
 
-    def __init__(self, workspace: bool = False) -> None:
+    def __init__(self, workspace: bool = False, pinned: bool = False) -> None:
         super().__init__()
         self.workspace = workspace
+        self.threshold = round_threshold() if pinned else None
+        self.pinned = pinned
+        self.on_host = False            # allocations are pageable host memory (host optimizer)
+        self.host_taken = 0             # host bytes as the allocators take them
+        self.host_taken_peak = 0
+        self.host_requests: list[int] = []      # bytes of each offload copy, in order
         self.live: dict[int, list] = {}          # key -> [bytes, category]
         self._refs: dict[int, weakref.ref] = {}
         self.sums: dict[str, int] = defaultdict(int)
@@ -85,10 +98,15 @@ class LiveBytes(TorchDispatchMode):
         if key in self.live:
             return
         n = st.nbytes()
-        if category == "host":
-            self.live[key] = [n, category]
+        if category in HOST:
+            taken = pinned_bytes(n, self.threshold) if category == "host" and self.pinned else n
+            if category == "host":
+                self.host_requests.append(n)
+            self.live[key] = [n, category, taken]
             self.host += n
+            self.host_taken += taken
             self.host_peak = max(self.host_peak, self.host)
+            self.host_taken_peak = max(self.host_taken_peak, self.host_taken)
             self.one_pool_peak = max(self.one_pool_peak, self.current + self.host)
             self._refs[key] = weakref.ref(st, lambda _r, k=key: self._free(k))
             return
@@ -115,8 +133,9 @@ class LiveBytes(TorchDispatchMode):
     def _free(self, key: int) -> None:
         entry = self.live.pop(key, None)
         self._refs.pop(key, None)
-        if entry is not None and entry[1] == "host":
+        if entry is not None and entry[1] in HOST:
             self.host -= entry[0]
+            self.host_taken -= entry[2]
         elif entry is not None:
             self.sums[entry[1]] -= entry[0]
             self.current -= entry[0]
@@ -166,6 +185,8 @@ class LiveBytes(TorchDispatchMode):
         category = "activation" if self.phase == "forward" else "transient"
         if allocating_on_host():
             category = "host"
+        elif self.on_host:
+            category = "host-pageable"
         for t in tree_flatten(out)[0]:
             # fake tensors report their fake device (cpu/cuda); real meta ones hold nothing
             if isinstance(t, torch.Tensor) and t.device.type != "meta":

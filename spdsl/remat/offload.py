@@ -27,6 +27,12 @@ On CPU the "host" copy is a separate tensor made the same way (same hooks, same 
 order), so the mechanism is exercised and measured, but nothing is gained: host and device
 memory are the same RAM. Results are bitwise those without offload (copies, no arithmetic).
 
+Host memory: on CUDA each host copy is its own ``torch.empty(..., pin_memory=True)``, which
+PyTorch's pinned host allocator (``ATen/core/CachingHostAllocator.h``, ``allocate``) rounds up
+to the next power of two and caches by that size: a 4.59 GiB layer input pins 8 GiB. The memory
+planner counts each copy so (``spdsl.memory.host.pinned_bytes``); :func:`recording_host_requests`
+lists the requests this module makes, which is what that count is checked against.
+
 Example::
 
     f = spdsl.sp_shard(seq=8, remat=spdsl.Remat("full", offload=True,
@@ -51,6 +57,32 @@ _WAIT = c10d_functional.wait_tensor.default
 def allocating_on_host() -> bool:
     """True while an offload copy is being allocated (memory trackers count it as host)."""
     return getattr(_LOCAL, "host", 0) > 0
+
+
+@contextlib.contextmanager
+def recording_host_requests():
+    """Lists the host copies offload requests while inside, as ``(bytes, pinned)`` pairs in the
+    order made (pinned: ``pin_memory=True`` on CUDA; on CPU plain tensors).
+
+    Example::
+
+        with recording_host_requests() as asked:
+            step()
+        sum(spdsl.memory.host.pinned_bytes(n) for n, pinned in asked if pinned)
+    """
+    out: list[tuple[int, bool]] = []
+    outer = getattr(_LOCAL, "requests", None)
+    _LOCAL.requests = out
+    try:
+        yield out
+    finally:
+        _LOCAL.requests = outer
+
+
+def _requested(t: torch.Tensor, pinned: bool) -> None:
+    asked = getattr(_LOCAL, "requests", None)
+    if asked is not None:
+        asked.append((t.numel() * t.element_size(), pinned))
 
 
 @contextlib.contextmanager
@@ -127,6 +159,7 @@ class Offloader:
             return
         with _host_allocation():
             held.host = t.clone(memory_format=torch.contiguous_format)
+        _requested(held.host, pinned=False)
 
     def _stream(self, device: torch.device) -> torch.cuda.Stream:
         if device not in self._streams:
@@ -137,6 +170,7 @@ class Offloader:
         side = self._stream(t.device)
         with _host_allocation():
             held.host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        _requested(held.host, pinned=True)
         side.wait_stream(torch.cuda.current_stream(t.device))
         with torch.cuda.stream(side):
             held.host.copy_(t, non_blocking=True)

@@ -40,7 +40,7 @@ from spdsl.propagate.placement import (
     chunk_bounds,
     typed_shape,
 )
-from spdsl.propagate.trace import Traced, reachable_modules, trace, tracing
+from spdsl.propagate.trace import GraphBreak, Traced, reachable_modules, trace, tracing
 from spdsl.remat import Remat, apply_remat, local_specs, parse_bytes
 
 # programs traced by one step before it says why: train/eval x autocast x grad mode x a few
@@ -121,6 +121,7 @@ class Sharded:
         self._parts = parts
         self._cache: dict[Any, _Compiled] = {}
         self._traces, self._last_key = 0, None     # programs traced, the last one's key
+        self._segmented = None     # spdsl.annotate.breaks: how calls that read values run
         functools.update_wrapper(self, getattr(fn, "forward", fn), updated=())
         if isinstance(fn, torch.nn.Module):
             self.module = fn
@@ -362,7 +363,7 @@ class Sharded:
         data_in = [self._data_placement_of(x, specs[i] if specs is not None else None, i)
                    for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
         targs, tkwargs = self._global_args(args, kwargs, leaves, data_in)
-        traced = trace(self.fn, targs, tkwargs)
+        traced = self._trace(targs, tkwargs)
         gm = traced.graph
         phs = [n for n in gm.graph.nodes if n.op == "placeholder"]
         n_state = len(traced.state)
@@ -405,6 +406,9 @@ class Sharded:
                           data=dprop, data_in=data_in, data_out=data_out, sharded=sharded)
         self._cache[key] = entry
         return entry
+
+    def _trace(self, args: tuple, kwargs: dict) -> Traced:
+        return trace(self.fn, args, kwargs)
 
     def _note_retrace(self, key: tuple) -> None:
         """A step that keeps tracing anew is slow, and usually a sign of state that changes
@@ -555,7 +559,14 @@ class Sharded:
         return entry
 
     def __call__(self, *args, **kwargs):
-        entry = self.prepare(*args, **kwargs)
+        from spdsl.annotate.breaks import segmented
+        run = segmented(self, args, kwargs)     # a function that reads values: in segments
+        if run is not None:
+            return run(args, kwargs)
+        try:
+            entry = self.prepare(*args, **kwargs)
+        except GraphBreak as e:
+            return segmented(self, args, kwargs, e)(args, kwargs)
         leaves, _ = tree_flatten((args, kwargs))
         if self.debug:
             self._check_same_inputs(leaves)
@@ -809,7 +820,13 @@ def plan(fn: Callable, *args, **kwargs) -> ShardingPlan:
     if not isinstance(fn, Sharded):
         world = dist.get_world_size() if dist.is_initialized() else 1
         fn = Sharded(fn, parts=world, seq_dim=1)
-    return fn.build(args, kwargs).plan
+    from spdsl.annotate.breaks import plan_segments, segmented
+    if segmented(fn, args, kwargs) is not None:
+        return plan_segments(fn, args, kwargs)
+    try:
+        return fn.build(args, kwargs).plan
+    except GraphBreak:
+        return plan_segments(fn, args, kwargs)
 
 
 def _check_degree(seq, seq_dim) -> None:

@@ -8,7 +8,9 @@ is where the Ulysses rule applies.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
+import random
 import types
 from collections.abc import Callable
 from contextlib import ExitStack
@@ -233,8 +235,19 @@ class Traced:
     out_spec: Any                   # pytree spec of the output
 
 
-def trace(fn: Callable, args: tuple, kwargs: dict) -> Traced:
-    """Trace ``fn(*args, **kwargs)`` at the global shapes of its tensor arguments."""
+class GraphBreak(ShardingError):
+    """The function reads a tensor's value in Python (or draws from Python's ``random``): one
+    program cannot stand for it, and ``Sharded`` runs it in segments instead
+    (``spdsl.annotate.breaks``). Elsewhere (the memory planner) it is the error it says."""
+
+
+def trace(fn: Callable, args: tuple, kwargs: dict, breaks: Any = None) -> Traced:
+    """Trace ``fn(*args, **kwargs)`` at the global shapes of its tensor arguments.
+
+    ``breaks`` (``spdsl.annotate.breaks``): called at the start of the traced function with
+    the tracer, the live state and the tensor leaves; returns a dispatch mode that cuts the
+    graph into segments where Python reads a value. Layers are then traced every time (no
+    replay: Python must run in every layer) and the graph is returned as recorded."""
     roots = reachable_modules(fn, args, kwargs)
     state_names, state = [], []
     seen: dict[int, int] = {}
@@ -265,6 +278,10 @@ def trace(fn: Callable, args: tuple, kwargs: dict) -> Traced:
             stack.enter_context(_KeepAttention())
             stack.enter_context(captured_modules(roots))    # mixture-of-experts blocks
             stack.enter_context(_HFPackedCheck())
+            if breaks is not None:
+                stack.enter_context(breaks(get_proxy_mode().tracer, state,
+                                           [leaves[i] for i in tensor_leaf_index],
+                                           lambda g: _assign_module_paths(g, events)))
             out = fn(*a, **kw)
         flat_out, spec = tree_flatten(out)
         _check_outputs(flat_out)
@@ -285,13 +302,13 @@ def trace(fn: Callable, args: tuple, kwargs: dict) -> Traced:
         return id(mod) not in names and isinstance(mod, torch.fx.GraphModule)
 
     def pre(mod, _args):
-        if foreign(mod):
+        if foreign(mod) or get_proxy_mode() is None:    # None: a segment runs (breaks)
             return
         stack.append(names.get(id(mod), type(mod).__name__))
         events.append((graph_len(), stack[-1]))
 
     def post(mod, _args, _out):
-        if foreign(mod):
+        if foreign(mod) or get_proxy_mode() is None:
             return
         stack.pop()
         events.append((graph_len(), stack[-1] if stack else None))
@@ -301,22 +318,34 @@ def trace(fn: Callable, args: tuple, kwargs: dict) -> Traced:
     h1 = torch.nn.modules.module.register_module_forward_pre_hook(pre)
     h2 = torch.nn.modules.module.register_module_forward_hook(post)
     replay = LayerReplay(roots, names, events, graph_len)
+    drawn = random.getstate()
     try:
         # lazy: the graph's Python code (1-2 s for a 70B model) is only generated if it is run
         # flex_attention: the ranks run its eager math, which has a backward on CPU too
-        with replay.installed(), use_lazy_graph_module(True), flex_attention_on_cpu():
+        with (replay.installed() if breaks is None else contextlib.nullcontext()), \
+                use_lazy_graph_module(True), flex_attention_on_cpu():
             gm = make_fx(flat_fn, tracing_mode="fake", record_stack_traces=True,
                          _allow_non_fake_inputs=True)(*_fake_meta(
                              [_plain(t) for t in state] +
                              [_plain(leaves[i]) for i in tensor_leaf_index]))
     except _DATA_DEPENDENT as e:
+        random.setstate(drawn)       # the segmented run draws them again, as eager would
         raise _data_dependent(e, stack[-1] if stack else "") from e
     finally:
         _TRACING[0] = False
         h1.remove()
         h2.remove()
     _assign_module_paths(gm, events)
-    _no_python_scalars(gm)
+    if breaks is not None:
+        return Traced(gm, state_names, state, arg_spec, tensor_leaf_index, out_spec_box[-1])
+    if random.getstate() != drawn:
+        random.setstate(drawn)
+        raise _python_random(fn)
+    try:
+        _no_python_scalars(gm)
+    except GraphBreak:
+        random.setstate(drawn)
+        raise
     find_all(gm)                   # attention written out in ops becomes one node too (forms)
     unrepeat_kv(gm)                # grouped kv heads cross the all-to-all unrepeated
     uncast_attention(gm)           # and in their narrow dtype, where upcast just before
@@ -328,22 +357,35 @@ _DATA_DEPENDENT = (GuardOnDataDependentSymNode, DataDependentOutputException,
                    DynamicOutputShapeException)
 
 
-def _data_dependent(e: Exception, module: str = "") -> ShardingError:
+def _data_dependent(e: Exception, module: str = "") -> GraphBreak:
     """A Python decision on a tensor's value (``if x < p:``, ``.item()``, an output whose
-    shape depends on data): tracing at global shapes sees no values. ``module``: the module
-    being traced, which may compute each token alone (a mixture of experts' experts)."""
+    shape depends on data): one program traced at global shapes sees no values, so a sharded
+    call runs the function in segments (docs/breaks.md); where segments are not available
+    (the memory planner, a dp x sp mesh, sharded state) this is the error. ``module``: the
+    module being traced, which may compute each token alone (a mixture of experts' experts)."""
     token_wise = (f"; if {module} computes each token on its own (the experts of a mixture of "
                   f"experts), mark it spdsl.token_wise(model.get_submodule({module!r})) (or "
-                  "its class): each rank then runs it eagerly on its tokens") if module else ""
-    return ShardingError(
+                  "its class): each rank then runs it eagerly on its tokens, with no break")\
+        if module else ""
+    return GraphBreak(
         rule="data-dependent control flow",
         where=user_frame(e.__traceback__) if e is not None else "",
         detail="the function decides something in Python from a tensor's value (a branch "
-               "on it, .item(), or a shape that depends on data); spdsl traces one program at "
-               "the inputs' shapes, without their values",
-        fix="compute it with tensor ops instead (torch.where, masks); for Hugging Face models "
-            "whose training mode draws layerdrop in Python (OPT), call model.eval() when every "
-            "dropout probability is 0: eval mode gives the same loss and gradients" + token_wise)
+               "on it, .item(), or a shape that depends on data); one program traced at the "
+               "inputs' shapes has no values: a sharded call runs such a function in segments "
+               "split at each read (docs/breaks.md), which one program cannot do here",
+        fix="run it through sp_shard/shard on a one-axis mesh without shard_state (segments "
+            "read the global value), or compute it with tensor ops instead (torch.where, "
+            "masks), which keeps one program and no break" + token_wise)
+
+
+def _python_random(fn: Callable) -> GraphBreak:
+    return GraphBreak(
+        rule="python random draw", where=getattr(fn, "__qualname__", ""),
+        detail="the function draws from Python's random module while it is traced; one "
+               "program would keep the first call's draw for every call",
+        fix="run it through sp_shard/shard on a one-axis mesh without shard_state (the "
+            "function's Python then runs every call, in segments), or draw with torch ops")
 
 
 _OUTPUT_LEAVES = (torch.Tensor, int, float, bool, str, type(None), torch.SymInt, torch.SymFloat,
@@ -376,7 +418,7 @@ def _no_python_scalars(gm: torch.fx.GraphModule) -> None:
     for n in gm.graph.nodes:
         if n.target is torch.ops.aten._local_scalar_dense.default:
             e = _data_dependent(None)
-            raise ShardingError(
+            raise GraphBreak(
                 rule=e.rule, where=where(n), fix=e.fix,
                 detail="the function reads a tensor's value into Python (.item(), float(x), "
                        "int(x)); spdsl traces one program at the inputs' shapes, without "
@@ -398,10 +440,11 @@ def _anchor_user_code(fn: Callable) -> None:
         fn = getattr(fn, "__wrapped__", None) or getattr(fn, "func", None)
 
 
-def _assign_module_paths(gm: torch.fx.GraphModule, events: list[tuple[int, str | None]]) -> None:
+def _assign_module_paths(gm, events: list[tuple[int, str | None]]) -> None:
     """Module path of each node, from the graph length seen at each module's entry/exit."""
     current, e = None, 0
-    for i, node in enumerate(gm.graph.nodes):
+    graph = gm.graph if isinstance(gm, torch.fx.GraphModule) else gm
+    for i, node in enumerate(graph.nodes):
         while e < len(events) and events[e][0] <= i:
             current = events[e][1]
             e += 1

@@ -1,0 +1,485 @@
+"""Forwards that read tensor values in Python: run in segments, split at each read.
+
+One traced program has no values, so a forward that branches on a tensor (``if x.mean() > 0``),
+reads a number (``.item()``, ``.tolist()``), makes a shape from data (``nonzero``,
+``unique``, ``x[mask]``) or draws from Python's ``random`` cannot be one program. ``Sharded``
+runs such a function here instead, every call:
+
+1. the user's Python runs under the same trace as one program would (``propagate.trace``,
+   global shapes, fake tensors), so its branches, loops and side effects happen as in eager;
+2. where it reads a value, the ops recorded since the last read form a *segment*: a graph
+   whose inputs are the values it reads (arguments, parameters, earlier segments' outputs)
+   and whose outputs are the tensors Python can still reach (``make_fx`` tracks them in a
+   weak-keyed table: a tensor no Python reference holds can never be used again) plus its
+   random draws. The segment is a ``Sharded`` of its own -- propagated, lowered, remat'ed and
+   compiled once per structure, cached -- and runs on this rank's pieces at once; its outputs
+   are DTensors (or replicated tensors), so placements carry into the next segment and
+   autograd links the segments (parameters' gradients are reduced at each use, as in one
+   program);
+3. the value Python reads is the *global* one: the segment's output made whole (an all-reduce
+   of a partial sum, an all-gather of a split tensor) and read on every rank alike. An op whose
+   output shape depends on data runs on its whole (gathered) inputs on every rank and enters
+   the next segment as a replicated constant; ``x[mask]`` becomes ``x[mask.nonzero()]``, so
+   ``x``'s gradient still flows.
+
+Cost: the trace runs every call (docs/breaks.md has the figure), plus one collective per read.
+Random draws: Python's ``random`` runs in the user's Python, once a call, on every rank; torch's
+random ops run once each, in order, inside their segment -- both the same on every rank when the
+ranks' generators agree, which the first call checks. Not supported (the read stays a
+``ShardingError``): a dp x sp mesh, ``shard_state=True``, the memory planner.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import pickle
+import random
+import threading
+import traceback
+import zlib
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import Shard as DShard
+from torch.fx.experimental.proxy_tensor import get_proxy_slot
+
+from spdsl._torch import (
+    FakeTensor,
+    TorchDispatchMode,
+    tree_flatten,
+    tree_unflatten,
+)
+from spdsl.annotate.api import Sharded, _out_nodes
+from spdsl.annotate.spec import P
+from spdsl.errors import ShardingError
+from spdsl.inspect.breaks import Break, Segment, SegmentedPlan
+from spdsl.propagate.placement import REPLICATE, Partial, Shard, typed_shape
+from spdsl.propagate.source import _relative, _skipped
+from spdsl.propagate.trace import GraphBreak, Traced, trace
+
+_READ = torch.ops.aten._local_scalar_dense.default
+_INDEX = torch.ops.aten.index.Tensor
+_MASKED_SELECT = torch.ops.aten.masked_select.default
+_PROGRAMS = 64          # segment programs kept per function (a read value baked in each)
+
+
+def segmented(owner: Sharded, args: tuple, kwargs: dict, error: GraphBreak | None = None):
+    """The segmented runner of ``owner`` if calls like this one run in segments; with
+    ``error`` (the trace just met a read), decide that they do from now on, or raise it
+    where segments are not supported."""
+    seg = owner._segmented
+    if error is None:
+        if seg is None:
+            return None
+        return seg if seg.applies(args, kwargs) else None
+    if owner.shard_state or owner.data_parts > 1:
+        raise ShardingError(
+            rule=error.rule, where=error.where, value=error.value,
+            detail=error.detail + "; segments run on a one-axis mesh with whole parameters",
+            fix=error.fix.replace("run it through sp_shard/shard on a one-axis mesh without "
+                                  "shard_state (segments read the global value), or ", "")
+        ) from error
+    if seg is None:
+        seg = owner._segmented = Segments(owner)
+    seg.remember(args, kwargs)
+    return seg
+
+
+def plan_segments(owner: Sharded, args: tuple, kwargs: dict) -> SegmentedPlan:
+    """The plan of a function with breaks: each segment's plan, each break's line and cost.
+    The values read are computed on the real global arguments in this process (the plan
+    runs no collective), so the branches taken are those the sharded run takes."""
+    leaves = tree_flatten((args, kwargs))[0]
+    if any(isinstance(x, torch.Tensor) and (x.is_meta or isinstance(x, FakeTensor))
+           for x in leaves):
+        raise ShardingError(
+            rule="data-dependent control flow", value="meta or fake arguments",
+            detail="the function reads tensor values in Python, and which segments run "
+                   "depends on those values",
+            fix="plan it with real arguments (a small batch of the real shapes)")
+    seg = owner._segmented or Segments(owner)
+    with torch.no_grad():
+        cut = seg.run(args, kwargs, planning=True)
+    return SegmentedPlan(cut.segments, cut.breaks)
+
+
+class Segments:
+    """How one sharded function runs when it reads values: its segment programs (by
+    structure), the program keys that run this way, and the rank agreement check."""
+
+    def __init__(self, owner: Sharded) -> None:
+        self.owner = owner
+        self.programs: dict[Any, Sharded] = {}
+        self.keys: set = set()
+        self.checked: set = set()       # the generators checked to agree across ranks
+        self.last: list[Break] = []          # the breaks of the last call
+
+    def _key(self, args, kwargs):
+        leaves, spec = tree_flatten((args, kwargs))
+        return self.owner._key(args, kwargs, leaves, spec)
+
+    def applies(self, args, kwargs) -> bool:
+        return self._key(args, kwargs) in self.keys
+
+    def remember(self, args, kwargs) -> None:
+        self.keys.add(self._key(args, kwargs))
+
+    def __call__(self, args: tuple, kwargs: dict):
+        cut = self.run(args, kwargs)
+        self.last = cut.breaks
+        return cut.result
+
+    def run(self, args: tuple, kwargs: dict, planning: bool = False) -> _Cut:
+        owner = self.owner
+        leaves = tree_flatten((args, kwargs))[0]
+        specs = owner._specs_for(args, kwargs, leaves)
+        leaf_specs = [specs[i] if specs is not None else None
+                      for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
+        for x, s in zip([x for x in leaves if isinstance(x, torch.Tensor)], leaf_specs):
+            if s is not None and not isinstance(x, DTensor):
+                owner._placement_of(x, s, 0)      # divisibility, as one program checks it
+        cut = _Cut(self, leaf_specs, planning)
+        traced = trace(owner.fn, args, kwargs, breaks=cut)
+        out = next(n for n in traced.graph.graph.nodes if n.op == "output")
+        flat = list(out.args[0])
+        cut.cut(final=[n for n in flat if isinstance(n, torch.fx.Node)])
+        cut.result = tree_unflatten([cut.env[n] if isinstance(n, torch.fx.Node) else n
+                                     for n in flat], traced.out_spec)
+        return cut
+
+    def program(self, key, make, specs: list, final: bool, planning: bool) -> Sharded:
+        prog = self.programs.get((key, planning))
+        if prog is None:
+            o = self.owner
+            if len(self.programs) >= _PROGRAMS:
+                self.programs.pop(next(iter(self.programs)))
+            prog = _Segment(make, mesh=None if planning else o.mesh, in_specs=tuple(specs),
+                            out_specs=o.out_specs if final else None, axis=o.axis,
+                            parts=o.parts, compile=o.compile, remat=o.remat,
+                            kernels=o.kernels, strict=o.strict)
+            prog.attention = o.attention
+            self.programs[(key, planning)] = prog
+        return prog
+
+    def check_generator(self, what: str, state: bytes) -> None:
+        """Python's ``random`` draws run in every rank's Python and torch's random ops in every
+        rank's segments: the same values only if every rank's generator agrees. Checked once
+        per generator, before the first segment after the function first draws from it."""
+        if what in self.checked or not dist.is_initialized() or self.owner.parts == 1:
+            return
+        self.checked.add(what)
+        mine = torch.tensor([zlib.crc32(state)], dtype=torch.int64)
+        pg = self.owner.mesh.get_group(self.owner.axis)
+        every = [torch.zeros_like(mine) for _ in range(dist.get_world_size(pg))]
+        dist.all_gather(every, mine, group=pg)
+        col = [int(e[0]) for e in every]
+        if len(set(col)) > 1:
+            raise ShardingError(
+                rule="same random state", value=f"{what}: state checksums {col}",
+                where=getattr(self.owner, "__qualname__", ""),
+                detail="the function runs in segments (it reads tensor values in Python) and "
+                       "draws random numbers; ranks whose generators differ draw different "
+                       "values and take different branches",
+                fix="seed every rank of the axis alike before the first call (random.seed(s) "
+                    "and torch.manual_seed(s) with the same s)")
+
+
+class _Segment(Sharded):
+    """One segment: a ``Sharded`` whose trace is the segment graph already recorded."""
+
+    def __init__(self, make, **kw) -> None:
+        self._make = make
+        super().__init__(torch.fx.GraphModule(torch.nn.Module(), torch.fx.Graph()), **kw)
+
+    def _trace(self, args: tuple, kwargs: dict) -> Traced:
+        return self._make()
+
+
+@dataclass
+class _Cut:
+    """One call in segments: the values computed so far and the pending graph's cut points."""
+
+    segs: Segments
+    leaf_specs: list
+    planning: bool
+    env: dict = field(default_factory=dict)        # node -> value (DTensor / tensor)
+    spec: dict = field(default_factory=dict)       # planning: node -> P of its value
+    done: set = field(default_factory=set)
+    segments: list = field(default_factory=list)
+    breaks: list = field(default_factory=list)
+    result: Any = None
+    drawn: Any = field(default_factory=random.getstate)    # Python's random at the call
+
+    def __call__(self, tracer, state, leaves, assign):
+        self.tracer, self.assign = tracer, assign
+        phs = [n for n in tracer.graph.nodes if n.op == "placeholder"]
+        for i, (n, x) in enumerate(zip(phs, list(state) + list(leaves))):
+            self.env[n] = x
+            self.done.add(n)
+            if i >= len(state):
+                s = self.leaf_specs[i - len(state)]
+                self.spec[n] = _spec_of(x, self.segs.owner.axis) if isinstance(x, DTensor) \
+                    else s
+        return _BreakMode(self)
+
+    # -- values ---------------------------------------------------------------------------
+    def node_of(self, t: torch.Tensor) -> torch.fx.Node | None:
+        try:
+            return get_proxy_slot(t, self.tracer).proxy.node
+        except (KeyError, AttributeError):
+            return None
+
+    def value(self, t: torch.Tensor, kind: str, where: str) -> torch.Tensor:
+        """The global value of traced tensor ``t``: its segment run first if pending."""
+        if not isinstance(t, FakeTensor):
+            return t
+        node = self.node_of(t)
+        if node is None:
+            raise ShardingError(rule="data-dependent control flow", where=where,
+                                detail="a tensor read in Python was not made by a traced op",
+                                fix="compute it from the function's arguments")
+        if node.op == "get_attr":
+            return getattr(self.tracer.root, node.target)
+        if node not in self.env:
+            self.cut(read=node)
+        v = self.env[node]
+        self.breaks.append(self._break(node, v, kind, where))
+        return _outside(lambda: (v.full_tensor() if isinstance(v, DTensor) else v).detach(),
+                        False)
+
+    def _break(self, node, v, kind: str, where: str) -> Break:
+        val = node.meta["val"]
+        nbytes = val.numel() * val.element_size()
+        p = self.placed.get(node, REPLICATE)
+        if isinstance(v, DTensor) and isinstance(v.placements[0], DShard):
+            p = Shard(v.placements[0].dim, 1, val.shape[v.placements[0].dim])
+        elif self.planning and isinstance(self.spec.get(node), P):
+            d = next(d for d, ax in self.spec[node].sharded())
+            p = Shard(d, 1, val.shape[d])
+        cost = "all-reduce" if isinstance(p, Partial) else "all-gather" \
+            if isinstance(p, Shard) else ""
+        whole = isinstance(p, Shard) and kind not in ("bool", "item", "tolist")
+        return Break(len(self.segments) - 1, kind, where, typed_shape(val.shape, val.dtype, p, self.segs.owner.axis),
+                     cost, nbytes if cost else 0, whole)
+
+    # -- segments ---------------------------------------------------------------------------
+    placed: dict = field(default_factory=dict)     # node -> its placement in its segment
+
+    def cut(self, read: torch.fx.Node | None = None, final: list | None = None) -> None:
+        """Run the ops recorded since the last cut as one segment."""
+        g = self.tracer.graph
+        seg = [n for n in g.nodes if n.op == "call_function" and n not in self.done]
+        if not self.planning and random.getstate() != self.drawn:
+            self.segs.check_generator("Python's random", pickle.dumps(self.drawn))
+        if not self.planning and any(_random(n) for n in seg):
+            self.segs.check_generator("torch's default generator",
+                                      torch.get_rng_state().numpy().tobytes())
+        if not seg:
+            return
+        self.assign(g)
+        in_seg = set(seg)
+        if final is not None:
+            outs = [n for n in dict.fromkeys(final) if n in in_seg]
+        else:
+            live = set()
+            for t in list(self.tracer.tensor_tracker.keys()):
+                n = self.node_of(t)
+                if n in in_seg:
+                    live.add(n)
+            outs = [n for n in seg if (n in live or n is read or _random(n))
+                    and isinstance(n.meta.get("val"), torch.Tensor)]
+        outs += [n for n in seg if _random(n) and n not in outs]
+        gm, ext, key = _graph(seg, outs, self.tracer.root)
+        inputs, specs = [], []
+        for a in ext:
+            x = self.env[a] if a.op != "get_attr" else getattr(self.tracer.root, a.target)
+            inputs.append(x)
+            s = None if isinstance(x, DTensor) or a.op == "get_attr" else self.spec.get(a)
+            specs.append(s)
+        key = (key, tuple((tuple(x.shape), x.dtype, x.requires_grad, _spec_key(x, s))
+                          for x, s in zip(inputs, specs)), torch.is_grad_enabled(),
+               final is not None)
+        n_out = len(outs)
+
+        def make() -> Traced:
+            from spdsl.propagate.eager_attention import uncast_attention, unrepeat_kv
+            from spdsl.propagate.forms import find_all
+            from spdsl.propagate.masks import masks_as_functions
+            fresh = _graph(seg, outs, root)[0]
+            find_all(fresh)
+            unrepeat_kv(fresh)
+            uncast_attention(fresh)
+            masks_as_functions(fresh)
+            _, arg_spec = tree_flatten((tuple(inputs), {}))
+            _, out_spec = tree_flatten([0] * n_out)
+            return Traced(fresh, [], [], arg_spec, list(range(len(inputs))), out_spec)
+
+        root = self.tracer.root
+        prog = self.segs.program(key, make, specs, final is not None, self.planning)
+
+        def run():
+            entry = prog.build(tuple(inputs), {})
+            placed = [entry.prop.placement(o) for o in _out_nodes(entry.traced)]
+            if self.planning:
+                with torch.no_grad():
+                    vals = gm(*[x.detach() for x in inputs])
+                for o, q in zip(outs, entry.out_placements):
+                    self.spec[o] = None if not isinstance(q, Shard) else \
+                        P(*[self.segs.owner.axis if d == q.dim else None
+                            for d in range(o.meta["val"].dim())])
+            else:
+                vals = prog(*inputs)
+            return entry, placed, vals
+
+        with _no_trace_hooks():
+            entry, placed, vals = _outside(run, torch.is_grad_enabled())
+        for o, v, p in zip(outs, vals, placed):
+            self.env[o] = v
+            self.placed[o] = p if not isinstance(p, tuple) else REPLICATE
+        self.segments.append(Segment(len(self.segments), len(seg), len(outs), entry.plan))
+        self.done.update(seg)
+
+
+class _BreakMode(TorchDispatchMode):
+    """Inside the trace: a read of a value, or an op whose output shape depends on one, cuts
+    the graph there and gets the global value."""
+
+    def __init__(self, cut: _Cut) -> None:
+        super().__init__()
+        self.c = cut
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is _READ:
+            where = _user_line()
+            kind = "bool" if args[0].dtype == torch.bool else "item"
+            real = self.c.value(args[0], kind, where)
+            return _outside(lambda: func(real), False)
+        if func is _MASKED_SELECT and args[0].shape == args[1].shape:
+            func, args = _INDEX, (args[0], [args[1]])
+        if func is _INDEX and any(isinstance(i, torch.Tensor) and i.dtype in
+                                  (torch.bool, torch.uint8) for i in args[1]):
+            where = _user_line()
+            index = []
+            for i in args[1]:
+                if isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8):
+                    mask = self.c.value(i, "x[mask]", where)
+                    index += list(_outside(lambda m=mask: m.nonzero(as_tuple=True), False))
+                else:
+                    index.append(i)
+            return func(args[0], index)
+        if torch.Tag.dynamic_output_shape in func.tags:
+            where = _user_line()
+            name = func.overloadpacket.__name__.lstrip("_").rstrip("2")
+            flat, spec = tree_flatten((args, kwargs))
+            if any(isinstance(x, torch.Tensor) and x.requires_grad for x in flat):
+                raise ShardingError(
+                    rule="data-dependent shape", where=where,
+                    detail=f"{name} makes a shape from data and its input needs a gradient; "
+                           "spdsl runs it on the whole value, outside any program",
+                    fix="index with the mask's positions instead (x[mask] and "
+                        "x[mask.nonzero(as_tuple=True)] both keep the gradient)")
+            if self.c.segs.owner.strict:
+                raise ShardingError(
+                    rule="gather", where=where,
+                    detail=f"{name} makes a shape from data: it runs on the whole sequence "
+                           "on every rank, and strict=True refuses that",
+                    fix="drop strict=True, or compute it with fixed-shape ops")
+            real = [self.c.value(x, name, where) if isinstance(x, torch.Tensor) else x
+                    for x in flat]
+            a, kw = tree_unflatten(real, spec)
+            return _outside(lambda: func(*a, **kw), False)   # a constant of the next segment
+        return func(*args, **kwargs)
+
+
+def _graph(seg: list, outs: list, root: torch.nn.Module):
+    """The segment as its own graph module; its external inputs; its structural key."""
+    g = torch.fx.Graph()
+    m: dict = {}
+    mod = torch.nn.Module()
+    ext: list = []
+    in_seg = set(seg)
+    # inputs first: the lowering's passes read the graph's inputs before its ops
+    for a in dict.fromkeys(a for n in seg for a in n.all_input_nodes if a not in in_seg):
+        if a.op == "get_attr" and not isinstance(getattr(root, a.target), torch.Tensor):
+            setattr(mod, a.target, getattr(root, a.target))
+            m[a] = g.get_attr(a.target)
+        else:
+            m[a] = g.placeholder(f"in{len(ext)}")
+            ext.append(a)
+        m[a].meta = dict(a.meta)
+    for n in seg:
+        m[n] = g.node_copy(n, m.__getitem__)
+    g.output([m[o] for o in outs])
+    index = {n: i for i, n in enumerate(g.nodes)}
+    key = tuple((n.op, str(n.target), repr(torch.fx.node.map_arg(
+        (n.args, n.kwargs), lambda a: f"%{index[a]}"))) for n in g.nodes)
+    return torch.fx.GraphModule(mod, g), ext, key
+
+
+def _random(n: torch.fx.Node) -> bool:
+    t = n.target
+    return torch.Tag.nondeterministic_seeded in getattr(t, "tags", ())
+
+
+def _spec_of(x: DTensor, axis: str) -> P | None:
+    names = x.device_mesh.mesh_dim_names or ()
+    p = x.placements[names.index(axis) if axis in names else 0]
+    return P(*[axis if d == p.dim else None for d in range(x.dim())]) \
+        if isinstance(p, DShard) else None
+
+
+def _spec_key(x, s) -> Any:
+    if isinstance(x, DTensor):
+        return ("dtensor", tuple(repr(p) for p in x.placements))
+    return repr(s)
+
+
+def _user_line() -> str:
+    """``file:line: code`` of the innermost frame of the user's code on the current stack."""
+    best = ""
+    for fr in traceback.extract_stack():
+        if not _skipped(fr.filename):
+            best = f"{_relative(fr.filename, os.getcwd())}:{fr.lineno}"
+            if fr.line:
+                best += f": {fr.line.strip()}"
+    return best
+
+
+def _outside(fn, grad: bool):
+    """``fn()`` on a thread of its own: a value read happens inside the trace's dispatch,
+    where autograd is off and fake tensors are made; the thread has neither (dispatch keys and
+    modes are thread-local; the autograd graph and the random generators are shared)."""
+    box: list = []
+
+    def run() -> None:
+        try:
+            with torch.set_grad_enabled(grad):
+                box.append((True, fn()))
+        except BaseException as e:  # noqa: BLE001 - raised again on the calling thread
+            box.append((False, e))
+
+    t = threading.Thread(target=run, name="spdsl-segment")
+    t.start()
+    t.join()
+    ok, out = box[0]
+    if not ok:
+        raise out
+    return out
+
+
+@contextlib.contextmanager
+def _no_trace_hooks():
+    """A segment runs (or is built) while the function's trace is open: nothing it does
+    belongs to that trace."""
+    import spdsl.propagate.trace as T
+    was = T._TRACING[0]
+    T._TRACING[0] = False
+    try:
+        yield
+    finally:
+        T._TRACING[0] = was

@@ -32,11 +32,9 @@ ranks' generators agree, which the first call checks. Not supported (the read st
 from __future__ import annotations
 
 import contextlib
-import os
 import pickle
 import random
 import threading
-import traceback
 import zlib
 from dataclasses import dataclass, field
 from typing import Any
@@ -58,8 +56,7 @@ from spdsl.annotate.spec import P
 from spdsl.errors import ShardingError
 from spdsl.inspect.breaks import Break, Segment, SegmentedPlan
 from spdsl.propagate.placement import REPLICATE, Partial, Shard, typed_shape
-from spdsl.propagate.source import _relative, _skipped
-from spdsl.propagate.trace import GraphBreak, Traced, trace
+from spdsl.propagate.trace import GraphBreak, Traced, stack_line, trace
 
 _READ = torch.ops.aten._local_scalar_dense.default
 _INDEX = torch.ops.aten.index.Tensor
@@ -230,7 +227,7 @@ class _Cut:
     def node_of(self, t: torch.Tensor) -> torch.fx.Node | None:
         try:
             return get_proxy_slot(t, self.tracer).proxy.node
-        except (KeyError, AttributeError):
+        except (KeyError, AttributeError, RuntimeError):
             return None
 
     def value(self, t: torch.Tensor, kind: str, where: str) -> torch.Tensor:
@@ -355,7 +352,7 @@ class _BreakMode(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func is _READ:
-            where = _user_line()
+            where = stack_line()
             kind = "bool" if args[0].dtype == torch.bool else "item"
             real = self.c.value(args[0], kind, where)
             return _outside(lambda: func(real), False)
@@ -363,7 +360,7 @@ class _BreakMode(TorchDispatchMode):
             func, args = _INDEX, (args[0], [args[1]])
         if func is _INDEX and any(isinstance(i, torch.Tensor) and i.dtype in
                                   (torch.bool, torch.uint8) for i in args[1]):
-            where = _user_line()
+            where = stack_line()
             index = []
             for i in args[1]:
                 if isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8):
@@ -373,7 +370,7 @@ class _BreakMode(TorchDispatchMode):
                     index.append(i)
             return func(args[0], index)
         if torch.Tag.dynamic_output_shape in func.tags:
-            where = _user_line()
+            where = stack_line()
             name = func.overloadpacket.__name__.lstrip("_").rstrip("2")
             flat, spec = tree_flatten((args, kwargs))
             if any(isinstance(x, torch.Tensor) and x.requires_grad for x in flat):
@@ -437,17 +434,6 @@ def _spec_key(x, s) -> Any:
     if isinstance(x, DTensor):
         return ("dtensor", tuple(repr(p) for p in x.placements))
     return repr(s)
-
-
-def _user_line() -> str:
-    """``file:line: code`` of the innermost frame of the user's code on the current stack."""
-    best = ""
-    for fr in traceback.extract_stack():
-        if not _skipped(fr.filename):
-            best = f"{_relative(fr.filename, os.getcwd())}:{fr.lineno}"
-            if fr.line:
-                best += f": {fr.line.strip()}"
-    return best
 
 
 def _outside(fn, grad: bool):

@@ -27,6 +27,7 @@ from spdsl._torch import (
     DataDependentOutputException,
     DynamicOutputShapeException,
     FakeTensorMode,
+    TorchDispatchMode,
     disable_current_modes,
     flex_attention_on_cpu,
     reparametrize_module,
@@ -41,7 +42,7 @@ from spdsl.propagate.eager_attention import uncast_attention, unrepeat_kv
 from spdsl.propagate.forms import captured, find_all
 from spdsl.propagate.masks import masks_as_functions
 from spdsl.propagate.replay import LayerReplay
-from spdsl.propagate.source import user_frame
+from spdsl.propagate.source import _relative, _skipped, user_frame
 from spdsl.propagate.tokenwise import captured_functions, captured_modules
 
 _TRACING = [False]
@@ -157,7 +158,7 @@ def _constant_value(t: torch.Tensor) -> torch.Tensor | None:
         return None
     try:
         node = get_proxy_slot(t, mode.tracer).proxy.node
-    except (KeyError, AttributeError):
+    except (KeyError, AttributeError, RuntimeError):
         return None
     order, seen, stack = [], set(), [node]
     while stack:                                   # the ancestors, each once
@@ -282,6 +283,9 @@ def trace(fn: Callable, args: tuple, kwargs: dict, breaks: Any = None) -> Traced
                 stack.enter_context(breaks(get_proxy_mode().tracer, state,
                                            [leaves[i] for i in tensor_leaf_index],
                                            lambda g: _assign_module_paths(g, events)))
+            else:
+                stack.enter_context(_RefuseReads(lambda: stack_names[-1] if stack_names
+                                                 else ""))
             out = fn(*a, **kw)
         flat_out, spec = tree_flatten(out)
         _check_outputs(flat_out)
@@ -291,6 +295,7 @@ def trace(fn: Callable, args: tuple, kwargs: dict, breaks: Any = None) -> Traced
     names = {id(m): n for root in roots for n, m in root.named_modules()}
     events: list[tuple[int, str | None]] = []
     stack: list[str] = []
+    stack_names = stack
 
     def graph_len() -> int:
         mode = get_proxy_mode()
@@ -323,6 +328,7 @@ def trace(fn: Callable, args: tuple, kwargs: dict, breaks: Any = None) -> Traced
         # lazy: the graph's Python code (1-2 s for a 70B model) is only generated if it is run
         # flex_attention: the ranks run its eager math, which has a backward on CPU too
         with (replay.installed() if breaks is None else contextlib.nullcontext()), \
+                (_no_python_draws(fn) if breaks is None else contextlib.nullcontext()), \
                 use_lazy_graph_module(True), flex_attention_on_cpu():
             gm = make_fx(flat_fn, tracing_mode="fake", record_stack_traces=True,
                          _allow_non_fake_inputs=True)(*_fake_meta(
@@ -379,9 +385,77 @@ def _data_dependent(e: Exception, module: str = "") -> GraphBreak:
             "masks), which keeps one program and no break" + token_wise)
 
 
-def _python_random(fn: Callable) -> GraphBreak:
+class _RefuseReads(TorchDispatchMode):
+    """One program: a read of a traced value into Python stops the trace at once, before the
+    function's Python goes on with a number it does not have (its side effects then happen
+    once, in the segmented run). Reads of constants pass."""
+
+    def __init__(self, module: Callable[[], str]) -> None:
+        super().__init__()
+        self.module = module
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._local_scalar_dense.default and _traced(args[0]):
+            e = _data_dependent(None, self.module())
+            raise GraphBreak(rule=e.rule, where=stack_line(), fix=e.fix,
+                             detail="the function reads a tensor's value into Python (a branch "
+                                    "on it, .item(), float(x), .tolist()); one program traced "
+                                    "at the inputs' shapes has no values: a sharded call runs "
+                                    "such a function in segments split at each read "
+                                    "(docs/breaks.md), which one program cannot do here")
+        return func(*args, **(kwargs or {}))
+
+
+def _traced(t: torch.Tensor) -> bool:
+    from torch.fx.experimental.proxy_tensor import get_proxy_slot
+    mode = get_proxy_mode()
+    if mode is None or getattr(t, "constant", None) is not None:
+        return False
+    try:
+        get_proxy_slot(t, mode.tracer)
+    except (KeyError, AttributeError, RuntimeError):
+        return False
+    return True
+
+
+_DRAWS = ("random", "uniform", "randint", "randrange", "choice", "choices", "shuffle", "sample",
+          "gauss", "normalvariate", "betavariate", "expovariate", "getrandbits", "triangular")
+
+
+@contextlib.contextmanager
+def _no_python_draws(fn: Callable):
+    """A draw from Python's ``random`` while one program is traced stops the trace there,
+    before the function's Python goes on (its side effects then happen once, in the
+    segmented run); draws through names bound elsewhere are caught by the state after."""
+    saved = {n: getattr(random, n) for n in _DRAWS}
+
+    def refuse(*_a, **_k):
+        raise _python_random(fn, stack_line())
+    for n in _DRAWS:
+        setattr(random, n, refuse)
+    try:
+        yield
+    finally:
+        for n, f in saved.items():
+            setattr(random, n, f)
+
+
+def stack_line() -> str:
+    """``file:line: code`` of the innermost frame of the user's code on the current stack
+    (``user_frame`` of a traceback, for code still running)."""
+    import os
+    import traceback
+    best = ""
+    for fr in traceback.extract_stack():
+        if not _skipped(fr.filename):
+            best = f"{_relative(fr.filename, os.getcwd())}:{fr.lineno}"
+            best += f": {fr.line.strip()}" if fr.line else ""
+    return best
+
+
+def _python_random(fn: Callable, where: str = "") -> GraphBreak:
     return GraphBreak(
-        rule="python random draw", where=getattr(fn, "__qualname__", ""),
+        rule="python random draw", where=where or getattr(fn, "__qualname__", ""),
         detail="the function draws from Python's random module while it is traced; one "
                "program would keep the first call's draw for every call",
         fix="run it through sp_shard/shard on a one-axis mesh without shard_state (the "

@@ -271,10 +271,11 @@ class _Cut:
         g = self.tracer.graph
         seg = [n for n in g.nodes if n.op == "call_function" and n not in self.done]
         if not self.planning and random.getstate() != self.drawn:
-            self.segs.check_generator("Python's random", pickle.dumps(self.drawn))
+            state = pickle.dumps(self.drawn)
+            _outside(lambda: self.segs.check_generator("Python's random", state), False)
         if not self.planning and any(_random(n) for n in seg):
-            self.segs.check_generator("torch's default generator",
-                                      torch.get_rng_state().numpy().tobytes())
+            _outside(lambda: self.segs.check_generator(
+                "torch's default generator", torch.get_rng_state().numpy().tobytes()), False)
         if not seg:
             return
         self.assign(g)

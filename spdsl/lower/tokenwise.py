@@ -9,9 +9,15 @@ differentiates exactly the code a single device runs. Layers traced once and cop
 (``spdsl.propagate.replay``) share their first layer's site: the module is the first layer's,
 the parameters each layer's own (copied layers have the same class, shapes and attributes).
 
-On fake tensors (``spdsl.lower.shapes.fill_shapes``, the memory planner) nothing can be read,
-so the call returns tensors of the output's shapes, and zeros as gradients: the planner counts
-the block's output and its parameters' gradients, not the activations the experts keep.
+On fake tensors (``spdsl.lower.shapes.fill_shapes``, the memory planner) nothing can be read.
+Hugging Face's experts (3-D ``gate_up_proj`` / ``down_proj``, called with the hidden states,
+the top-k expert indices and their weights) then run ``_experts_like``: every (token, chosen
+expert) pair through one expert's weights, as one batch. What the experts keep for backward
+and hold while computing is a sum over those pairs, whichever expert each goes to, so the
+planner sees the bytes the real step holds however the router spreads the tokens (measured
+against the allocator in ``tests/memory/test_moe_measured.py``). Any other token-wise module
+returns tensors of the output's shapes and zeros as gradients: the planner then counts its
+output and its parameters' gradients, not the activations it keeps.
 """
 
 from __future__ import annotations
@@ -26,6 +32,9 @@ def run(args: list[torch.Tensor], state: list[torch.Tensor], site: int) -> list[
     """The module of ``site`` on this rank's ``args``, with parameters and buffers ``state``."""
     s = SITES[site]
     if detect_fake_mode(list(args) + list(state)) is not None:
+        like = _experts_like(s, args, state)
+        if like is not None:
+            return like
         return list(_Shaped.apply(site, len(args), *args, *state))
     module = s.module()
     if module is None:
@@ -34,6 +43,47 @@ def run(args: list[torch.Tensor], state: list[torch.Tensor], site: int) -> list[
     a, kw = s.call_args(args)
     out = torch.func.functional_call(module, dict(zip(s.state_names, state)), a, kw)
     return tree_flatten(out)[0]
+
+
+def _experts_like(s, args: list[torch.Tensor], state: list[torch.Tensor]):
+    """A Hugging Face experts call on fake tensors (see the module's docstring); None for a
+    module of another layout."""
+    module = s.module()
+    params = dict(zip(s.state_names, state))
+    gate_up, down = params.get("gate_up_proj"), params.get("down_proj")
+    a, kw = s.call_args(args)
+    values = list(a) + [kw[k] for k in ("hidden_states", "top_k_index", "top_k_weights")
+                        if k in kw]
+    if module is None or gate_up is None or down is None or gate_up.dim() != 3 or \
+            len(values) != 3 or values[0].dim() != 2:
+        return None
+    implementation = getattr(getattr(module, "config", None), "_experts_implementation", None)
+    if implementation == "batched_mm":
+        # reads no values: it gathers every pair's expert weights ([pairs, 2 * ffn, hidden])
+        # and keeps them for backward, which is most of what it holds; run it as it is
+        out = torch.func.functional_call(module, params, a, kw)
+        return tree_flatten(out)[0]
+    x, index, weights = values
+    tokens, k = index.shape
+    pairs = torch.arange(tokens, device=x.device).repeat_interleave(k)      # [tokens * k]
+    # eager goes expert by expert: what one expert computes is transient, and a balanced
+    # router gives each 1/experts of the pairs; grouped_mm computes every pair at once
+    groups = gate_up.shape[0] if implementation in (None, "eager") else 1
+    w_gu, w_down = gate_up[0], down[0]
+    # Mixtral/Qwen/DeepSeek keep [experts, 2 * ffn, hidden]; gpt-oss [experts, hidden, 2 * ffn]
+    transposed = w_gu.shape[0] == x.shape[-1] and w_gu.shape[1] != x.shape[-1]
+    act = getattr(module, "act_fn", torch.nn.functional.silu)
+    out = torch.zeros_like(x)
+    for rows in pairs.tensor_split(groups):
+        h = x[rows]
+        gu = h @ w_gu if transposed else torch.nn.functional.linear(h, w_gu)
+        gate, up = gu.chunk(2, dim=-1)
+        y = act(gate) * up
+        y = y @ w_down if w_down.shape[0] == y.shape[-1] else \
+            torch.nn.functional.linear(y, w_down)
+        y = y * weights.reshape(-1, 1)[: rows.shape[0]].to(y.dtype)
+        out = out.index_add(0, rows, y.to(x.dtype))
+    return [out]
 
 
 class _Shaped(torch.autograd.Function):

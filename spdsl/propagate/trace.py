@@ -193,7 +193,8 @@ _SDPA_SIG = inspect.signature(_sdpa_ref)
 
 def reachable_modules(fn: Callable, args: tuple, kwargs: dict) -> list[torch.nn.Module]:
     """Modules whose parameters the function can touch: itself, its ``self``, closure cells,
-    referenced globals and module-valued arguments (outermost first, no duplicates)."""
+    default argument values, referenced globals and module-valued arguments (outermost first,
+    no duplicates)."""
     found: list[torch.nn.Module] = []
 
     def add(obj: Any) -> None:
@@ -212,6 +213,8 @@ def reachable_modules(fn: Callable, args: tuple, kwargs: dict) -> list[torch.nn.
                 pass
         for name in code_fn.__code__.co_names:
             add(code_fn.__globals__.get(name))
+        for d in (code_fn.__defaults__ or ()) + tuple((code_fn.__kwdefaults__ or {}).values()):
+            add(d)                              # def loss(ids, labels, model=model): ...
     for a in tree_flatten((args, kwargs))[0]:
         add(a)
     # a module nested in another is reparametrised through its parent

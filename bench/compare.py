@@ -46,6 +46,7 @@ import torch.distributed as dist
 from bench.baselines import report
 from bench.baselines.analytic import ring_floor, ulysses_floor
 from bench.baselines.data import make_batches
+from bench.baselines.hf_model import EXPERTS
 from bench.baselines.model import CONFIGS
 from bench.baselines.runner import Workload, run_all
 from bench.baselines.systems import HF_SYSTEMS, SYSTEMS, RunConfig, select
@@ -82,6 +83,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--hf", action="store_true",
                    help="the Hugging Face comparison: a tiny random LlamaForCausalLM of the same "
                         "shape under the HF reference, spdsl and ALST (UlyssesSPAttentionHF)")
+    p.add_argument("--moe", action="store_true",
+                   help="with --hf: a tiny random MixtralForCausalLM of the same widths (4 "
+                        "experts, top 2, the router's load-balancing loss in the loss) instead")
     p.add_argument("--order", choices=("fixed", "alternate"), default="fixed",
                    help="timed rounds in the same system order, or every other one reversed")
     p.add_argument("--abab", default=None, metavar="NAME",
@@ -126,7 +130,7 @@ def run(args: argparse.Namespace) -> list[dict] | None:
     # Long steps at 16K tokens: time out a stuck collective after 15 min, not gloo's 30.
     dist.init_process_group("gloo", timeout=datetime.timedelta(minutes=15))
     cfg = RunConfig(model=args.model, batch=args.batch, world=world, rank=rank, seed=args.seed,
-                    lr=args.lr)
+                    lr=args.lr, hf_family="mixtral" if args.moe else "llama")
     vocab = CONFIGS[args.model]().vocab_size
     workloads = []
     for i, seq in enumerate(args.seq):
@@ -142,12 +146,13 @@ def run(args: argparse.Namespace) -> list[dict] | None:
     if rank != 0:
         return None
     config = {k: getattr(args, k) for k in ("model", "batch", "steps", "warmup", "seed", "lr",
-                                            "labels", "ignore_prefix", "hf", "order")}
+                                            "labels", "ignore_prefix", "hf", "moe", "order")}
     config.update(world=world, torch=torch.__version__, threads=torch.get_num_threads(),
                   cpus=os.cpu_count(), loadavg_1min=[load_before, os.getloadavg()[0]],
                   revision=revision)
     return [{"config": {**config, "seq": seq},
-             "floor": ulysses_floor(CONFIGS[args.model](), args.batch, seq, world),
+             "floor": ulysses_floor(CONFIGS[args.model](), args.batch, seq, world,
+                                    experts=EXPERTS if args.moe else 0),
              "ring_floor": ring_floor(CONFIGS[args.model](), args.batch, seq, world),
              "rows": [r for r in rows if r["seq"] == seq]} for seq in args.seq]
 

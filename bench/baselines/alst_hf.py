@@ -62,7 +62,8 @@ class ALSTTrainer:
 
         self.cfg = cfg
         # the parameters compared; ``llama``: another HF causal LM (bench/mask_measure.py)
-        self.llama = build_hf_llama(cfg.model, cfg.seed) if llama is None else llama
+        self.llama = build_hf_llama(cfg.model, cfg.seed, cfg.hf_family) if llama is None \
+            else llama
         if checkpoint:   # HF's own activation checkpointing, as ALST's recipes enable it
             self.llama.gradient_checkpointing_enable({"use_reentrant": False})
         self._functions = ALL_ATTENTION_FUNCTIONS
@@ -133,6 +134,13 @@ class ALSTTrainer:
             goods = all_gather(good, group=self.group)
             total = sum(losses[r] * goods[r] for r in range(self.cfg.world) if goods[r] > 0)
             loss = total / max(sum(goods), 1)
+            if getattr(out, "aux_loss", None) is not None:
+                # MoE (--moe): the router's load-balancing loss as a hand-written sequence
+                # split has it: each rank's from its own tokens, averaged over the ranks. The
+                # single-device loss multiplies two means over every token, so this one is
+                # close but not equal (the loss error column shows by how much).
+                aux = all_gather(out.aux_loss, group=self.group)
+                loss = loss + self.llama.router_aux_loss_coef * sum(aux) / len(aux)
             self.engine.backward(loss)
         return loss.item()
 

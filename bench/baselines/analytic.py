@@ -39,16 +39,20 @@ from .model import kv_repeat
 
 
 def ulysses_floor(cfg: LlamaConfig, batch: int, seq: int, world: int,
-                  elem_bytes: int = 4) -> dict[str, float]:
-    """Bytes sent per rank per training step: ``all_to_all``, ``all_reduce`` and ``total``."""
+                  elem_bytes: int = 4, experts: int = 0) -> dict[str, float]:
+    """Bytes sent per rank per training step: ``all_to_all``, ``all_reduce`` and ``total``.
+    ``experts``: each layer's MLP is that many experts of the same width behind a router (the
+    HF MoE comparison); their gradients are all-reduced like the rest, the tokens stay."""
     p = world
     if p == 1:
         return {"all_to_all": 0.0, "all_reduce": 0.0, "total": 0.0}
+    extra = cfg.n_layers * ((experts - 1) * 3 * cfg.dim * cfg.ffn_dim + experts * cfg.dim) \
+        if experts else 0
     kv = cfg.n_kv_heads * kv_repeat(cfg, p)
     heads_moved = 2 * cfg.n_heads + 2 * kv                          # q, o ; k, v
     per_layer_fwd = heads_moved * batch * seq * cfg.head_dim / p * (p - 1) / p
     a2a = cfg.n_layers * 2 * per_layer_fwd * elem_bytes            # forward + backward
-    grads = 2 * (p - 1) / p * num_params(cfg) * elem_bytes
+    grads = 2 * (p - 1) / p * (num_params(cfg) + extra) * elem_bytes
     return {"all_to_all": a2a, "all_reduce": grads, "total": a2a + grads}
 
 

@@ -24,13 +24,30 @@ if TYPE_CHECKING:
     import spdsl
 
 
-def hf_config(name: str):
-    """The transformers ``LlamaConfig`` with the shape of ``CONFIGS[name]()``."""
+# the MoE variant (``--moe``): Mixtral's router and experts in place of the MLP
+EXPERTS, TOP_K = 4, 2
+
+
+def hf_config(name: str, family: str = "llama"):
+    """The transformers ``LlamaConfig`` with the shape of ``CONFIGS[name]()``; ``mixtral``:
+    a ``MixtralConfig`` of the same widths whose MLP is ``EXPERTS`` experts of that width, each
+    token routed to ``TOP_K``, with the router's load-balancing loss in the loss."""
     try:
         import transformers
     except ImportError as e:
         raise Unavailable(f"transformers is not installed ({e}); pip install the hf extra")
     c = CONFIGS[name]()
+    if family == "mixtral":
+        cfg = transformers.MixtralConfig(
+            vocab_size=c.vocab_size, hidden_size=c.dim, intermediate_size=c.ffn_dim,
+            num_hidden_layers=c.n_layers, num_attention_heads=c.n_heads,
+            num_key_value_heads=c.n_kv_heads, head_dim=c.head_dim, rms_norm_eps=c.norm_eps,
+            rope_theta=c.rope_theta, max_position_embeddings=c.max_seq_len,
+            tie_word_embeddings=c.tie_embeddings, attention_dropout=0.0,
+            num_local_experts=EXPERTS, num_experts_per_tok=TOP_K, output_router_logits=True,
+            router_jitter_noise=0.0)
+        cfg._attn_implementation = "sdpa"
+        return cfg
     cfg = transformers.LlamaConfig(
         vocab_size=c.vocab_size, hidden_size=c.dim, intermediate_size=c.ffn_dim,
         num_hidden_layers=c.n_layers, num_attention_heads=c.n_heads,
@@ -41,13 +58,15 @@ def hf_config(name: str):
     return cfg
 
 
-def build_hf_llama(name: str, seed: int) -> torch.nn.Module:
+def build_hf_llama(name: str, seed: int, family: str = "llama") -> torch.nn.Module:
     """The same initial weights in every process and for every system."""
     import transformers
 
-    cfg = hf_config(name)
+    cfg = hf_config(name, family)
     torch.manual_seed(seed)
-    return transformers.LlamaForCausalLM(cfg).float().train()
+    model = transformers.MixtralForCausalLM if family == "mixtral" else \
+        transformers.LlamaForCausalLM
+    return model(cfg).float().train()
 
 
 def hf_loss(model: torch.nn.Module):
@@ -61,7 +80,8 @@ class HFReferenceTrainer(LossTrainer):
     """The whole batch in one process (rank 0), the model as an HF user runs it."""
 
     def __init__(self, cfg: RunConfig) -> None:
-        self.llama = build_hf_llama(cfg.model, cfg.seed)   # the parameters compared
+        # the parameters compared
+        self.llama = build_hf_llama(cfg.model, cfg.seed, cfg.hf_family)
         self.fn = hf_loss(self.llama)
         self.opt = torch.optim.AdamW(self.llama.parameters(), lr=cfg.lr)
 

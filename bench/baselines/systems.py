@@ -28,6 +28,7 @@ class RunConfig:
     rank: int
     seed: int
     lr: float
+    hf_family: str = "llama"   # the HF comparison's model: "llama" or "mixtral" (hf_model.py)
 
 
 class Trainer(Protocol):

@@ -139,7 +139,8 @@ def summarize(name: str, launches: int, nproc: int, args: list[str]) -> dict:
     return {"name": name, "launches": launches, "ranks": nproc, "args": args,
             "command": f"python bench/compare.py --abab {name} --launches {launches} "
                        f"--nproc {nproc} {' '.join(a for a in args if a not in ('--order', 'alternate'))}",
-            "model": cfg["model"], "hf": hf, "warmup": cfg["warmup"], "steps": cfg["steps"],
+            "model": cfg["model"], "hf": hf, "moe": cfg.get("moe", False),
+            "warmup": cfg["warmup"], "steps": cfg["steps"],
             "revisions": sorted({run[0]["config"]["revision"] for run in runs}),
             "loadavg_1min": [run[0]["config"]["loadavg_1min"] for run in runs],
             "torch": cfg["torch"], "cpus": cfg["cpus"], "rows": rows}
@@ -156,11 +157,18 @@ def _grad(r: dict) -> str:
     return out
 
 
+def _hf_kind(summary: dict) -> str:
+    if not summary["hf"]:
+        return ""
+    return (" (Hugging Face MixtralForCausalLM: 4 experts, top 2, load-balancing loss)"
+            if summary.get("moe") else " (Hugging Face LlamaForCausalLM)")
+
+
 def table(summary: dict) -> str:
     """Markdown: per system and length, median (min-max) of per-launch medians, ratio."""
     loads = ", ".join(f"{a:.1f}->{b:.1f}" for a, b in summary["loadavg_1min"])
     head = (f"`{summary['command']}`\n\n"
-            f"model `{summary['model']}`{' (Hugging Face LlamaForCausalLM)' if summary['hf'] else ''}"
+            f"model `{summary['model']}`{_hf_kind(summary)}"
             f", {summary['ranks']} gloo ranks, {summary['launches']} launches x "
             f"({summary['warmup']} warm-up + {summary['steps']} timed steps, systems alternating "
             f"step by step); code revision `{', '.join(summary['revisions'])}`; torch "

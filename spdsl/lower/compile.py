@@ -6,6 +6,10 @@ graph break can still come from user code that traced fine but that Dynamo canno
 (a data-dependent output shape, an opaque Python call); Dynamo's own message then points into
 generated code (``<eval_with_key>.3, line 41``). :class:`CompiledLocal` turns it into a
 :class:`~spdsl.ShardingError` naming the local node, its module and the user's source line.
+
+The one break allowed is a token-wise block (a mixture of experts' experts,
+``spdsl.lower.tokenwise``), which runs eagerly on the rank's real values: a program that holds
+one compiles the pieces between them, and a break anywhere else is still an error.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import torch
 
 from spdsl._torch import dynamo_unsupported
 from spdsl.errors import ShardingError
+from spdsl.lower import tokenwise
 from spdsl.propagate.source import module_of, source_of
 
 
@@ -32,16 +37,45 @@ class CompiledLocal:
 
     def __init__(self, gm: torch.nn.Module, **options: Any) -> None:
         self.gm = gm
-        self.compiled = torch.compile(gm, fullgraph=True, **options)
+        # token-wise blocks (mixture-of-experts experts) run eagerly on the rank's real values
+        # (spdsl.lower.tokenwise): Dynamo breaks the graph at each call, by design, and
+        # compiles what lies between; any other break is still an error (``_check_breaks``)
+        self.token_wise = any(n.target is tokenwise.run for m in gm.modules()
+                              if isinstance(m, torch.fx.GraphModule) for n in m.graph.nodes)
+        self.compiled = torch.compile(gm, fullgraph=not self.token_wise, **options)
+        self._checked = False
 
     def __call__(self, *args: Any) -> Any:
+        if self.token_wise and not self._checked:
+            return self._first_call(*args)
         try:
             return self.compiled(*args)
         except dynamo_unsupported() as e:
             raise graph_break_error(self.gm, e) from e
 
+    def _first_call(self, *args: Any) -> Any:
+        """Compile with breaks allowed, then check that Dynamo broke only at token-wise calls."""
+        from torch._dynamo.utils import counters
+
+        before = dict(counters["graph_break"])
+        out = self.compiled(*args)
+        self._checked = True
+        other = [reason for reason, n in counters["graph_break"].items()
+                 if n > before.get(reason, 0) and not _token_wise_break(reason)]
+        if other:
+            raise ShardingError(
+                rule="no graph breaks", value=other[0].strip().splitlines()[0],
+                detail="the rank's program broke somewhere else than at a token-wise block, "
+                       "which torch.compile would run eagerly",
+                fix="drop compile=True, or write that computation with tensor ops")
+        return out
+
     def __getattr__(self, name: str) -> Any:
         return getattr(self.__dict__["gm"], name)
+
+
+def _token_wise_break(reason: str) -> bool:
+    return "spdsl.lower.tokenwise.run" in reason
 
 
 def compile_local(gm: torch.nn.Module, **options: Any) -> CompiledLocal:

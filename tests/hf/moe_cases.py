@@ -86,11 +86,12 @@ class MoeCase:
     experts: str = "eager"
     remat: str | None = None
     data: str = "plain"             # plain | pad_right
+    compile: bool = False
 
     @property
     def name(self) -> str:
         return f"{self.family}/{self.experts}/{self.data}" + (
-            f",remat={self.remat}" if self.remat else "")
+            f",remat={self.remat}" if self.remat else "") + (",compiled" if self.compile else "")
 
 
 def _inputs(data: str):
@@ -144,9 +145,12 @@ def run_moe_case(case: MoeCase, rank: int, world: int) -> dict:
         def f(i, l, a):
             return _outputs(model, i, l, a)
         args = (ids, labels, mask)
-    step = spdsl.sp_shard(seq=world, remat=case.remat or "none")(f)
+    from torch._dynamo.utils import counters
+    graphs = counters["stats"]["unique_graphs"]
+    step = spdsl.sp_shard(seq=world, remat=case.remat or "none", compile=case.compile)(f)
     loss, aux = step(*args)
     loss.backward()
+    out_graphs = counters["stats"]["unique_graphs"] - graphs    # compiled pieces of the step
     out = grad_errors(model, ref)
     out["loss"] = abs(loss.item() - loss_ref.item()) / abs(loss_ref.item())
     has_aux = bool(aux_ref.item())
@@ -157,6 +161,7 @@ def run_moe_case(case: MoeCase, rank: int, world: int) -> dict:
     out["token_wise"] = sorted({v.module for v in plan.values if v.origin == "token_wise"})
     out["moe_collectives"] = [(c.kind, c.module) for c in plan.collectives
                               if ".mlp" in c.module and c.purpose != "gradient"]
+    out["graphs"] = out_graphs
     return out
 
 

@@ -13,15 +13,25 @@ Modes (--remat), as remat= of sp_shard: none; auto (remat="auto": saves per op b
 FLOPs per saved byte); full; a per-rank budget such as 60GiB (remat="60GiB": the least
 recomputation that fits it). Two more for this search: lean, auto's leanest policy
 (Remat("auto", budget=0): attention saved, all else recomputed, MLP and loss tiled); and best:
-the longest-sequence combination of remat mode, recomputed all-to-alls and offload (when
---offload allows it) the planner finds, named in its header. Parameters, gradients and AdamW
-state are split over --state-shards ranks (ZeRO-3 over the dp x sp mesh: `all` = dp*sp), with
-the gathered weights of the layer in flight counted (forward: one layer's weights; backward: its
-weights gathered again plus its whole gradients). Host memory: --host-memory per rank (192GiB: a
-1.5 TiB node of 8 GPUs; such nodes have 1-2 TiB). Device figures plan the GPU run (--kernels
-triton: spdsl's Triton kernels swapped in); --reserve is kept back from --device-memory for what
-the tensor planner cannot see (the CUDA context, NCCL buffers, kernel workspaces, allocator
-fragmentation). --max-seq says on stderr each length it simulates and whether it fits.
+a search over remat mode (auto, lean, full) x recomputed all-to-alls x offload (when --offload
+allows it) x the tiling chunk (256 or 64 MiB) x state shards (as given, and over every rank),
+every combination's longest sequence from the depth extrapolation, the longest checked at full
+depth; its header names the choice. State split over every rank (--state-shards all, ZeRO-3
+over the dp x sp mesh) is planned as the sharded program runs (each rank's rows of every
+parameter and gradient, the gathers and reduce-scatters of the layer in flight); another split
+divides the replicated program's state (an over-count). Optimizer (--optimizer): adamw-bf16
+updates the bf16 weights with fp32 moments (12 B per parameter with weights and gradients);
+adamw-fp32-master keeps fp32 master weights too (16 B), --optimizer-on-host puts masters and
+moments in pageable host memory (4 B on the device, 12 B on the host). Host memory:
+--host-memory per rank (192GiB: a 1.5 TiB node of 8 GPUs; such nodes have 1-2 TiB), offloaded
+copies counted as PyTorch's pinned allocator takes them (each rounded up to a power of two:
+spdsl.memory.host). Device figures plan the GPU run (--kernels triton: spdsl's Triton kernels
+swapped in); --reserve is kept back from --device-memory for what the tensor planner cannot see
+(default: the CUDA context, NCCL's buffers, allocator fragmentation and the card's unaddressable
+capacity, part by part in spdsl.memory.reserve: 7.9 GiB of 80). The answer of --max-seq is
+the full-depth simulation's: the depth extrapolation proposes, the full model is simulated at
+the proposal and stepped down until it fits. --max-seq says on stderr each length it simulates
+and whether it fits.
 """
 
 from __future__ import annotations
@@ -34,7 +44,15 @@ from dataclasses import dataclass
 
 from spdsl.errors import ShardingError
 from spdsl.memory.report import fmt_bytes
-from spdsl.memory.search import Estimator, bytes_per_token_per_layer, max_seq, model_plan
+from spdsl.memory.reserve import reserve_parts
+from spdsl.memory.search import (
+    Estimator,
+    bytes_per_token_per_layer,
+    max_seq,
+    model_plan,
+    propose,
+)
+from spdsl.memory.simulate import OPTIMIZERS
 from spdsl.modelspec import field, load_config
 from spdsl.modelspec.cli import (
     ATTENTION_HELP,
@@ -100,12 +118,16 @@ def parser() -> argparse.ArgumentParser:
                    help=f"comma-separated modes ({', '.join(MODES)}) or budgets like 60GiB")
     p.add_argument("--device-memory", type=_size, default="80GiB",
                    help="per-rank device memory, e.g. 80GiB")
-    p.add_argument("--reserve", type=_size, default="2GiB",
-                   help="kept back from --device-memory for what no tensor shows")
+    p.add_argument("--reserve", type=_size, default=None,
+                   help="kept back from --device-memory for what no tensor shows (default: "
+                        "spdsl.memory.reserve's parts, 7.9 GiB of 80)")
     p.add_argument("--host-memory", type=_size, default="192GiB",
                    help="per-rank host memory for offloaded activations")
-    p.add_argument("--optimizer", choices=("adamw", "sgd", "none"), default="adamw",
-                   help="adamw: two fp32 states per parameter")
+    p.add_argument("--optimizer", choices=OPTIMIZERS, default="adamw-bf16",
+                   help="adamw-bf16: bf16 weights updated in place, fp32 moments; "
+                        "adamw-fp32-master: fp32 master weights too (adamw = adamw-bf16)")
+    p.add_argument("--optimizer-on-host", action="store_true",
+                   help="fp32 masters and moments in host memory (adamw-fp32-master)")
     p.add_argument("--state-shards", default="1",
                    help="split parameters, gradients and optimizer state over N ranks (ZeRO-3); "
                         "'all': every rank of the dp x sp mesh; 1: replicated")
@@ -156,18 +178,25 @@ def remat_of(mode: str, a) -> Remat:
     return r
 
 
-def best_candidates(offload: bool) -> list[Remat]:
-    """What ``best`` tries, leanest first: full checkpointing with the all-to-alls recomputed
-    keeps 2*h bytes per token per layer, on the host when offloaded."""
-    lean = Remat("full", recompute_collectives=True)
-    return [lean.with_(offload=True), lean] if offload else [lean]
+def best_grid(offload: bool, shards: int, every: int) -> list[tuple[Remat, int]]:
+    """What ``best`` searches: remat mode (auto, lean, full) x recomputed all-to-alls x offload
+    (with --offload) x state shards (as given, and over every rank), as (Remat, shards)."""
+    modes = [Remat("auto"), Remat("auto", budget=0), Remat("full")]
+    out = []
+    for n in sorted({shards, every}):
+        for r in modes:
+            for rc in (False, True):
+                for off in ((False, True) if offload else (False,)):
+                    out.append((r.with_(recompute_collectives=rc, offload=off), n))
+    return out
 
 
-def _name(r: Remat) -> str:
+def _name(r: Remat, shards: int | None = None) -> str:
     base = r.mode if r.mode != "auto" or r.budget is None else \
         "lean" if r.budget == 0 else f"auto({fmt_bytes(r.budget)})"
     extra = [k for k in ("recompute_collectives", "offload") if getattr(r, k)]
-    return "+".join([base] + extra)
+    state = [f"state/{shards}"] if shards is not None else []
+    return "+".join([base] + extra + state)
 
 
 @dataclass
@@ -197,12 +226,31 @@ class _Saying(Estimator):
         return p
 
 
+def _estimator(cfg, a, remat: Remat, shards: int, budget: int, host: int) -> _Saying:
+    host_budget = host if remat.offload or a.optimizer_on_host else None
+    return _Saying(cfg, a.sp, remat, DTYPES[a.dtype], a.batch, a.optimizer, shards, a.kernels,
+                   attention_of(a.attention), a.dp, a.optimizer_on_host, budget=budget,
+                   host_budget=host_budget)
+
+
 def _longest(cfg, a, remat: Remat, shards: int, budget: int, host: int, verify: bool):
-    host_budget = host if remat.offload else None
-    est = _Saying(cfg, a.sp, remat, DTYPES[a.dtype], a.batch, a.optimizer, shards, a.kernels,
-                  attention_of(a.attention), budget=budget, host_budget=host_budget)
+    est = _estimator(cfg, a, remat, shards, budget, host)
     return max_seq(est, budget, granularity=a.granularity, verify=verify,
-                   host_budget=host_budget, probes=(a.probe // 4, a.probe))
+                   host_budget=est.host_budget, probes=(a.probe // 4, a.probe))
+
+
+def _best(cfg, a, shards: int, budget: int, host: int) -> tuple[Remat, int]:
+    """``best``: every combination of ``best_grid`` proposed by the extrapolation; the
+    longest (fewest shards, then least recomputation on a tie) is the one verified."""
+    found = []
+    for i, (r, n) in enumerate(best_grid(a.offload, shards, a.dp * a.sp)):
+        est = _estimator(cfg, a, r, n, budget, host)
+        seq = propose(est, budget, granularity=a.granularity, host_budget=est.host_budget,
+                      probes=(a.probe // 4, a.probe))
+        print(f"  best: {_name(r, n)} proposes {seq:,} tokens", file=sys.stderr, flush=True)
+        found.append((seq, -n, -i, r, n))
+    seq, _, _, r, n = max(found, key=lambda x: x[:3])
+    return r, n
 
 
 def suggest(cfg, a, budget: int, host: int) -> str:
@@ -242,36 +290,47 @@ def main(argv: list[str] | None = None) -> int:
 def _run(a) -> int:
     if a.seq is None and not a.max_seq:
         raise UsageError("give --seq N to plan one length, or --max-seq to search")
+    if a.optimizer_on_host and a.optimizer != "adamw-fp32-master":
+        raise UsageError("--optimizer-on-host plans --optimizer adamw-fp32-master only (the "
+                         "host keeps fp32 masters and moments)")
     cfg, dtype = load_config(a.model), DTYPES[a.dtype]
-    total, reserve, host = a.device_memory, a.reserve, a.host_memory
+    total, host = a.device_memory, a.host_memory
+    parts = reserve_parts(total) if a.reserve is None else {"--reserve": a.reserve}
+    reserve = sum(parts.values())
     budget = total - reserve
     if budget <= 0:
         raise UsageError(f"--reserve {fmt_bytes(reserve)} leaves nothing of --device-memory "
                          f"{fmt_bytes(total)}")
     shards = state_shards(a.state_shards, a.dp, a.sp)
     h = field(cfg, "hidden")
+    kept = " + ".join(f"{k} {fmt_bytes(v)}" for k, v in parts.items())
+    where = "on the host" if a.optimizer_on_host else "on the device"
     print(f"{a.model}: {a.dtype}, mesh dp {a.dp} x sp {a.sp}, batch {a.batch} per dp replica, "
-          f"{a.optimizer}, state {'replicated' if shards == 1 else f'split {shards} ways'}, "
-          f"device {fmt_bytes(total)} - {fmt_bytes(reserve)} reserve = {fmt_bytes(budget)} per "
-          f"rank, host {fmt_bytes(host)} per rank, kernels {a.kernels}", file=sys.stderr)
+          f"{a.optimizer} {where}, state "
+          f"{'replicated' if shards == 1 else f'split {shards} ways'}, device "
+          f"{fmt_bytes(total)} - reserve {fmt_bytes(reserve)} ({kept}) = {fmt_bytes(budget)} "
+          f"per rank, host {fmt_bytes(host)} per rank (pinned copies in powers of two), "
+          f"kernels {a.kernels}", file=sys.stderr)
     plan_kw = {"dtype": dtype, "batch": a.batch, "optimizer": a.optimizer,
-               "state_shards": shards, "kernels": a.kernels,
+               "state_shards": shards, "kernels": a.kernels, "dp": a.dp,
+               "optimizer_on_host": a.optimizer_on_host,
                "attention": attention_of(a.attention)}
     for mode in a.remat:
-        cands = best_candidates(a.offload) if mode == "best" else [remat_of(mode, a)]
         if not a.max_seq:
-            for remat in cands:
-                plan = model_plan(cfg, a.seq, a.sp, remat, **plan_kw)
+            cands = [(r, n) for r, n in best_grid(a.offload, shards, a.dp * a.sp)] \
+                if mode == "best" else [(remat_of(mode, a), shards)]
+            for remat, n in cands:
+                plan = model_plan(cfg, a.seq, a.sp, remat, **{**plan_kw, "state_shards": n})
                 print(plan.to_json() if a.json else
-                      f"\n== remat={_name(remat)}, seq {a.seq:,}\n{plan}")
+                      f"\n== remat={_name(remat, n)}, seq {a.seq:,}\n{plan}")
             continue
-        found = [(_longest(cfg, a, r, shards, budget, host, verify=False), r) for r in cands]
-        (seq, plan), remat = max(found, key=lambda x: x[0][0])
-        label = _name(remat) if mode != "best" else f"best = {_name(remat)}"
-        if seq and not a.no_verify:
-            print(f"  {_name(remat)}: verifying {seq:,} tokens at full depth ...",
-                  file=sys.stderr, flush=True)
-            plan = model_plan(cfg, seq, a.sp, remat, **plan_kw)
+        remat, n = _best(cfg, a, shards, budget, host) if mode == "best" else \
+            (remat_of(mode, a), shards)
+        if not a.no_verify:
+            print(f"  {_name(remat)}: the full-depth simulation decides ...", file=sys.stderr,
+                  flush=True)
+        seq, plan = _longest(cfg, a, remat, n, budget, host, verify=not a.no_verify)
+        label = _name(remat) if mode != "best" else f"best = {_name(remat, n)}"
         print(f"  {_name(remat)}: activations per token per layer (1- and 2-layer models) ...",
               file=sys.stderr, flush=True)
         per = bytes_per_token_per_layer(cfg, a.sp, remat, dtype=dtype, kernels=a.kernels,
@@ -280,13 +339,16 @@ def _run(a) -> int:
                                              host=True, attention=attention_of(a.attention)) \
             if remat.offload else 0.0
         if a.json:
-            print(json.dumps({"mode": mode, "remat": _name(remat), "max_seq": seq,
+            print(json.dumps({"mode": mode, "remat": _name(remat), "state_shards": n,
+                              "max_seq": seq, "verified": plan is not None,
                               "bytes_per_token_per_layer": per,
                               "host_bytes_per_token_per_layer": per_host,
                               "plan": plan.to_dict() if plan else None}))
             continue
+        how = "full depth" if plan is not None else \
+            "extrapolated, not verified" if a.no_verify else "none fits at full depth"
         print(f"\n== remat={label}: longest sequence {seq:,} tokens ({seq // a.sp:,} per "
-              f"rank); activations kept on the device {per:,.0f} B/token/layer = "
+              f"rank; {how}); activations kept on the device {per:,.0f} B/token/layer = "
               f"{per / h:.1f}*h, on the host {per_host:,.0f} = {per_host / h:.1f}*h "
               f"(analytic: 34*h = {34 * h:,} without checkpointing, 2*h = {2 * h:,} full)")
         if seq == 0:

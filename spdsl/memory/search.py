@@ -152,12 +152,13 @@ class Estimator:
     attention: object = "auto"
     dp: int = 1
     optimizer_on_host: bool = False
+    pinned_host: bool | None = None     # None: when planning the GPU run (kernels="triton")
 
     def _kw(self) -> dict:
         return {"dtype": self.dtype, "batch": self.batch, "optimizer": self.optimizer,
                 "state_shards": self.state_shards, "kernels": self.kernels,
                 "attention": self.attention, "dp": self.dp,
-                "optimizer_on_host": self.optimizer_on_host}
+                "optimizer_on_host": self.optimizer_on_host, "pinned_host": self.pinned_host}
 
     @property
     def depths(self) -> tuple[int, int]:
@@ -192,25 +193,72 @@ def _over(p: dict[str, int], budget: int, host_budget: int | None) -> float:
     return max(dev, p.get("host", 0) - host_budget)
 
 
+def _plan_over(plan: MemoryPlan, budget: int, host_budget: int | None) -> float:
+    return max(plan.peak - budget,
+               plan.host - host_budget if host_budget is not None else -float("inf"))
+
+
 def max_seq(est: Estimator, budget: int, *, granularity: int = 1024,
             probes: tuple[int, int] = (32768, 131072), verify: bool = False,
             host_budget: int | None = None) -> tuple[int, MemoryPlan | None]:
     """Longest global sequence (multiple of ``granularity``) whose device peak fits ``budget``
-    (and whose offloaded bytes fit ``host_budget``, when given); with ``verify``, also the
-    full-depth plan at that length.
+    (and whose host bytes fit ``host_budget``, when given); with ``verify``, the answer is the
+    full-depth simulation's, and its plan comes with it.
 
-    Each phase's peak is affine in the sequence only while the same moment stays its peak: at
-    short lengths backward peaks at the loss (the head's weight gradients), at long ones in a
-    layer's recompute. So the lines are fitted again through (answer / 2, answer) until the
-    answer holds still, then checked and stepped down on a miss.
+    The 1-2 (2-3) layer extrapolation proposes (:func:`propose`). With ``verify`` the full
+    model is simulated at the proposal; the difference between the two (device peak, host
+    bytes) corrects the budget the extrapolation works to, and the corrected proposal is
+    simulated at full depth again, so the answer moves up when the extrapolation over-counts
+    and down when it under-counts: the longest full-depth plan that fits is the answer (at
+    most ``4`` full-depth simulations).
 
     Example::
 
         est = Estimator(LlamaConfig.llama3_8b(), sp=8, remat=Remat("full"), state_shards=8)
-        seq, plan = max_seq(est, parse_bytes("80GiB"), verify=True)
+        seq, plan = max_seq(est, parse_bytes("72GiB"), verify=True)
     """
-    gran = max(granularity, est.sp)
-    gran -= gran % est.sp
+    seq = propose(est, budget, granularity=granularity, probes=probes, host_budget=host_budget)
+    if not verify or seq <= 0:
+        return seq, None
+    gran = _gran(granularity, est.sp)
+    best, tried = (0, None), set()
+    dev_err = host_err = 0
+    for _ in range(4):
+        if seq <= 0 or seq in tried:
+            break
+        tried.add(seq)
+        plan = model_plan(est.cfg, seq, est.sp, est.remat, **est._kw())
+        if _plan_over(plan, budget, host_budget) <= 0 and seq > best[0]:
+            best = (seq, plan)
+        p = est.phases(seq)
+        dev_err = plan.peak - max(v for k, v in p.items() if k != "host")
+        host_err = plan.host - p.get("host", 0)
+        nxt = propose(est, budget - dev_err, granularity=granularity, probes=probes,
+                      host_budget=None if host_budget is None else host_budget - host_err)
+        if best[0] and nxt <= best[0]:
+            break                       # nothing longer to try
+        if not best[0] and nxt >= seq:
+            nxt = seq - gran            # over at full depth: go down
+        seq = nxt
+    return best
+
+
+def _gran(granularity: int, sp: int) -> int:
+    gran = max(granularity, sp)
+    return gran - gran % sp
+
+
+def propose(est: Estimator, budget: int, *, granularity: int = 1024,
+            probes: tuple[int, int] = (32768, 131072), host_budget: int | None = None) -> int:
+    """The extrapolation's longest sequence (``max_seq`` without the full-depth check).
+
+    Each phase's peak is affine in the sequence only while the same moment stays its peak: at
+    short lengths backward peaks at the loss (the head's weight gradients), at long ones in a
+    layer's recompute. So the lines are fitted again through (answer / 2, answer) until the
+    answer holds still, then checked: stepped down on a miss, and the last step bisected
+    (host bytes pinned in powers of two are a staircase, not a line).
+    """
+    gran = _gran(granularity, est.sp)
 
     def snap(x: float) -> int:
         return max(gran, int(x // gran) * gran)
@@ -239,7 +287,7 @@ def max_seq(est: Estimator, budget: int, *, granularity: int = 1024,
             found = s2          # nothing grows with the sequence: the longest probe
             break
         if found <= 0:
-            return 0, None
+            return 0
         if abs(found - s2) <= max(gran, 0.02 * found):
             break
         s1, s2 = snap(found / 2), snap(found)
@@ -247,19 +295,29 @@ def max_seq(est: Estimator, budget: int, *, granularity: int = 1024,
             break
         found, steepest = fit(s1, s2)
     seq = snap(found) if found else 0
+    above = None
     for _ in range(8):
         if seq <= 0:
-            return 0, None
+            return 0
         over = _over(est.phases(seq), budget, host_budget)
         if over <= 0:
             break
+        above = seq
         seq -= gran * max(1, -(-int(over / max(steepest, 1e-9)) // gran))
     else:
-        return 0, None
-    plan = None
-    if verify:
-        plan = model_plan(est.cfg, seq, est.sp, est.remat, **est._kw())
-    return seq, plan
+        return 0
+    if above is not None:           # the longest that fits between the last two: bisect
+        lo, hi = seq, above
+        while hi - lo > max(gran, lo // 200):
+            mid = snap((lo + hi) / 2)
+            if mid <= lo:
+                break
+            if _over(est.phases(mid), budget, host_budget) <= 0:
+                lo = mid
+            else:
+                hi = mid
+        seq = lo
+    return seq
 
 
 def bytes_per_token_per_layer(cfg, sp: int, remat, *, seq: int = 65536,

@@ -825,8 +825,8 @@ def plan(fn: Callable, *args, **kwargs) -> ShardingPlan:
         return plan_segments(fn, args, kwargs)
     try:
         return fn.build(args, kwargs).plan
-    except GraphBreak:
-        return plan_segments(fn, args, kwargs)
+    except GraphBreak as e:
+        return plan_segments(fn, args, kwargs, e)
 
 
 def _check_degree(seq, seq_dim) -> None:

@@ -55,7 +55,7 @@ from spdsl.annotate.api import Sharded, _out_nodes
 from spdsl.annotate.spec import P
 from spdsl.errors import ShardingError
 from spdsl.inspect.breaks import Break, Segment, SegmentedPlan
-from spdsl.propagate.placement import REPLICATE, Partial, Shard, typed_shape
+from spdsl.propagate.placement import REPLICATE, Shard, typed_shape
 from spdsl.propagate.trace import GraphBreak, Traced, stack_line, trace
 
 _READ = torch.ops.aten._local_scalar_dense.default
@@ -77,7 +77,9 @@ def segmented(owner: Sharded, args: tuple, kwargs: dict, error: GraphBreak | Non
         raise ShardingError(
             rule=error.rule, where=error.where, value=error.value,
             detail=error.detail + "; segments run on a one-axis mesh with whole parameters",
-            fix=error.fix.replace("run it through sp_shard/shard on a one-axis mesh without "
+            fix="use a mesh of the sequence axis alone and whole parameters (no shard_state): "
+                "the function then runs in segments; or " +
+                error.fix.replace("run it through sp_shard/shard on a one-axis mesh without "
                                   "shard_state (segments read the global value), or ", "")
         ) from error
     if seg is None:
@@ -86,21 +88,29 @@ def segmented(owner: Sharded, args: tuple, kwargs: dict, error: GraphBreak | Non
     return seg
 
 
-def plan_segments(owner: Sharded, args: tuple, kwargs: dict) -> SegmentedPlan:
+def plan_segments(owner: Sharded, args: tuple, kwargs: dict,
+                  error: GraphBreak | None = None) -> SegmentedPlan:
     """The plan of a function with breaks: each segment's plan, each break's line and cost.
     The values read are computed on the real global arguments in this process (the plan
-    runs no collective), so the branches taken are those the sharded run takes."""
+    runs no collective), so the branches taken are those the sharded run takes; the random
+    generators are left as they were."""
     leaves = tree_flatten((args, kwargs))[0]
     if any(isinstance(x, torch.Tensor) and (x.is_meta or isinstance(x, FakeTensor))
            for x in leaves):
         raise ShardingError(
             rule="data-dependent control flow", value="meta or fake arguments",
-            detail="the function reads tensor values in Python, and which segments run "
-                   "depends on those values",
+            where=error.where if error is not None else "",
+            detail="the function reads tensor values in Python (it runs in segments, split "
+                   "at each read), and which segments run depends on those values",
             fix="plan it with real arguments (a small batch of the real shapes)")
     seg = owner._segmented or Segments(owner)
-    with torch.no_grad():
-        cut = seg.run(args, kwargs, planning=True)
+    py, rng = random.getstate(), torch.get_rng_state()
+    try:
+        with torch.no_grad():
+            cut = seg.run(args, kwargs, planning=True)
+    finally:
+        random.setstate(py)
+        torch.set_rng_state(rng)
     return SegmentedPlan(cut.segments, cut.breaks)
 
 
@@ -211,8 +221,8 @@ class _Cut:
     result: Any = None
     drawn: Any = field(default_factory=random.getstate)    # Python's random at the call
 
-    def __call__(self, tracer, state, leaves, assign):
-        self.tracer, self.assign = tracer, assign
+    def __call__(self, tracer, state, leaves, assign, module):
+        self.tracer, self.assign, self.module = tracer, assign, module
         phs = [n for n in tracer.graph.nodes if n.op == "placeholder"]
         for i, (n, x) in enumerate(zip(phs, list(state) + list(leaves))):
             self.env[n] = x
@@ -250,21 +260,26 @@ class _Cut:
 
     def _break(self, node, v, kind: str, where: str) -> Break:
         val = node.meta["val"]
-        nbytes = val.numel() * val.element_size()
         p = self.placed.get(node, REPLICATE)
-        if isinstance(v, DTensor) and isinstance(v.placements[0], DShard):
-            p = Shard(v.placements[0].dim, 1, val.shape[v.placements[0].dim])
-        elif self.planning and isinstance(self.spec.get(node), P):
-            d = next(d for d, ax in self.spec[node].sharded())
-            p = Shard(d, 1, val.shape[d])
-        cost = "all-reduce" if isinstance(p, Partial) else "all-gather" \
-            if isinstance(p, Shard) else ""
-        whole = isinstance(p, Shard) and kind not in ("bool", "item", "tolist")
-        return Break(len(self.segments) - 1, kind, where, typed_shape(val.shape, val.dtype, p, self.segs.owner.axis),
-                     cost, nbytes if cost else 0, whole)
+        moves = list(self.cost.get(node, ()))
+        split = isinstance(v, DTensor) and isinstance(v.placements[0], DShard) or \
+            self.planning and isinstance(self.spec.get(node), P)
+        if split:             # the segment hands it on split: gathered to be read
+            moves.append(("all_gather", val.numel() * val.element_size() //
+                          self.segs.owner.parts))
+        mod = self.module()
+        note = (f"if {mod} computes each token on its own (the experts of a mixture of "
+                f"experts), spdsl.token_wise(model.get_submodule({mod!r})) runs it on each "
+                "rank's tokens with no break") if mod else ""
+        return Break(len(self.segments) - 1, kind, where,
+                     typed_shape(val.shape, val.dtype, p, self.segs.owner.axis),
+                     tuple(f"{k} {b} B" for k, b in moves), sum(b for _, b in moves),
+                     kind not in ("bool", "item") and any(k == "all_gather" for k, _ in moves),
+                     mod, note)
 
     # -- segments ---------------------------------------------------------------------------
     placed: dict = field(default_factory=dict)     # node -> its placement in its segment
+    cost: dict = field(default_factory=dict)       # node read -> the moves that made it whole
 
     def cut(self, read: torch.fx.Node | None = None, final: list | None = None) -> None:
         """Run the ops recorded since the last cut as one segment."""
@@ -331,6 +346,8 @@ class _Cut:
                             for d in range(o.meta["val"].dim())])
             else:
                 vals = prog(*inputs)
+            if read in outs:
+                self.cost[read] = _made_whole(entry, _out_nodes(entry.traced)[outs.index(read)])
             return entry, placed, vals
 
         with _no_trace_hooks():
@@ -370,17 +387,10 @@ class _BreakMode(TorchDispatchMode):
                 else:
                     index.append(i)
             return func(args[0], index)
-        if torch.Tag.dynamic_output_shape in func.tags:
+        if torch.Tag.dynamic_output_shape in func.tags and func is not _INDEX:
             where = stack_line()
             name = func.overloadpacket.__name__.lstrip("_").rstrip("2")
             flat, spec = tree_flatten((args, kwargs))
-            if any(isinstance(x, torch.Tensor) and x.requires_grad for x in flat):
-                raise ShardingError(
-                    rule="data-dependent shape", where=where,
-                    detail=f"{name} makes a shape from data and its input needs a gradient; "
-                           "spdsl runs it on the whole value, outside any program",
-                    fix="index with the mask's positions instead (x[mask] and "
-                        "x[mask.nonzero(as_tuple=True)] both keep the gradient)")
             if self.c.segs.owner.strict:
                 raise ShardingError(
                     rule="gather", where=where,
@@ -417,6 +427,21 @@ def _graph(seg: list, outs: list, root: torch.nn.Module):
     key = tuple((n.op, str(n.target), repr(torch.fx.node.map_arg(
         (n.args, n.kwargs), lambda a: f"%{index[a]}"))) for n in g.nodes)
     return torch.fx.GraphModule(mod, g), ext, key
+
+
+def _made_whole(entry, node: torch.fx.Node) -> list[tuple[str, int]]:
+    """The collectives of a segment's program that make ``node`` whole for Python to read:
+    those at ``node`` and at the replicated ops between it and the split values it reads."""
+    from spdsl.propagate.placement import Replicate
+    cone, stack = {node.name}, [node]
+    while stack:
+        for a in stack.pop().all_input_nodes:
+            if a.op == "call_function" and a.name not in cone and \
+                    isinstance(entry.prop.decisions[a].output, Replicate):
+                cone.add(a.name)
+                stack.append(a)
+    return [(c.kind, c.bytes) for c in entry.plan.collectives
+            if c.node in cone and c.purpose != "gradient"]
 
 
 def _random(n: torch.fx.Node) -> bool:

@@ -8,7 +8,7 @@ Example::
     print(plan)
     # 2 segments, 1 break; traced every call
     # segment 0: 6 ops, 2 outputs
-    #   break at model.py:12: if h.mean() > 0:   bool f32[]{sum@sp} <- all-reduce 4 B
+    #   break at model.py:12: if h.mean() > 0:   bool bool[] <- all_reduce 4 B
     # segment 1: 9 ops, 1 output
 """
 
@@ -21,23 +21,26 @@ from typing import Any
 
 @dataclass(frozen=True)
 class Break:
-    """One read of a value by Python: after segment ``segment`` ran, at ``where``.
+    """One read of a value by Python: after segment ``segment`` ran (-1: none had), at
+    ``where``.
     ``kind``: ``bool`` (a branch), ``item`` (a number), or the op that made a shape from data
     (``unique``, ``nonzero``, ``x[mask]``); ``value``: the typed shape as the segment left it;
-    ``collective`` (``all-reduce``, ``all-gather`` or "") with the ``bytes`` it moves to make
-    the value whole on every rank; ``whole``: the op then runs on the whole sequence on every
+    ``collectives`` (``all_reduce 4 B``, ...) what each rank moves to make the value whole on
+    every rank, ``bytes`` their sum; ``whole``: the op then runs on the whole sequence on every
     rank (a shape from data cannot be computed on a piece)."""
 
     segment: int
     kind: str
     where: str
     value: str
-    collective: str
+    collectives: tuple[str, ...]
     bytes: int
     whole: bool = False
+    module: str = ""          # the module being traced at the read
+    note: str = ""            # a cheaper way, where one is known
 
     def __str__(self) -> str:
-        cost = f"{self.collective} {self.bytes} B" if self.collective else "no collective"
+        cost = ", ".join(self.collectives) or "no collective"
         whole = "; the whole sequence on every rank" if self.whole else ""
         return f"break at {self.where}   {self.kind} {self.value} <- {cost}{whole}"
 
@@ -77,4 +80,5 @@ class SegmentedPlan:
                          f"{n} collectives")
             lines += [f"  {b}" for b in self.breaks if b.segment == s.index]
         lines += [f"  {b}" for b in self.breaks if b.segment < 0]
+        lines += [f"note: {n}" for n in dict.fromkeys(b.note for b in self.breaks if b.note)]
         return "\n".join(lines)

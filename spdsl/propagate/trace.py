@@ -249,7 +249,8 @@ def trace(fn: Callable, args: tuple, kwargs: dict, breaks: Any = None) -> Traced
     """Trace ``fn(*args, **kwargs)`` at the global shapes of its tensor arguments.
 
     ``breaks`` (``spdsl.annotate.breaks``): called at the start of the traced function with
-    the tracer, the live state and the tensor leaves; returns a dispatch mode that cuts the
+    the tracer, the live state, the tensor leaves, a function that assigns module paths to
+    the graph so far and one that names the module being traced; returns a dispatch mode that cuts the
     graph into segments where Python reads a value. Layers are then traced every time (no
     replay: Python must run in every layer) and the graph is returned as recorded."""
     roots = reachable_modules(fn, args, kwargs)
@@ -285,7 +286,8 @@ def trace(fn: Callable, args: tuple, kwargs: dict, breaks: Any = None) -> Traced
             if breaks is not None:
                 stack.enter_context(breaks(get_proxy_mode().tracer, state,
                                            [leaves[i] for i in tensor_leaf_index],
-                                           lambda g: _assign_module_paths(g, events)))
+                                           lambda g: _assign_module_paths(g, events),
+                                           lambda: stack_names[-1] if stack_names else ""))
             else:
                 stack.enter_context(_RefuseReads(lambda: stack_names[-1] if stack_names
                                                  else ""))

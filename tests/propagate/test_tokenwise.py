@@ -1,6 +1,7 @@
 """Token-wise modules (``spdsl.propagate.tokenwise``): a plain PyTorch mixture of experts whose
-experts loop in Python over the experts that received tokens. Unmarked, tracing stops at the
-loop with an error naming the module and ``spdsl.token_wise``; marked (instance or class), each
+experts loop in Python over the experts that received tokens. Unmarked, it runs in segments
+split at each read of the routing (``spdsl.annotate.breaks``), the plan naming
+``spdsl.token_wise`` as the way without breaks; marked (instance or class), each
 call is one ``token_wise`` node that keeps the sequence split, with no collective inside the
 block. Planned on fake tensors, one process."""
 
@@ -73,11 +74,12 @@ def _check_token_wise(plan):
                if c.purpose == "gradient"), "the experts' gradient is not reduced"
 
 
-def test_unmarked_loop_is_an_error_naming_token_wise():
+def test_unmarked_loop_runs_in_segments_naming_token_wise():
     torch.manual_seed(0)
-    with pytest.raises(spdsl.ShardingError, match=r"\[data-dependent control flow\]") as e:
-        _plan(Model())
-    assert "spdsl.token_wise(model.get_submodule('moe.experts'))" in str(e.value)
+    plan = _plan(Model())            # reads the routing in Python: segments, split at reads
+    assert plan.breaks and all(b.module == "moe.experts" for b in plan.breaks), plan
+    assert any(b.whole for b in plan.breaks)           # the whole sequence on every rank
+    assert "spdsl.token_wise(model.get_submodule('moe.experts'))" in str(plan)
 
 
 def test_marked_instance_runs_token_wise():

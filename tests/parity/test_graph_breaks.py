@@ -10,6 +10,7 @@ branch, a rank's local ``unique`` misses an expert, a rank's local scale is anot
 from __future__ import annotations
 
 import copy
+import json
 import random
 
 import pytest
@@ -282,3 +283,41 @@ def test_hugging_face_style_expert_loop(results):
         for msg in [r["dp_sp"] for r in results[1]]:
             assert "[data-dependent control flow]" in msg and "one-axis mesh" in msg, msg
             assert "test_graph_breaks.py" in msg and "if h.mean() > 0:" in msg, msg
+
+
+def test_plan_shows_segments_breaks_and_their_cost():
+    m, x = _branch_data()
+    state = random.getstate(), torch.get_rng_state()
+    plan = spdsl.plan(spdsl.sp_shard(seq=4)(m), x)
+    assert random.getstate() == state[0] and torch.equal(torch.get_rng_state(), state[1])
+    assert m.taken == ["b"]                 # planned on the global mean, as the run reads it
+    (brk,) = plan.breaks
+    assert [s.index for s in plan.segments] == [0, 1] and brk.segment == 0
+    assert "test_graph_breaks.py:" in brk.where and brk.where.endswith("if h.mean() > 0:")
+    assert (brk.kind, brk.collectives, brk.whole) == ("bool", ("all_reduce 4 B",), False)
+    m, x = _moe_data()
+    plan = spdsl.plan(spdsl.sp_shard(seq=4)(m), x)
+    unique, mask = plan.breaks
+    assert unique.kind == "unique" and unique.value == "i64[2,16@sp]", unique
+    assert unique.collectives == ("all_gather 64 B",) and unique.whole   # 2x4 ids x 8 B
+    assert mask.kind == "x[mask]" and mask.whole and mask.segment == 1, mask
+    text = str(plan)
+    assert text.startswith("3 segments, 2 breaks") and "the whole sequence on every rank" in text
+    assert len(json.loads(plan.to_json())["breaks"]) == 2
+    assert plan.collectives == [c for s in plan.segments for c in s.plan.collectives]
+
+
+def test_reads_that_cannot_be_made_right_name_the_line_and_the_fix():
+    m, x = _moe_data()
+    with pytest.raises(spdsl.ShardingError) as e:       # strict: no op on the whole sequence
+        spdsl.plan(spdsl.sp_shard(seq=4, strict=True)(m), x)
+    msg = str(e.value)
+    assert "[gather]" in msg and "strict=True" in msg, msg
+    assert "test_graph_breaks.py:" in msg and "torch.unique(routing).tolist()" in msg, msg
+    with torch.device("meta"):
+        meta = Branch()
+    with pytest.raises(spdsl.ShardingError) as e:       # no values to read on meta tensors
+        spdsl.plan(spdsl.sp_shard(seq=4)(meta), x.to("meta"))
+    msg = str(e.value)
+    assert "[data-dependent control flow]" in msg and "real arguments" in msg, msg
+    assert "if h.mean() > 0:" in msg, msg

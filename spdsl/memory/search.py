@@ -173,8 +173,12 @@ class Estimator:
                                           self.remat, **self._kw()) for n in self.depths)
         return cache[seq]
 
+    def seen(self) -> list[int]:
+        """The lengths planned so far."""
+        return sorted(self.__dict__.get("_cache", {}))
+
     def phases(self, seq: int) -> dict[str, int]:
-        """Device bytes per phase at the phase's peak; ``"host"``: offloaded bytes."""
+        """Device bytes per phase at the phase's peak; ``"host"``: host bytes."""
         one, two = self.plans(seq)
         n = field(self.cfg, "layers") - self.depths[0]
         a, b = _phase_totals(one), _phase_totals(two)
@@ -295,28 +299,28 @@ def propose(est: Estimator, budget: int, *, granularity: int = 1024,
             break
         found, steepest = fit(s1, s2)
     seq = snap(found) if found else 0
-    above = None
     for _ in range(8):
         if seq <= 0:
             return 0
         over = _over(est.phases(seq), budget, host_budget)
         if over <= 0:
             break
-        above = seq
         seq -= gran * max(1, -(-int(over / max(steepest, 1e-9)) // gran))
     else:
         return 0
-    if above is not None:           # the longest that fits between the last two: bisect
-        lo, hi = seq, above
-        while hi - lo > max(gran, lo // 200):
-            mid = snap((lo + hi) / 2)
-            if mid <= lo:
-                break
-            if _over(est.phases(mid), budget, host_budget) <= 0:
-                lo = mid
-            else:
-                hi = mid
-        seq = lo
+    # the longest that fits below the shortest length seen not to fit: bisect (lines through
+    # pinned host bytes, a staircase, stop short of the step or run past it)
+    seen = [x for x in est.seen() if x > seq and _over(est.phases(x), budget, host_budget) > 0]
+    lo, hi = seq, min(seen, default=None)
+    while hi is not None and hi - lo > max(gran, lo // 1000):
+        mid = snap((lo + hi) / 2)
+        if mid <= lo:
+            break
+        if _over(est.phases(mid), budget, host_budget) <= 0:
+            lo = mid
+        else:
+            hi = mid
+    seq = lo
     return seq
 
 

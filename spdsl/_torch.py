@@ -31,6 +31,9 @@ fake_store()                    lowering a dp x sp program without a job (memory
 flex_attention_on_cpu()         flex_attention traced and run with gradients on CPU (its
                                 wrapper refuses: the compiled CPU kernel has no backward; the
                                 eager math runs both ways): flex models stop tracing on CPU
+outside_fx_trace()              a segment of a function with graph breaks compiled while
+                                the function's trace is open (``torch.fx``'s global "tracing"
+                                flag): compile=True fails on functions with breaks
 stack_trace_anchor()            a plain function's lines kept in node stack traces: errors in
                                 ``sp_shard(f)`` for a function ``f`` lose their ``at:`` line
 inductor_programs()             the memory plan of a compiled step: the Python program
@@ -102,6 +105,19 @@ def flex_attention_on_cpu():
         yield
     finally:
         fa._validate_device = check
+
+
+@contextlib.contextmanager
+def outside_fx_trace():
+    """Inside: ``torch.fx`` does not consider itself tracing (``torch.compile`` refuses to
+    compile while it does). For code that runs, blocking the trace, while a trace is open."""
+    import torch.fx._symbolic_trace as st
+    was = st._is_fx_tracing_flag
+    st._is_fx_tracing_flag = False
+    try:
+        yield
+    finally:
+        st._is_fx_tracing_flag = was
 
 
 def stack_trace_anchor():
@@ -247,6 +263,7 @@ __all__ = [
     "functorch_config",
     "inductor_programs",
     "is_traceable_wrapper_subclass",
+    "outside_fx_trace",
     "profiler_event_kinds",
     "reparametrize_module",
     "stack_trace_anchor",

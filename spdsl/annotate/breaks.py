@@ -35,6 +35,7 @@ import contextlib
 import pickle
 import random
 import threading
+import time
 import zlib
 from dataclasses import dataclass, field
 from typing import Any
@@ -48,6 +49,7 @@ from torch.fx.experimental.proxy_tensor import get_proxy_slot
 from spdsl._torch import (
     FakeTensor,
     TorchDispatchMode,
+    outside_fx_trace,
     tree_flatten,
     tree_unflatten,
 )
@@ -103,7 +105,8 @@ def plan_segments(owner: Sharded, args: tuple, kwargs: dict,
             detail="the function reads tensor values in Python (it runs in segments, split "
                    "at each read), and which segments run depends on those values",
             fix="plan it with real arguments (a small batch of the real shapes)")
-    seg = owner._segmented or Segments(owner)
+    seg = segmented(owner, args, kwargs) or segmented(owner, args, kwargs, error or GraphBreak(
+        rule="data-dependent control flow"))
     py, rng = random.getstate(), torch.get_rng_state()
     try:
         with torch.no_grad():
@@ -124,6 +127,7 @@ class Segments:
         self.keys: set = set()
         self.checked: set = set()       # the generators checked to agree across ranks
         self.last: list[Break] = []          # the breaks of the last call
+        self.seconds = (0.0, 0.0)
 
     def _key(self, args, kwargs):
         leaves, spec = tree_flatten((args, kwargs))
@@ -136,8 +140,11 @@ class Segments:
         self.keys.add(self._key(args, kwargs))
 
     def __call__(self, args: tuple, kwargs: dict):
+        t0 = time.perf_counter()
         cut = self.run(args, kwargs)
         self.last = cut.breaks
+        # seconds of the last call: all of it, and the part outside the segments (the trace)
+        self.seconds = (time.perf_counter() - t0, time.perf_counter() - t0 - cut.running)
         return cut.result
 
     def run(self, args: tuple, kwargs: dict, planning: bool = False) -> _Cut:
@@ -219,6 +226,7 @@ class _Cut:
     segments: list = field(default_factory=list)
     breaks: list = field(default_factory=list)
     result: Any = None
+    running: float = 0.0              # seconds spent running (and building) segments
     drawn: Any = field(default_factory=random.getstate)    # Python's random at the call
 
     def __call__(self, tracer, state, leaves, assign, module):
@@ -350,8 +358,10 @@ class _Cut:
                 self.cost[read] = _made_whole(entry, _out_nodes(entry.traced)[outs.index(read)])
             return entry, placed, vals
 
+        t0 = time.perf_counter()
         with _no_trace_hooks():
             entry, placed, vals = _outside(run, torch.is_grad_enabled())
+        self.running += time.perf_counter() - t0
         for o, v, p in zip(outs, vals, placed):
             self.env[o] = v
             self.placed[o] = p if not isinstance(p, tuple) else REPLICATE
@@ -470,7 +480,7 @@ def _outside(fn, grad: bool):
 
     def run() -> None:
         try:
-            with torch.set_grad_enabled(grad):
+            with torch.set_grad_enabled(grad), outside_fx_trace():
                 box.append((True, fn()))
         except BaseException as e:  # noqa: BLE001 - raised again on the calling thread
             box.append((False, e))

@@ -148,12 +148,12 @@ def _local_reads(world: int) -> dict:
 
 
 def _exact(model: nn.Module, x, world: int, steps: int = 2,
-           seed_py: int | None = None) -> dict:
+           seed_py: int | None = None, **options) -> dict:
     """Loss and every gradient of the sharded model against a single-device copy; ``x``: the
     input, or a tuple of inputs."""
     xs = x if isinstance(x, tuple) else (x,)
     ref = copy.deepcopy(model)
-    step = spdsl.sp_shard(seq=world)(model)
+    step = spdsl.sp_shard(seq=world, **options)(model)
     worst, losses = 0.0, []
     for k in range(steps):
         if seed_py is not None:
@@ -175,7 +175,7 @@ def _exact(model: nn.Module, x, world: int, steps: int = 2,
             assert p.grad is not None, name
             worst = max(worst, float((p.grad - q.grad).abs().max() /
                                      q.grad.abs().max().clamp_min(1e-12)))
-    return {"worst": worst, "losses": losses, "ref": ref}
+    return {"worst": worst, "losses": losses, "ref": ref, "step": step}
 
 
 def check(rank: int, world: int) -> dict:
@@ -217,6 +217,23 @@ def check(rank: int, world: int) -> dict:
     except spdsl.ShardingError as e:
         out["unseeded"] = str(e)
     return out
+
+
+def check_compiled(rank: int, world: int) -> dict:
+    m, x = _branch_data()
+    r = _exact(m, x, world, compile=True)
+    compiled = [type(e.local).__name__ for p in r["step"]._segmented.programs.values()
+                for e in p._cache.values()]
+    return {"worst": r["worst"], "taken": m.taken, "compiled": compiled}
+
+
+@pytest.mark.multirank
+@pytest.mark.slow
+def test_compiled_segments():
+    """compile=True compiles each segment's program (once: the second call reuses them)."""
+    for r in spawn(check_compiled, 2):
+        assert r["taken"] == ["b", "b"] and r["worst"] < TOL, r
+        assert len(r["compiled"]) == 2 and all(c != "GraphModule" for c in r["compiled"]), r
 
 
 @pytest.fixture(scope="module", params=[2, 4], ids=lambda w: f"sp{w}")

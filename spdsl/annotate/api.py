@@ -529,7 +529,7 @@ class Sharded:
                 outs.append(REPLICATE)
         return outs
 
-    def prepare(self, *args, **kwargs) -> _Compiled:
+    def prepare(self, *args, **kwargs) -> _Compiled | None:
         """Trace, propagate and build this rank's program for these arguments without running
         it (no collective runs): what a call does first. A rank that fails here fails before
         any exchange, so the others are not left waiting in one.
@@ -539,8 +539,18 @@ class Sharded:
             step = spdsl.sp_shard(seq=4)(model)
             step.prepare(input_ids, labels)      # errors now, on every rank alike
             loss = step(input_ids, labels)
+
+        A function that reads tensor values in Python has no one program: it runs in segments
+        (``spdsl.annotate.breaks``), built as the call reaches them; here it returns None.
         """
-        entry = self.build(args, kwargs)
+        from spdsl.annotate.breaks import segmented
+        if segmented(self, args, kwargs) is not None:
+            return None
+        try:
+            entry = self.build(args, kwargs)
+        except GraphBreak as e:
+            segmented(self, args, kwargs, e)     # raises where segments cannot run
+            return None
         if entry.local is None:
             local = self.lowered(entry, args, kwargs)
             rank = entry.rank
@@ -560,13 +570,9 @@ class Sharded:
 
     def __call__(self, *args, **kwargs):
         from spdsl.annotate.breaks import segmented
-        run = segmented(self, args, kwargs)     # a function that reads values: in segments
-        if run is not None:
-            return run(args, kwargs)
-        try:
-            entry = self.prepare(*args, **kwargs)
-        except GraphBreak as e:
-            return segmented(self, args, kwargs, e)(args, kwargs)
+        entry = self.prepare(*args, **kwargs)
+        if entry is None:                      # a function that reads values: in segments
+            return segmented(self, args, kwargs)(args, kwargs)
         leaves, _ = tree_flatten((args, kwargs))
         if self.debug:
             self._check_same_inputs(leaves)

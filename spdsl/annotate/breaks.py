@@ -58,7 +58,7 @@ from spdsl.annotate.spec import P
 from spdsl.errors import ShardingError
 from spdsl.inspect.breaks import Break, Segment, SegmentedPlan
 from spdsl.propagate.placement import REPLICATE, Shard, typed_shape
-from spdsl.propagate.trace import GraphBreak, Traced, stack_line, trace
+from spdsl.propagate.trace import GraphBreak, Traced, shape_from_data, stack_line, trace
 
 _READ = torch.ops.aten._local_scalar_dense.default
 _INDEX = torch.ops.aten.index.Tensor
@@ -397,7 +397,7 @@ class _BreakMode(TorchDispatchMode):
                 else:
                     index.append(i)
             return func(args[0], index)
-        if torch.Tag.dynamic_output_shape in func.tags and func is not _INDEX:
+        if shape_from_data(func, args):
             where = stack_line()
             name = func.overloadpacket.__name__.lstrip("_").rstrip("2")
             flat, spec = tree_flatten((args, kwargs))

@@ -400,6 +400,16 @@ class _RefuseReads(TorchDispatchMode):
         self.module = module
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if shape_from_data(func, args) and any(
+                _traced(a) for a in tree_flatten((args, kwargs))[0]
+                if isinstance(a, torch.Tensor)):
+            e = _data_dependent(None, self.module())
+            name = func.overloadpacket.__name__.strip("_").removesuffix("2")
+            raise GraphBreak(rule="data-dependent shape", where=stack_line(), fix=e.fix,
+                             detail=f"{name} makes a shape from the values of a tensor; one "
+                                    "program traced at the inputs' shapes has no values: a "
+                                    "sharded call runs such a function in segments split "
+                                    "there (docs/breaks.md), which one program cannot do here")
         if func is torch.ops.aten._local_scalar_dense.default and _traced(args[0]):
             e = _data_dependent(None, self.module())
             raise GraphBreak(rule=e.rule, where=stack_line(), fix=e.fix,
@@ -409,6 +419,15 @@ class _RefuseReads(TorchDispatchMode):
                                     "such a function in segments split at each read "
                                     "(docs/breaks.md), which one program cannot do here")
         return func(*args, **(kwargs or {}))
+
+
+def shape_from_data(func, args: tuple) -> bool:
+    """An op whose output shape depends on its inputs' values (``nonzero``, ``unique``,
+    ``masked_select``, ``x[mask]``); indexing by integer tensors is not one."""
+    if func is torch.ops.aten.index.Tensor:
+        return any(isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8)
+                   for i in args[1])
+    return torch.Tag.dynamic_output_shape in getattr(func, "tags", ())
 
 
 def _traced(t: torch.Tensor) -> bool:

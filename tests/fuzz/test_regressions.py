@@ -82,7 +82,8 @@ SPECS = (P(None, None, "sp", None), None, None, None, None)
 '''
 
 # Boolean mask indexing has a data-dependent shape; propagation crashed on it with torch's
-# GuardOnDataDependentSymNode. Now a ShardingError naming the op and the fix (torch.where).
+# GuardOnDataDependentSymNode, then refused it with a ShardingError. Now the function runs in
+# segments (docs/breaks.md): the mask is gathered, x[mask] becomes x indexed by its positions.
 BOOL_MASK_INDEX = '''
 import torch
 import torch.nn.functional as F
@@ -200,7 +201,7 @@ SPECS = (P(None, "sp", None), None, P("sp", None))
 REGRESSIONS = {
     "size1_split_broadcast": (SIZE1_SPLIT, "ok"),
     "heads_times_seq_rechunk": (HEADS_TIMES_SEQ, "ok"),
-    "bool_mask_index_refused": (BOOL_MASK_INDEX, "data-dependent shape"),
+    "bool_mask_index": (BOOL_MASK_INDEX, "ok"),
     "scalar_plus_partial_sum": (SCALAR_PLUS_PARTIAL, "ok"),
     "grad_reduce_across_gather": (GRAD_REDUCE_ACROSS_GATHER, "ok"),
     "nll_factorings_differ": (NLL_FACTORINGS_DIFFER, "ok"),

@@ -214,7 +214,8 @@ def max_seq(est: Estimator, budget: int, *, granularity: int = 1024,
     bytes) corrects the budget the extrapolation works to, and the corrected proposal is
     simulated at full depth again, so the answer moves up when the extrapolation over-counts
     and down when it under-counts: the longest full-depth plan that fits is the answer (at
-    most ``4`` full-depth simulations).
+    most ``4`` full-depth simulations; one where the full depth fits and agrees with the
+    extrapolation within 0.5% of each budget).
 
     Example::
 
@@ -237,6 +238,9 @@ def max_seq(est: Estimator, budget: int, *, granularity: int = 1024,
         p = est.phases(seq)
         dev_err = plan.peak - max(v for k, v in p.items() if k != "host")
         host_err = plan.host - p.get("host", 0)
+        if best[0] == seq and abs(dev_err) <= budget // 200 and (
+                host_budget is None or abs(host_err) <= host_budget // 200):
+            break       # the extrapolation held at full depth (0.5%): its answer stands
         nxt = propose(est, budget - dev_err, granularity=granularity, probes=probes,
                       host_budget=None if host_budget is None else host_budget - host_err)
         if best[0] and nxt <= best[0]:

@@ -373,6 +373,8 @@ class _BreakMode(TorchDispatchMode):
     """Inside the trace: a read of a value, or an op whose output shape depends on one, cuts
     the graph there and gets the global value."""
 
+    supports_higher_order_operators = True      # flex_attention: passed through whole
+
     def __init__(self, cut: _Cut) -> None:
         super().__init__()
         self.c = cut

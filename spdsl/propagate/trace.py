@@ -27,7 +27,6 @@ from spdsl._torch import (
     DataDependentOutputException,
     DynamicOutputShapeException,
     FakeTensorMode,
-    TorchDispatchMode,
     disable_current_modes,
     flex_attention_on_cpu,
     reparametrize_module,
@@ -390,27 +389,42 @@ def _data_dependent(e: Exception, module: str = "") -> GraphBreak:
             "masks), which keeps one program and no break" + token_wise)
 
 
-class _RefuseReads(TorchDispatchMode):
-    """One program: a read of a traced value into Python stops the trace at once, before the
-    function's Python goes on with a number it does not have (its side effects then happen
-    once, in the segmented run). Reads of constants pass."""
+_T = torch.Tensor
+_READS = frozenset({_T.item, _T.__bool__, _T.__float__, _T.__int__, _T.__index__, _T.tolist,
+                    _T.__complex__})
+_SHAPES = frozenset({torch.nonzero, _T.nonzero, torch.argwhere, _T.argwhere, torch.unique,
+                     _T.unique, torch.unique_consecutive, _T.unique_consecutive,
+                     torch.masked_select, _T.masked_select})
+
+
+class _RefuseReads(TorchFunctionMode):
+    """One program: a read of a traced value into Python, or an op making a shape from one,
+    stops the trace at once, before the function's Python goes on with a value it does not
+    have (its side effects then happen once, in the segmented run); reads of constants pass.
+    A torch-function mode, not a dispatch mode: one of those would keep flex_attention from
+    compiling. Reads this misses still stop the trace, later (``_no_python_scalars``)."""
 
     def __init__(self, module: Callable[[], str]) -> None:
         super().__init__()
         self.module = module
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if shape_from_data(func, args) and any(
-                _traced(a) for a in tree_flatten((args, kwargs))[0]
-                if isinstance(a, torch.Tensor)):
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if not (func in _READS or func in _SHAPES or func is torch.where or
+                func is _T.__getitem__):
+            return func(*args, **kwargs)        # first: torch.compile traces this mode too
+        traced = [a for a in tree_flatten((args, kwargs))[0]
+                  if isinstance(a, torch.Tensor) and _traced(a)]
+        if traced and (func in _SHAPES or func is torch.where and len(args) + len(kwargs) == 1
+                       or func is _T.__getitem__ and _bool_index(args[1])):
             e = _data_dependent(None, self.module())
-            name = func.overloadpacket.__name__.strip("_").removesuffix("2")
+            name = "x[mask]" if func is _T.__getitem__ else getattr(func, "__name__", "op")
             raise GraphBreak(rule="data-dependent shape", where=stack_line(), fix=e.fix,
                              detail=f"{name} makes a shape from the values of a tensor; one "
                                     "program traced at the inputs' shapes has no values: a "
                                     "sharded call runs such a function in segments split "
                                     "there (docs/breaks.md), which one program cannot do here")
-        if func is torch.ops.aten._local_scalar_dense.default and _traced(args[0]):
+        if traced and func in _READS:
             e = _data_dependent(None, self.module())
             raise GraphBreak(rule=e.rule, where=stack_line(), fix=e.fix,
                              detail="the function reads a tensor's value into Python (a branch "
@@ -418,7 +432,13 @@ class _RefuseReads(TorchDispatchMode):
                                     "at the inputs' shapes has no values: a sharded call runs "
                                     "such a function in segments split at each read "
                                     "(docs/breaks.md), which one program cannot do here")
-        return func(*args, **(kwargs or {}))
+        return func(*args, **kwargs)
+
+
+def _bool_index(index) -> bool:
+    items = index if isinstance(index, tuple) else (index,)
+    return any(isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8)
+               for i in items)
 
 
 def shape_from_data(func, args: tuple) -> bool:

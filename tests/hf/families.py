@@ -79,9 +79,9 @@ FAMILIES: dict[str, Family] = {f.name: f for f in [
                 "word_embed_proj_dim": DIM, "dropout": 0.0, "attention_dropout": 0.0,
                 "layerdrop": 0.0},
            "learned positions from the attention mask's cumsum (a scan along the sequence), "
-           "ReLU MLP; run in eval() mode: its training-mode layerdrop draw "
-           "(torch.rand([]) < p, Python control flow on data) cannot be traced, and spdsl "
-           "says so naming the line and this fix", train=False),
+           "ReLU MLP; run in eval() mode here (one program): its training-mode layerdrop draw "
+           "(torch.rand([]) < p, Python control flow on data) runs in segments, traced every "
+           "call (tests/hf/test_opt_layerdrop.py)", train=False),
 ]}
 
 

@@ -149,10 +149,11 @@ def main() -> None:
     lines += ["", "## Known gaps", "",
               ("- `not run`: the case is outside the tested subset (`tests/hf/cases.py`: "
               "`TEST_CASES`); `python -m tests.hf.matrix` without `--from` runs every cell."),
-              ("- OPT runs in `eval()` mode: its training-mode layerdrop (`torch.rand([]) < p` "
-              "in Python) cannot be traced, even with `layerdrop=0.0`; spdsl raises "
-              "`[data-dependent control flow]` naming that line and this fix. With every "
-              "dropout at 0, eval mode computes the same loss and gradients."),
+              ("- OPT runs in `eval()` mode here: with every dropout at 0 it computes the "
+              "training loss and gradients as one program. Its training mode draws layerdrop "
+              "in Python (`torch.rand([]) < p`, even with `layerdrop=0.0`) and runs in "
+              "segments, traced every call (docs/breaks.md); `tests/hf/test_opt_layerdrop.py` "
+              "checks it at SP 2 and 4 with `layerdrop=0.5`."),
               "", "## What each family exercises", "", "| family | exercises |", "|---|---|"]
     lines += [f"| {f.name} | {f.exercises} |" for f in FAMILIES.values()]
     lines.append("| plain_tied | a plain PyTorch Llama (`spdsl/models/llama.py`) tying its input "

@@ -109,8 +109,7 @@ def plan_segments(owner: Sharded, args: tuple, kwargs: dict,
         rule="data-dependent control flow"))
     py, rng = random.getstate(), torch.get_rng_state()
     try:
-        with torch.no_grad():
-            cut = seg.run(args, kwargs, planning=True)
+        cut = seg.run(args, kwargs, planning=True)
     finally:
         random.setstate(py)
         torch.set_rng_state(rng)
@@ -269,7 +268,7 @@ class _Cut:
     def _break(self, node, v, kind: str, where: str) -> Break:
         val = node.meta["val"]
         p = self.placed.get(node, REPLICATE)
-        moves = list(self.cost.get(node, ()))
+        moves = list(self.cost.pop(node, ()))      # paid once, by the first read
         split = isinstance(v, DTensor) and isinstance(v.placements[0], DShard) or \
             self.planning and isinstance(self.spec.get(node), P)
         if split:             # the segment hands it on split: gathered to be read
@@ -354,8 +353,9 @@ class _Cut:
                             for d in range(o.meta["val"].dim())])
             else:
                 vals = prog(*inputs)
-            if read in outs:
-                self.cost[read] = _made_whole(entry, _out_nodes(entry.traced)[outs.index(read)])
+            for o, n in zip(outs, _out_nodes(entry.traced)):    # what a later read costs
+                if o is read or o.meta["val"].numel() == 1:
+                    self.cost[o] = _made_whole(entry, n)
             return entry, placed, vals
 
         t0 = time.perf_counter()

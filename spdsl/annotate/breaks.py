@@ -31,10 +31,8 @@ ranks' generators agree, which the first call checks. Not supported (the read st
 
 from __future__ import annotations
 
-import contextlib
 import pickle
 import random
-import threading
 import time
 import zlib
 from dataclasses import dataclass, field
@@ -49,11 +47,19 @@ from torch.fx.experimental.proxy_tensor import get_proxy_slot
 from spdsl._torch import (
     FakeTensor,
     TorchDispatchMode,
-    outside_fx_trace,
     tree_flatten,
     tree_unflatten,
 )
 from spdsl.annotate.api import Sharded, _out_nodes
+from spdsl.annotate.segment import (
+    graph,
+    made_whole,
+    no_trace_hooks,
+    outside,
+    seeded,
+    spec_key,
+    spec_of,
+)
 from spdsl.annotate.spec import P
 from spdsl.errors import ShardingError
 from spdsl.inspect.breaks import Break, Segment, SegmentedPlan
@@ -236,7 +242,7 @@ class _Cut:
             self.done.add(n)
             if i >= len(state):
                 s = self.leaf_specs[i - len(state)]
-                self.spec[n] = _spec_of(x, self.segs.owner.axis) if isinstance(x, DTensor) \
+                self.spec[n] = spec_of(x, self.segs.owner.axis) if isinstance(x, DTensor) \
                     else s
         return _BreakMode(self)
 
@@ -262,7 +268,7 @@ class _Cut:
             self.cut(read=node)
         v = self.env[node]
         self.breaks.append(self._break(node, v, kind, where))
-        return _outside(lambda: (v.full_tensor() if isinstance(v, DTensor) else v).detach(),
+        return outside(lambda: (v.full_tensor() if isinstance(v, DTensor) else v).detach(),
                         False)
 
     def _break(self, node, v, kind: str, where: str) -> Break:
@@ -294,9 +300,9 @@ class _Cut:
         seg = [n for n in g.nodes if n.op == "call_function" and n not in self.done]
         if not self.planning and random.getstate() != self.drawn:
             state = pickle.dumps(self.drawn)
-            _outside(lambda: self.segs.check_generator("Python's random", state), False)
-        if not self.planning and any(_random(n) for n in seg):
-            _outside(lambda: self.segs.check_generator(
+            outside(lambda: self.segs.check_generator("Python's random", state), False)
+        if not self.planning and any(seeded(n) for n in seg):
+            outside(lambda: self.segs.check_generator(
                 "torch's default generator", torch.get_rng_state().numpy().tobytes()), False)
         if not seg:
             return
@@ -310,17 +316,17 @@ class _Cut:
                 n = self.node_of(t)
                 if n in in_seg:
                     live.add(n)
-            outs = [n for n in seg if (n in live or n is read or _random(n))
+            outs = [n for n in seg if (n in live or n is read or seeded(n))
                     and isinstance(n.meta.get("val"), torch.Tensor)]
-        outs += [n for n in seg if _random(n) and n not in outs]
-        gm, ext, key = _graph(seg, outs, self.tracer.root)
+        outs += [n for n in seg if seeded(n) and n not in outs]
+        gm, ext, key = graph(seg, outs, self.tracer.root)
         inputs, specs = [], []
         for a in ext:
             x = self.env[a] if a.op != "get_attr" else getattr(self.tracer.root, a.target)
             inputs.append(x)
             s = None if isinstance(x, DTensor) or a.op == "get_attr" else self.spec.get(a)
             specs.append(s)
-        key = (key, tuple((tuple(x.shape), x.dtype, x.requires_grad, _spec_key(x, s))
+        key = (key, tuple((tuple(x.shape), x.dtype, x.requires_grad, spec_key(x, s))
                           for x, s in zip(inputs, specs)), torch.is_grad_enabled(),
                final is not None)
         n_out = len(outs)
@@ -329,7 +335,7 @@ class _Cut:
             from spdsl.propagate.eager_attention import uncast_attention, unrepeat_kv
             from spdsl.propagate.forms import find_all
             from spdsl.propagate.masks import masks_as_functions
-            fresh = _graph(seg, outs, root)[0]
+            fresh = graph(seg, outs, root)[0]
             find_all(fresh)
             unrepeat_kv(fresh)
             uncast_attention(fresh)
@@ -355,12 +361,12 @@ class _Cut:
                 vals = prog(*inputs)
             for o, n in zip(outs, _out_nodes(entry.traced)):    # what a later read costs
                 if o is read or o.meta["val"].numel() == 1:
-                    self.cost[o] = _made_whole(entry, n)
+                    self.cost[o] = made_whole(entry, n)
             return entry, placed, vals
 
         t0 = time.perf_counter()
-        with _no_trace_hooks():
-            entry, placed, vals = _outside(run, torch.is_grad_enabled())
+        with no_trace_hooks():
+            entry, placed, vals = outside(run, torch.is_grad_enabled())
         self.running += time.perf_counter() - t0
         for o, v, p in zip(outs, vals, placed):
             self.env[o] = v
@@ -385,7 +391,7 @@ class _BreakMode(TorchDispatchMode):
             where = stack_line()
             kind = "bool" if args[0].dtype == torch.bool else "item"
             real = self.c.value(args[0], kind, where)
-            return _outside(lambda: func(real), False)
+            return outside(lambda: func(real), False)
         if func is _MASKED_SELECT and args[0].shape == args[1].shape:
             func, args = _INDEX, (args[0], [args[1]])
         if func is _INDEX and any(isinstance(i, torch.Tensor) and i.dtype in
@@ -395,7 +401,7 @@ class _BreakMode(TorchDispatchMode):
             for i in args[1]:
                 if isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8):
                     mask = self.c.value(i, "x[mask]", where)
-                    index += list(_outside(lambda m=mask: m.nonzero(as_tuple=True), False))
+                    index += list(outside(lambda m=mask: m.nonzero(as_tuple=True), False))
                 else:
                     index.append(i)
             return func(args[0], index)
@@ -412,98 +418,5 @@ class _BreakMode(TorchDispatchMode):
             real = [self.c.value(x, name, where) if isinstance(x, torch.Tensor) else x
                     for x in flat]
             a, kw = tree_unflatten(real, spec)
-            return _outside(lambda: func(*a, **kw), False)   # a constant of the next segment
+            return outside(lambda: func(*a, **kw), False)   # a constant of the next segment
         return func(*args, **kwargs)
-
-
-def _graph(seg: list, outs: list, root: torch.nn.Module):
-    """The segment as its own graph module; its external inputs; its structural key."""
-    g = torch.fx.Graph()
-    m: dict = {}
-    mod = torch.nn.Module()
-    ext: list = []
-    in_seg = set(seg)
-    # inputs first: the lowering's passes read the graph's inputs before its ops
-    for a in dict.fromkeys(a for n in seg for a in n.all_input_nodes if a not in in_seg):
-        if a.op == "get_attr" and not isinstance(getattr(root, a.target), torch.Tensor):
-            setattr(mod, a.target, getattr(root, a.target))
-            m[a] = g.get_attr(a.target)
-        else:
-            m[a] = g.placeholder(f"in{len(ext)}")
-            ext.append(a)
-        m[a].meta = dict(a.meta)
-    for n in seg:
-        m[n] = g.node_copy(n, m.__getitem__)
-    g.output([m[o] for o in outs])
-    index = {n: i for i, n in enumerate(g.nodes)}
-    key = tuple((n.op, str(n.target), repr(torch.fx.node.map_arg(
-        (n.args, n.kwargs), lambda a: f"%{index[a]}"))) for n in g.nodes)
-    return torch.fx.GraphModule(mod, g), ext, key
-
-
-def _made_whole(entry, node: torch.fx.Node) -> list[tuple[str, int]]:
-    """The collectives of a segment's program that make ``node`` whole for Python to read:
-    those at ``node`` and at the replicated ops between it and the split values it reads."""
-    from spdsl.propagate.placement import Replicate
-    cone, stack = {node.name}, [node]
-    while stack:
-        for a in stack.pop().all_input_nodes:
-            if a.op == "call_function" and a.name not in cone and \
-                    isinstance(entry.prop.decisions[a].output, Replicate):
-                cone.add(a.name)
-                stack.append(a)
-    return [(c.kind, c.bytes) for c in entry.plan.collectives
-            if c.node in cone and c.purpose != "gradient"]
-
-
-def _random(n: torch.fx.Node) -> bool:
-    t = n.target
-    return torch.Tag.nondeterministic_seeded in getattr(t, "tags", ())
-
-
-def _spec_of(x: DTensor, axis: str) -> P | None:
-    names = x.device_mesh.mesh_dim_names or ()
-    p = x.placements[names.index(axis) if axis in names else 0]
-    return P(*[axis if d == p.dim else None for d in range(x.dim())]) \
-        if isinstance(p, DShard) else None
-
-
-def _spec_key(x, s) -> Any:
-    if isinstance(x, DTensor):
-        return ("dtensor", tuple(repr(p) for p in x.placements))
-    return repr(s)
-
-
-def _outside(fn, grad: bool):
-    """``fn()`` on a thread of its own: a value read happens inside the trace's dispatch,
-    where autograd is off and fake tensors are made; the thread has neither (dispatch keys and
-    modes are thread-local; the autograd graph and the random generators are shared)."""
-    box: list = []
-
-    def run() -> None:
-        try:
-            with torch.set_grad_enabled(grad), outside_fx_trace():
-                box.append((True, fn()))
-        except BaseException as e:  # noqa: BLE001 - raised again on the calling thread
-            box.append((False, e))
-
-    t = threading.Thread(target=run, name="spdsl-segment")
-    t.start()
-    t.join()
-    ok, out = box[0]
-    if not ok:
-        raise out
-    return out
-
-
-@contextlib.contextmanager
-def _no_trace_hooks():
-    """A segment runs (or is built) while the function's trace is open: nothing it does
-    belongs to that trace."""
-    import spdsl.propagate.trace as T
-    was = T._TRACING[0]
-    T._TRACING[0] = False
-    try:
-        yield
-    finally:
-        T._TRACING[0] = was

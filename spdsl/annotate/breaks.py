@@ -233,6 +233,8 @@ class _Cut:
     result: Any = None
     running: float = 0.0              # seconds spent running (and building) segments
     drawn: Any = field(default_factory=random.getstate)    # Python's random at the call
+    placed: dict = field(default_factory=dict)     # node -> its placement in its segment
+    cost: dict = field(default_factory=dict)       # node -> the moves that made it whole
 
     def __call__(self, tracer, state, leaves, assign, module):
         self.tracer, self.assign, self.module = tracer, assign, module
@@ -281,9 +283,10 @@ class _Cut:
             moves.append(("all_gather", val.numel() * val.element_size() //
                           self.segs.owner.parts))
         mod = self.module()
+        # a number or a shape read inside a block: the routing of a mixture of experts, often
         note = (f"if {mod} computes each token on its own (the experts of a mixture of "
                 f"experts), spdsl.token_wise(model.get_submodule({mod!r})) runs it on each "
-                "rank's tokens with no break") if mod else ""
+                "rank's tokens with no break") if mod and kind != "bool" else ""
         return Break(len(self.segments) - 1, kind, where,
                      typed_shape(val.shape, val.dtype, p, self.segs.owner.axis),
                      tuple(f"{k} {b} B" for k, b in moves), sum(b for _, b in moves),
@@ -291,8 +294,6 @@ class _Cut:
                      mod, note)
 
     # -- segments ---------------------------------------------------------------------------
-    placed: dict = field(default_factory=dict)     # node -> its placement in its segment
-    cost: dict = field(default_factory=dict)       # node read -> the moves that made it whole
 
     def cut(self, read: torch.fx.Node | None = None, final: list | None = None) -> None:
         """Run the ops recorded since the last cut as one segment."""

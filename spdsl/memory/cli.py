@@ -322,7 +322,8 @@ def _run(a) -> int:
             for remat, n in cands:
                 plan = model_plan(cfg, a.seq, a.sp, remat, **{**plan_kw, "state_shards": n})
                 print(plan.to_json() if a.json else
-                      f"\n== remat={_name(remat, n)}, seq {a.seq:,}\n{plan}")
+                      f"\n== remat={_name(remat, n if mode == 'best' else None)}, "
+                      f"seq {a.seq:,}\n{plan}")
             continue
         remat, n = _best(cfg, a, shards, budget, host) if mode == "best" else \
             (remat_of(mode, a), shards)

@@ -107,7 +107,7 @@ def test_same_default_dtype_said_in_help(capsys, wide):
 def test_help_shows_defaults_and_keeps_the_epilog(capsys, wide):
     assert main(["memory", "--help"]) == 0
     out = capsys.readouterr().out
-    assert "(default: 8)" in out and "(default: 80GiB)" in out and "(default: 2GiB)" in out
+    assert "(default: 8)" in out and "(default: 80GiB)" in out and "7.9 GiB of 80" in out
     assert "(default: none,auto,lean,full,best)" in out
     assert "Examples::" in out and "Modes (--remat)" in out          # the epilog, as written
     assert "(default: None)" not in out and "(default: False)" not in out

@@ -166,7 +166,9 @@ class Segments:
         out = next(n for n in traced.graph.graph.nodes if n.op == "output")
         flat = list(out.args[0])
         cut.cut(final=[n for n in flat if isinstance(n, torch.fx.Node)])
-        cut.result = tree_unflatten([cut.env[n] if isinstance(n, torch.fx.Node) else n
+        cut.result = tree_unflatten([cut.env[n] if n in cut.env else
+                                     getattr(cut.tracer.root, n.target)   # a constant
+                                     if isinstance(n, torch.fx.Node) else n
                                      for n in flat], traced.out_spec)
         return cut
 

@@ -1,8 +1,11 @@
-"""Ulysses with its exchanges pipelined by head groups against one exchange each way: exposed
-communication and step time, interleaved in one launch.
+"""Ulysses with its exchanges pipelined by head groups against one exchange each way, or
+(``--grad``) gradient buckets reduced during backward against each waited where it starts:
+exposed communication and step time, interleaved in one launch.
 
     torchrun --standalone --nproc_per_node=4 bench/overlap.py --seq 4096 --steps 10 \\
         --out bench/results/overlap_sp4.json
+    torchrun --standalone --nproc_per_node=4 bench/overlap.py --grad --model small --seq 1024 \\
+        --steps 10 --out bench/results/grad_overlap_sp4.json
 
 Systems (same weights and batches; ``attention="ulysses"``, default remat): ``spdsl-g1``
 (``spdsl.lower.ops.ULYSSES_GROUPS = 1``: today's one exchange in, one out), ``spdsl-g2`` (2 head
@@ -67,14 +70,16 @@ def _exposed(prof) -> float:
 
 
 class _Spdsl:
-    def __init__(self, cfg: RunConfig, groups: int) -> None:
+    def __init__(self, cfg: RunConfig, groups: int, grad_overlap: bool = True) -> None:
         from bench.baselines.spdsl_adapter import SpdslTrainer
-        self.groups = groups
+        self.groups, self.grad_overlap = groups, grad_overlap
         self.trainer = SpdslTrainer(cfg, False, attention="ulysses")
 
     def step(self, ids, labels) -> float:
+        from spdsl import collectives
         from spdsl.lower import ops
         ops.ULYSSES_GROUPS = self.groups
+        collectives.GRAD_OVERLAP = self.grad_overlap
         return _step(self.trainer, ids, labels)
 
 
@@ -120,18 +125,26 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--profiled", type=int, default=3)
     p.add_argument("--out", default=None)
+    p.add_argument("--grad", action="store_true",
+                   help="gradient buckets reduced during backward (spdsl-overlap, the default) "
+                        "against each bucket waited where it starts (spdsl-sync)")
     a = p.parse_args()
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.set_num_threads(1)
     cfg = RunConfig(a.model, a.batch, world, rank, seed=0, lr=1e-3)
-    systems = {"spdsl-g1": _Spdsl(cfg, 1), "spdsl-g2": _Spdsl(cfg, 2)}
+    if a.grad:
+        systems = {"spdsl-sync": _Spdsl(cfg, 1, grad_overlap=False),
+                   "spdsl-overlap": _Spdsl(cfg, 1, grad_overlap=True)}
+    else:
+        systems = {"spdsl-g1": _Spdsl(cfg, 1), "spdsl-g2": _Spdsl(cfg, 2)}
     try:
         from bench.baselines import ulysses
         systems["ulysses"] = _Plain(ulysses.build(cfg, False))
     except Unavailable as e:
         if rank == 0:
             print(f"ulysses: unavailable ({e})")
+    first = next(iter(systems))
     n = a.warmup + a.steps + a.profiled
     batches = make_batches(n, a.batch, a.seq, CONFIGS[a.model]().vocab_size, seed=0)
     names = list(systems)
@@ -159,18 +172,18 @@ def main() -> None:
         out = {"revision": rev + ("+dirty" if dirty else ""), "seq": a.seq, "world": world,
                "model": a.model, "load": os.getloadavg(), "steps": a.steps,
                "systems": {}}
-        base = statistics.median(times["spdsl-g1"])
+        base = statistics.median(times[first])
         print(f"revision {out['revision']}, SP {world}, {a.seq} tokens, model {a.model}, "
               f"load {os.getloadavg()[0]:.1f}")
-        print("| system | step s: median (min-max) | vs spdsl-g1 | paired ratio median | "
-              "exposed comm s / step | exposed share | max loss diff vs g1 |")
+        print(f"| system | step s: median (min-max) | vs {first} | paired ratio median | "
+              f"exposed comm s / step | exposed share | max loss diff vs {first} |")
         print("|---|---|---|---|---|---|---|")
         for k in names:
             med = statistics.median(times[k])
-            paired = statistics.median(x / y for x, y in zip(times[k], times["spdsl-g1"]))
+            paired = statistics.median(x / y for x, y in zip(times[k], times[first]))
             ex = statistics.mean(e for e, _ in exposed[k])
             share = statistics.mean(e / s for e, s in exposed[k])
-            dl = max(abs(x - y) for x, y in zip(losses[k], losses["spdsl-g1"]))
+            dl = max(abs(x - y) for x, y in zip(losses[k], losses[first]))
             out["systems"][k] = {"times": times[k], "losses": losses[k],
                                  "exposed": exposed[k]}
             print(f"| {k} | {med:.3f} ({min(times[k]):.3f}-{max(times[k]):.3f}) | "

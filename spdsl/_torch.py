@@ -26,6 +26,12 @@ TorchDispatchMode,              the planner's byte counter, the remat shape repl
 is_traceable_wrapper_subclass
 tree_flatten/map/unflatten      arguments, outputs and specs matched leaf by leaf
 dynamo_unsupported()            graph breaks mapped to the user's line (lower.compile)
+graph_break_reasons()           the breaks Dynamo took, by reason: a compiled program with a
+                                token-wise block could break elsewhere unseen (lower.compile)
+backward_task_id(),             gradient buckets reduced during backward (collectives): which
+engine_will_accumulate(),       backward is running, whether it accumulates into a leaf's
+at_backward_end()               ``.grad``, and a callback at its end; without them buckets
+                                are waited where they start (no overlap)
 profiler_event_kinds()          allocation events of the allocator-side measurement
 fake_store()                    lowering a dp x sp program without a job (memory planner)
 flex_attention_on_cpu()         flex_attention traced and run with gradients on CPU (its
@@ -81,6 +87,29 @@ def dynamo_unsupported() -> type[Exception]:
     """The exception a graph break raises under ``fullgraph=True``."""
     import torch._dynamo.exc
     return torch._dynamo.exc.Unsupported
+
+
+def graph_break_reasons() -> dict:
+    """Dynamo's count of graph breaks taken so far, by reason."""
+    from torch._dynamo.utils import counters
+    return dict(counters["graph_break"])
+
+
+def backward_task_id() -> int:
+    """The autograd engine's id of the backward running on this thread."""
+    return torch._C._current_graph_task_id()
+
+
+def engine_will_accumulate(leaf: torch.Tensor) -> bool:
+    """Whether the running backward accumulates into ``leaf.grad`` (``backward()``, not
+    ``torch.autograd.grad``)."""
+    node = torch.autograd.graph.get_gradient_edge(leaf).node
+    return torch._C._will_engine_execute_node(node)
+
+
+def at_backward_end(fn) -> None:
+    """Run ``fn`` once the running backward has finished."""
+    torch.autograd.Variable._execution_engine.queue_callback(fn)
 
 
 def profiler_event_kinds():
@@ -250,6 +279,8 @@ __all__ = [
     "HigherOrderOperator",
     "OpOverload",
     "TorchDispatchMode",
+    "at_backward_end",
+    "backward_task_id",
     "c10d_functional",
     "detect_fake_mode",
     "disable_current_modes",
@@ -257,10 +288,12 @@ __all__ = [
     "dtensor_sharding_propagator",
     "dtensor_spec_types",
     "dynamo_unsupported",
+    "engine_will_accumulate",
     "fake_store",
     "flex_attention_on_cpu",
     "functional_collectives",
     "functorch_config",
+    "graph_break_reasons",
     "inductor_programs",
     "is_traceable_wrapper_subclass",
     "outside_fx_trace",

@@ -28,10 +28,17 @@ all-reduce per bucket instead of one per parameter.
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 
-from spdsl._torch import c10d_functional
+from spdsl._torch import (
+    FakeTensor,
+    at_backward_end,
+    backward_task_id,
+    c10d_functional,
+    engine_will_accumulate,
+)
 from spdsl._torch import functional_collectives as fc
 from spdsl.propagate.placement import chunk_bounds, window_plan
 
@@ -85,14 +92,29 @@ class _GradAllReduce(torch.autograd.Function):
         return _all_reduce_raw(grad, ctx.group), None
 
 
+# Gradient buckets reduced while backward goes on (``SPDSL_GRAD_OVERLAP``, default on): a
+# bucket's all-reduce is started when its last gradient is known and waited for once, when
+# backward ends, so the reduction runs under the rest of backward instead of stopping it.
+GRAD_OVERLAP = os.environ.get("SPDSL_GRAD_OVERLAP", "1") != "0"
+
+
 class _GradAllReduceMany(torch.autograd.Function):
     """Identity on several replicated values; backward all-reduces their gradients together,
-    as one flat buffer, once all of them are known."""
+    as one flat buffer, once all of them are known.
+
+    Overlapped (``GRAD_OVERLAP``), when every value is a leaf whose gradient ``backward()``
+    accumulates into ``.grad`` with no hook on it (plain replicated parameters; not under
+    ``torch.compile``, ``torch.autograd.grad`` or a sharded state's views): the all-reduce
+    starts here, the gradients go to nobody yet, and at the end of backward (an autograd
+    engine callback) every started bucket is waited for and its pieces are accumulated into
+    ``.grad`` as autograd would have (set when None, added otherwise). Nothing reads a
+    gradient before its reduction is done; the sum is the same."""
 
     @staticmethod
     def forward(ctx, group: str, *xs: torch.Tensor):
         ctx.group = group
         ctx.set_materialize_grads(False)    # a value no gradient reached keeps None
+        ctx.leaves = xs if GRAD_OVERLAP and all(_plain_leaf(x) for x in xs) else None
         return tuple(x.view_as(x) for x in xs)
 
     @staticmethod
@@ -104,10 +126,67 @@ class _GradAllReduceMany(torch.autograd.Function):
         flat = torch.cat([g.reshape(-1) for g in got])
         if torch.compiler.is_compiling():
             flat = _all_reduce_raw(flat, ctx.group)     # Inductor plans the buffers itself
+        elif ctx.leaves is not None and _accumulated(ctx.leaves):
+            flat = c10d_functional.all_reduce_(flat, "sum", ctx.group)
+            _start_bucket(flat, [(x, g.shape) for x, g in zip(ctx.leaves, grads)
+                                 if g is not None])
+            return (None,) * (len(grads) + 1)
         else:   # the concatenation is ours: reduce it in place, one bucket-sized buffer fewer
             fc.wait_tensor(c10d_functional.all_reduce_(flat, "sum", ctx.group))
         pieces = iter(torch.split(flat, [g.numel() for g in got]))
         return (None, *(None if g is None else next(pieces).view(g.shape) for g in grads))
+
+
+def _plain_leaf(x: torch.Tensor) -> bool:
+    return (x.is_leaf and x.requires_grad and not x._backward_hooks
+            and not getattr(x, "_post_accumulate_grad_hooks", None)
+            and type(x) in (torch.Tensor, torch.nn.Parameter) and x.device.type != "meta"
+            and not isinstance(x, FakeTensor))
+
+
+def _accumulated(leaves) -> bool:
+    """Whether this backward accumulates into each leaf's ``.grad`` (``loss.backward()``,
+    not ``torch.autograd.grad``)."""
+    try:
+        return all(engine_will_accumulate(x) for x in leaves)
+    except RuntimeError:        # not inside a backward the engine runs
+        return False
+
+
+_STARTED: list[tuple[torch.Tensor, list]] = []
+_TASK = [None]          # the backward whose end finishes the started buckets
+
+
+def _start_bucket(flat: torch.Tensor, into: list) -> None:
+    task = backward_task_id()
+    if _TASK[0] != task:
+        # a backward that failed half-way never ran its callback: its reductions finish
+        # (every rank started them), its gradients are dropped with it
+        for stale, _ in _STARTED:
+            fc.wait_tensor(stale)
+        _STARTED.clear()
+        _TASK[0] = task
+        at_backward_end(_finish_buckets)
+    _STARTED.append((flat, into))
+
+
+def _finish_buckets() -> None:
+    """At the end of backward: wait for every started bucket, then accumulate its pieces."""
+    started = list(_STARTED)
+    _STARTED.clear()
+    _TASK[0] = None
+    with torch.profiler.record_function("spdsl.grad_bucket_wait"), torch.no_grad():
+        for flat, into in started:
+            flat = fc.wait_tensor(flat)
+            offset = 0
+            for x, shape in into:
+                n = shape.numel()
+                g = flat[offset:offset + n].view(shape)
+                offset += n
+                if x.grad is None:
+                    x.grad = g
+                else:
+                    x.grad.add_(g)
 
 
 def all_reduce(x: torch.Tensor, group: str) -> torch.Tensor:

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from spdsl._torch import dynamo_unsupported
+from spdsl._torch import dynamo_unsupported, graph_break_reasons
 from spdsl.errors import ShardingError
 from spdsl.lower import tokenwise
 from spdsl.propagate.source import module_of, source_of
@@ -40,8 +40,15 @@ class CompiledLocal:
         # token-wise blocks (mixture-of-experts experts) run eagerly on the rank's real values
         # (spdsl.lower.tokenwise): Dynamo breaks the graph at each call, by design, and
         # compiles what lies between; any other break is still an error (``_check_breaks``)
-        self.token_wise = any(n.target is tokenwise.run for m in gm.modules()
-                              if isinstance(m, torch.fx.GraphModule) for n in m.graph.nodes)
+        self.token_wise = False
+        for m in gm.modules():
+            calls = [n for n in m.graph.nodes if n.target is tokenwise.run] \
+                if isinstance(m, torch.fx.GraphModule) else []
+            for n in calls:
+                n.target = _eager_token_wise()
+            if calls:
+                m.recompile()
+                self.token_wise = True
         self.compiled = torch.compile(gm, fullgraph=not self.token_wise, **options)
         self._checked = False
 
@@ -55,12 +62,10 @@ class CompiledLocal:
 
     def _first_call(self, *args: Any) -> Any:
         """Compile with breaks allowed, then check that Dynamo broke only at token-wise calls."""
-        from torch._dynamo.utils import counters
-
-        before = dict(counters["graph_break"])
+        before = graph_break_reasons()
         out = self.compiled(*args)
         self._checked = True
-        other = [reason for reason, n in counters["graph_break"].items()
+        other = [reason for reason, n in graph_break_reasons().items()
                  if n > before.get(reason, 0) and not _token_wise_break(reason)]
         if other:
             raise ShardingError(
@@ -72,6 +77,17 @@ class CompiledLocal:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.__dict__["gm"], name)
+
+
+_EAGER: list = []
+
+
+def _eager_token_wise():
+    """``tokenwise.run`` that Dynamo does not trace into: it breaks the graph there."""
+    if not _EAGER:
+        _EAGER.append(torch.compiler.disable(
+            tokenwise.run, reason="spdsl.lower.tokenwise.run: a token-wise block runs eagerly"))
+    return _EAGER[0]
 
 
 def _token_wise_break(reason: str) -> bool:

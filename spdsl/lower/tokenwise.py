@@ -28,7 +28,6 @@ from spdsl._torch import detect_fake_mode, tree_flatten
 from spdsl.propagate.tokenwise import SITES
 
 
-@torch._dynamo.disable(reason="spdsl.lower.tokenwise.run: a token-wise block runs eagerly")
 def run(args: list[torch.Tensor], state: list[torch.Tensor], site: int) -> list[torch.Tensor]:
     """The module of ``site`` on this rank's ``args``, with parameters and buffers ``state``."""
     s = SITES[site]

@@ -28,6 +28,7 @@ import tempfile
 import time
 
 from .report import rewrite_block
+from .systems import HF_BASELINE
 
 BENCH = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 OUT_DIR = os.path.join(BENCH, "results", "abab")
@@ -108,7 +109,7 @@ def summarize(name: str, launches: int, nproc: int, args: list[str]) -> dict:
                 rows.append({"system": key[0], "mode": key[1], "seq": seq, "status": "failed",
                              "reason": next(p["reason"] for p in per if p["status"] != "ok")})
                 continue
-            base_key = baseline or ("ulysses", key[1])
+            base_key = HF_BASELINE.get(key[0], baseline) if hf else ("ulysses", key[1])
             base = [next((x for x in run[k]["rows"] if (x["system"], x["mode"]) == base_key
                           and x["status"] == "ok"), None) for run in runs]
             row = {"system": key[0], "mode": key[1], "seq": seq, "status": "ok",

@@ -148,6 +148,11 @@ class ALSTTrainer:
         self.engine.step()
 
 
+def build_checkpoint(cfg: RunConfig, compiled: bool) -> ALSTTrainer:
+    """ALST with HF's gradient checkpointing (``gradient_checkpointing_enable``)."""
+    return build(cfg, compiled, checkpoint=True)
+
+
 def build(cfg: RunConfig, compiled: bool, checkpoint: bool = False) -> ALSTTrainer:
     if compiled:
         raise Unavailable("ALST's HF integration is run eager here (as its tutorial does)")

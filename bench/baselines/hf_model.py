@@ -108,3 +108,10 @@ def build_reference(cfg: RunConfig, compiled: bool) -> HFReferenceTrainer:
 
 def build_spdsl(cfg: RunConfig, compiled: bool) -> SpdslHFTrainer:
     return SpdslHFTrainer(cfg, compiled)
+
+
+def build_spdsl_full(cfg: RunConfig, compiled: bool) -> SpdslHFTrainer:
+    """``remat="full"`` with the all-to-alls re-run in backward: each layer keeps its input
+    only, as HF's gradient checkpointing does (``alst-checkpoint``)."""
+    import spdsl
+    return SpdslHFTrainer(cfg, compiled, remat=spdsl.Remat("full", recompute_collectives=True))

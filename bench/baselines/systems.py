@@ -86,7 +86,16 @@ HF_SYSTEMS = [
     System("reference", "eager", "hf_model", single_process=True, builder="build_reference"),
     System("spdsl", "eager", "hf_model", builder="build_spdsl"),
     System("alst", "eager", "alst_hf"),
+    # matched settings: spdsl keeping only layer inputs against ALST with HF's own gradient
+    # checkpointing (both recompute each layer's forward in backward, all-to-alls included)
+    System("spdsl-full", "eager", "hf_model", builder="build_spdsl_full"),
+    System("alst-checkpoint", "eager", "alst_hf", builder="build_checkpoint"),
+    System("spdsl", "compiled", "hf_model", builder="build_spdsl"),
+    System("spdsl-full", "compiled", "hf_model", builder="build_spdsl_full"),
 ]
+
+# The HF comparison's baseline per system (ALST has no compiled run): the same memory policy.
+HF_BASELINE = {"spdsl-full": ("alst-checkpoint", "eager")}
 
 # The hand-written baseline each system's time is divided by (same mode; AutoSP is compiled).
 BASELINE = {"eager": ("ulysses", "eager"), "compiled": ("ulysses", "compiled")}

@@ -53,3 +53,4 @@ opt llama3_8b 32 16777216 master $G
 opt llama3_8b 64 33554432 master $G
 opt llama3_70b 32 4194304 master $G
 opt llama3_70b 64 8388608 master $G
+opt llama3_70b 64 8388608 master_host $G       # run after the unrounded ones

@@ -75,7 +75,8 @@ def grad_errors(model, ref) -> dict:
             out["missing"].append(name)
             continue
         scale = max(float(q.grad.abs().max()), GRAD_FLOOR * top)
-        err = float((p.grad - q.grad).abs().max()) / scale
+        g = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad  # sharded state
+        err = float((g - q.grad).abs().max()) / scale
         if err >= out["grad"]:
             out["grad"], out["worst"] = err, name
         out["n_grads"] += 1

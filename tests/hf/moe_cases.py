@@ -87,11 +87,13 @@ class MoeCase:
     remat: str | None = None
     data: str = "plain"             # plain | pad_right
     compile: bool = False
+    shard_state: bool = False
 
     @property
     def name(self) -> str:
         return f"{self.family}/{self.experts}/{self.data}" + (
-            f",remat={self.remat}" if self.remat else "") + (",compiled" if self.compile else "")
+            f",remat={self.remat}" if self.remat else "") + (",compiled" if self.compile else "") + (
+            ",shard_state" if self.shard_state else "")
 
 
 def _inputs(data: str):
@@ -147,7 +149,8 @@ def run_moe_case(case: MoeCase, rank: int, world: int) -> dict:
         args = (ids, labels, mask)
     from torch._dynamo.utils import counters
     graphs = counters["stats"]["unique_graphs"]
-    step = spdsl.sp_shard(seq=world, remat=case.remat or "none", compile=case.compile)(f)
+    step = spdsl.sp_shard(seq=world, remat=case.remat or "none", compile=case.compile,
+                          shard_state=case.shard_state)(f)
     loss, aux = step(*args)
     loss.backward()
     out_graphs = counters["stats"]["unique_graphs"] - graphs    # compiled pieces of the step
@@ -159,8 +162,12 @@ def run_moe_case(case: MoeCase, rank: int, world: int) -> dict:
     out["loss_value"] = loss.item()
     plan = spdsl.plan(step, *args)
     out["token_wise"] = sorted({v.module for v in plan.values if v.origin == "token_wise"})
+    # with sharded state the MoE layers gather their parameters and scatter their gradients
+    # (purpose "state"); nothing of the sequence moves
     out["moe_collectives"] = [(c.kind, c.module) for c in plan.collectives
-                              if ".mlp" in c.module and c.purpose != "gradient"]
+                              if ".mlp" in c.module and c.purpose not in ("gradient", "state")]
+    out["moe_state_collectives"] = sum(1 for c in plan.collectives
+                                       if ".mlp" in c.module and c.purpose == "state")
     out["graphs"] = out_graphs
     return out
 
@@ -182,4 +189,6 @@ MAIN = ("mixtral", "qwen3_moe")
 MOE_CASES = [MoeCase(f, e) for f in MAIN for e in EXPERTS_IMPLEMENTATIONS] + [
     MoeCase(f, "eager", remat="full") for f in MAIN] + [
     MoeCase(f, "grouped_mm", data="pad_right") for f in MAIN] + [
-    MoeCase(f, "grouped_mm") for f in MOE_FAMILIES if f not in MAIN]
+    MoeCase(f, "grouped_mm") for f in MOE_FAMILIES if f not in MAIN] + [
+    MoeCase("mixtral", "grouped_mm", shard_state=True),
+    MoeCase("qwen3_moe", "eager", remat="full", shard_state=True)]

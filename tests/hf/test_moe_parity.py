@@ -1,7 +1,8 @@
 """Unchanged Hugging Face mixture-of-experts causal LMs under ``sp_shard(seq=P)``: loss, the
 load-balancing loss inside it and every parameter gradient equal single-device PyTorch (fp32)
 at SP 2 and 4. Mixtral and Qwen3-MoE in each experts implementation (``eager``,
-``batched_mm``, ``grouped_mm``), under ``remat="full"`` and on a padded batch; Qwen2-MoE,
+``batched_mm``, ``grouped_mm``), under ``remat="full"``, on a padded batch and with sharded
+state (``shard_state=True``); Qwen2-MoE,
 OLMoE, DeepSeek-V3 and gpt-oss in their default experts. Each rank runs the experts on its own
 tokens (one ``token_wise`` node per layer, no collective in the MoE layers); the router's
 statistics are global (a load-balancing loss from one rank's tokens would be 0.3-1.6% off, far
@@ -65,3 +66,5 @@ def test_experts_run_token_wise_without_collectives(results, name):
         layers = MOE_LAYERS.get(name.split("/")[0], range(LAYERS))
         assert res[name]["token_wise"] == [f"model.layers.{i}.mlp.experts" for i in layers]
         assert res[name]["moe_collectives"] == []
+        # sharded state: the layers' parameters are gathered and their gradients scattered
+        assert (res[name]["moe_state_collectives"] > 0) == ("shard_state" in name)

@@ -40,3 +40,23 @@ def test_a_layer_adds_its_rows_not_its_whole_gradients():
     assert s4["transient"] == s3["transient"]
     # the replicated program divided afterwards: the rows of the weights and the whole gradients
     assert grow_divided == layer // 4 + layer, (grow_divided, layer)
+
+
+# c10's CPU allocator on 4 gloo ranks, dp=1 x sp=4, rank 0, small Llama, 2 x 512 tokens, fp32,
+# one step with AdamW above its start (tests/memory/test_measured_mesh.py at e250623)
+MEASURED = {"none": 43_077_640, "auto": 24_469_256, "full": 13_895_688,
+            "full+offload": 17_303_560}
+
+
+def test_planned_on_meta_as_the_allocator_measured():
+    """``model_plan`` plans the sharded program on a meta-device model over a fake process
+    group; on real ranks the allocator measured the same step within 2,048 B (the rank's input
+    slice, allocated inside the step and counted by the plan before it)."""
+    for mode, measured in MEASURED.items():
+        r = Remat("full", offload=True) if mode == "full+offload" else mode
+        p = model_plan(LlamaConfig.small(), 512, 4, r, dtype=torch.float32, batch=2,
+                       state_shards=4)
+        # with offload the CPU's host copies share the allocator: device and host at one instant
+        held = (p.one_pool if mode == "full+offload" else p.peak) - p.parameters - \
+            p.optimizer - p.inputs
+        assert 0 <= measured - held <= 2048, (mode, held, measured)

@@ -1,4 +1,4 @@
-"""``compile=True`` with Hugging Face mixture-of-experts models at SP 2: the experts run
+"""``compile=True`` with Hugging Face mixture-of-experts models at SP 2 and 4: the experts run
 eagerly on each rank's tokens (a ``token_wise`` block, ``spdsl.lower.tokenwise``), Dynamo
 breaks the rank's program there and only there, and compiles what lies between. Loss, the
 load-balancing loss and every gradient equal single-device PyTorch (fp32).
@@ -6,7 +6,7 @@ load-balancing loss and every gradient equal single-device PyTorch (fp32).
 Without ``remat`` the step is compiled in pieces: before the first MoE layer, between MoE
 layers, after the last (3 graphs for 2 layers). Under ``remat="full"`` a checkpointed layer
 that holds a token-wise block runs eagerly: only the code outside the layers is compiled.
-One launch; a cold compile is 10-40 s a case on two cores."""
+One launch per degree; a cold compile is 10-40 s a case on two cores."""
 
 from __future__ import annotations
 
@@ -29,13 +29,14 @@ CASES = [MoeCase("mixtral", "grouped_mm", compile=True),
 
 
 @functools.cache
-def _results() -> list[dict]:
-    return spawn(run_moe_all, 2, CASES, timeout=1800)
+def _results(world: int) -> list[dict]:
+    return spawn(run_moe_all, world, CASES, timeout=1800)
 
 
+@pytest.mark.parametrize("world", [2, 4], ids=lambda w: f"sp{w}")
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
-def test_compiled_moe_step_is_exact(case):
-    for r, res in enumerate(_results()):
+def test_compiled_moe_step_is_exact(case, world):
+    for r, res in enumerate(_results(world)):
         got = res[case.name]
         assert "error" not in got, f"rank {r}:\n{got.get('error')}"
         assert got["loss"] <= LOSS_RTOL, (r, got["loss"])

@@ -33,7 +33,6 @@ import os
 import torch
 
 from spdsl._torch import (
-    FakeTensor,
     at_backward_end,
     backward_task_id,
     c10d_functional,
@@ -140,8 +139,7 @@ class _GradAllReduceMany(torch.autograd.Function):
 def _plain_leaf(x: torch.Tensor) -> bool:
     return (x.is_leaf and x.requires_grad and not x._backward_hooks
             and not getattr(x, "_post_accumulate_grad_hooks", None)
-            and type(x) in (torch.Tensor, torch.nn.Parameter) and x.device.type != "meta"
-            and not isinstance(x, FakeTensor))
+            and type(x) in (torch.Tensor, torch.nn.Parameter) and x.device.type != "meta")
 
 
 def _accumulated(leaves) -> bool:

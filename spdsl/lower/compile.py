@@ -39,7 +39,7 @@ class CompiledLocal:
         self.gm = gm
         # token-wise blocks (mixture-of-experts experts) run eagerly on the rank's real values
         # (spdsl.lower.tokenwise): Dynamo breaks the graph at each call, by design, and
-        # compiles what lies between; any other break is still an error (``_check_breaks``)
+        # compiles what lies between; any other break is still an error (``_first_call``)
         self.token_wise = False
         for m in gm.modules():
             calls = [n for n in m.graph.nodes if n.target is tokenwise.run] \

@@ -65,7 +65,8 @@ def _experts_like(s, args: list[torch.Tensor], state: list[torch.Tensor]):
         return tree_flatten(out)[0]
     x, index, weights = values
     tokens, k = index.shape
-    pairs = torch.arange(tokens, device=x.device).repeat_interleave(k)      # [tokens * k]
+    token_of = torch.arange(tokens, device=x.device).repeat_interleave(k)   # [tokens * k]
+    pair_weight = weights.reshape(-1, 1)
     # eager goes expert by expert: what one expert computes is transient, and a balanced
     # router gives each 1/experts of the pairs; grouped_mm computes every pair at once
     groups = gate_up.shape[0] if implementation in (None, "eager") else 1
@@ -74,14 +75,15 @@ def _experts_like(s, args: list[torch.Tensor], state: list[torch.Tensor]):
     transposed = w_gu.shape[0] == x.shape[-1] and w_gu.shape[1] != x.shape[-1]
     act = getattr(module, "act_fn", torch.nn.functional.silu)
     out = torch.zeros_like(x)
-    for rows in pairs.tensor_split(groups):
+    for pairs in torch.arange(tokens * k, device=x.device).tensor_split(groups):
+        rows = token_of[pairs]
         h = x[rows]
         gu = h @ w_gu if transposed else torch.nn.functional.linear(h, w_gu)
         gate, up = gu.chunk(2, dim=-1)
         y = act(gate) * up
         y = y @ w_down if w_down.shape[0] == y.shape[-1] else \
             torch.nn.functional.linear(y, w_down)
-        y = y * weights.reshape(-1, 1)[: rows.shape[0]].to(y.dtype)
+        y = y * pair_weight[pairs].to(y.dtype)
         out = out.index_add(0, rows, y.to(x.dtype))
     return [out]
 

@@ -97,13 +97,12 @@ def apply_remat(gm: torch.fx.GraphModule, remat, state: list[TensorSpec],
         gm.spdsl_remat = report
         return gm
     if r.mode == "full":
-        policy = _policy(r)
-        if not r.recompute_collectives or r.offload:
-            out = checkpoint_layers(gm, policy, r.offload)
-        else:
+        if r.recompute_collectives and not r.offload:
             # nothing saved at all: plain checkpointing recomputes the same, without SAC's
             # dispatch mode in the way of every op (22 ms of a 0.47 s step, HF tiny Llama, SP 4)
             out = checkpoint_layers(gm, None)
+        else:
+            out = checkpoint_layers(gm, _policy(r), r.offload)
     elif r.budget is None:
         keep = candidates(classes)
         report.saved = [c.name for c in keep]

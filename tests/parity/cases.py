@@ -63,29 +63,52 @@ PG_KINDS = {"alltoall_base": "all_to_all", "allreduce": "all_reduce",
             "allgather_into_tensor_coalesced": "all_gather", "_allgather_base": "all_gather",
             "allgather": "all_gather", "reduce_scatter_tensor_coalesced": "reduce_scatter",
             "_reduce_scatter_base": "reduce_scatter"}
+# the gloo backend's record for each process-group call (a reduce-scatter runs as an all-reduce)
+GLOO_OF = {"alltoall_base": "all_to_all", "allreduce": "all_reduce",
+           "allgather_into_tensor_coalesced": "all_gather", "_allgather_base": "all_gather",
+           "allgather": "all_gather", "reduce_scatter_tensor_coalesced": "all_reduce",
+           "_reduce_scatter_base": "all_reduce"}
 ITEMSIZE = {"f32": 4, "f64": 8, "bf16": 2, "f16": 2, "i64": 8, "i32": 4, "bool": 1}
 
 
+def pg_calls(prof) -> list[tuple[str, int]]:
+    """``(name, elements)`` of each process-group call in a profile: ``name`` as the
+    ``c10d::<name>_`` record has it. The size comes from that record where it has one
+    (all-to-all, all-gather and reduce-scatter into a tensor) or else from a gloo backend record
+    of the matching kind (gloo runs a reduce-scatter as an all-reduce). Gloo records run on
+    worker threads, so an asynchronous call (a gradient bucket reduced during backward) may
+    finish after the next one is issued: records are matched by kind and size, never by
+    adjacency. A gloo record left unmatched comes back as ``("unmatched gloo:<kind>", n)``,
+    which no plan lists; a call left without one has ``n = -1``."""
+    calls, gloo = [], {}
+    for e in prof.events():
+        if e.name.startswith("c10d::"):
+            name = e.name.removeprefix("c10d::").rstrip("_")
+            shapes = e.input_shapes or []
+            own = math.prod(shapes[1]) if len(shapes) > 1 and shapes[1] else None
+            calls.append((name, GLOO_OF.get(name, name), own))
+        elif e.name.startswith("gloo:"):
+            shape = e.input_shapes[0] if e.input_shapes and e.input_shapes[0] else []
+            gloo.setdefault(e.name.removeprefix("gloo:"), []).append(math.prod(shape))
+    for _name, pool, own in calls:      # sized by their own record: take that gloo record
+        if own is not None and own in gloo.get(pool, []):
+            gloo[pool].remove(own)
+    out = []
+    for name, pool, own in calls:       # the rest: the next gloo record of their kind
+        if own is None:
+            left = gloo.get(pool, [])
+            own = left.pop(0) if left else -1
+        out.append((name, own))
+    return out + [(f"unmatched gloo:{pool}", n) for pool, sizes in gloo.items() for n in sizes]
+
+
 def counted(fn) -> list[tuple[str, int]]:
-    """``(kind, elements)`` of each process-group collective ``fn()`` runs, from the
-    profiler's process-group events (``c10d::*``; all-to-alls from their own record, the rest
-    from the gloo backend's record that follows, with its input shape)."""
+    """``(kind, elements)`` of each process-group collective ``fn()`` runs (:func:`pg_calls`),
+    kinds as the plan names them."""
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
                                 record_shapes=True) as prof:
         fn()
-    ran, pending = [], None
-    for e in prof.events():
-        if e.name == "c10d::alltoall_base_":
-            # its own record has the input (an all-to-all issued before the previous one's
-            # gloo record, as pipelined Ulysses does, would pair with the wrong one)
-            ran.append(("all_to_all", math.prod(e.input_shapes[1])))
-        elif e.name.startswith("c10d::"):
-            pending = e.name.removeprefix("c10d::").rstrip("_")
-        elif e.name.startswith("gloo:") and e.name != "gloo:all_to_all" and pending is not None:
-            shape = e.input_shapes[0] if e.input_shapes and e.input_shapes[0] else []
-            ran.append((PG_KINDS.get(pending, pending), math.prod(shape)))
-            pending = None
-    return ran
+    return [(PG_KINDS.get(name, name), n) for name, n in pg_calls(prof)]
 
 
 def ran_and_planned(step, model, args, loss_of=None) -> tuple[list, list]:

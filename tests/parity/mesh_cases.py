@@ -15,7 +15,7 @@ import spdsl
 from spdsl import P
 from spdsl.models.llama import Llama, LlamaConfig
 from spdsl.models.toys import EinopsNet, GPT2Like, MeanPoolClassifier
-from tests.parity.cases import _errs, _ids, _pair
+from tests.parity.cases import _errs, _ids, _pair, pg_calls
 
 MESHES = [(2, 2), (1, 4), (4, 1)]
 
@@ -141,17 +141,7 @@ def counted(dp: int, sp: int, shard_state: bool) -> dict:
     acts = [torch.profiler.ProfilerActivity.CPU]
     with torch.profiler.profile(activities=acts, record_shapes=True) as prof:
         step(ids, labels).backward()
-    calls = []
-    pending = None
-    for e in prof.events():
-        if e.name.startswith("c10d::"):
-            pending = e.name.removeprefix("c10d::").rstrip("_")
-        elif e.name.startswith("gloo:") and pending is not None:
-            n = 1
-            for d in (e.input_shapes[0] if e.input_shapes and e.input_shapes[0] else []):
-                n *= d
-            calls.append((pending, n))
-            pending = None
+    calls = pg_calls(prof)
     plan = step.build((ids, labels), {}).plan
     return {"calls": calls, "numel": numel, "text": str(plan), "json": plan.to_json(),
             "plan": [(c.kind, c.purpose, c.axis, c.bytes, c.bytes_bwd) for c in plan.collectives],

@@ -82,6 +82,8 @@ def test_each_gradient_reduced_exactly_once(results, mesh, shard_state):
     all-reduce (replicated) -- and the loss by one 2-element all-reduce."""
     dp, sp = mesh
     for out in _get(results, ("counted", dp, sp, shard_state)):
+        assert all(n >= 0 and not k.startswith("unmatched") for k, n in out["calls"]), \
+            out["calls"]                                  # each call paired with its record
         reduces = _calls(out, "allreduce")
         assert reduces.count(2) == 1, out["calls"]        # the loss (sum, count), once
         grads = [n for n in reduces if n != 2]

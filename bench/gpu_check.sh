@@ -12,11 +12,18 @@
 #             flash backend and torch.compile'd references, bf16 (bench/kernel_bench.py);
 #   masked  - masked attention (a mask program of per-token values) on FlexAttention vs the
 #             block kernel: fwd+bwd ms and their output/gradient agreement, bf16, S=8192 and
-#             32768, padding+causal, documents, HF additive (bench/gpu/masked_attn_check.py).
+#             32768, padding+causal, documents, HF additive (bench/gpu/masked_attn_check.py);
+#   bigstep - one training step (forward, backward, AdamW) of an 8B-wide Llama (llama3_8b
+#             widths, 2 layers, bf16) at the longest of 614,400 tokens and shorter ones that
+#             the planner says fits the device, sp_shard(seq=1, shard_state=True,
+#             remat=Remat("full", offload=True)): plan_memory's peak and pinned host bytes vs
+#             torch.cuda.max_memory_allocated/max_memory_reserved and the pinned host
+#             allocator's peak (bench/gpu/bigstep.py).
 # Results: bench/results/gpu/{kernel_tests.log,train_parity.json,planner.json,
-# kernel_bench.json,masked_attn.json,gpu_check.json,summary.md}; the summary is printed at the end. The dry run
-# uses LlamaConfig.tiny() models and measures the planner against c10's CPU allocator; its
-# timings mean nothing.
+# kernel_bench.json,masked_attn.json,bigstep.json,gpu_check.json,summary.md}; the summary is
+# printed at the end. The dry run uses LlamaConfig.tiny() models (bigstep: tiny widths, 2
+# layers, bf16, 512 tokens) and measures the planner against c10's CPU allocator; its timings
+# mean nothing.
 #
 # Usage, from anywhere:
 #   bash bench/gpu_check.sh                 # on the GPU machine
@@ -24,8 +31,8 @@
 #                                           # shapes, kernels under TRITON_INTERPRET=1, fp32
 #   bash bench/gpu_check.sh --out DIR       # results elsewhere (dry run default: a temp dir)
 # Env: PYTHON=... (default: the first of python, python3 that imports torch);
-#      LIMIT_ENV/LIMIT_TESTS/LIMIT_PARITY/LIMIT_PLANNER/LIMIT_BENCH/LIMIT_MASKED: seconds per
-#      section.
+#      LIMIT_ENV/LIMIT_TESTS/LIMIT_PARITY/LIMIT_PLANNER/LIMIT_BENCH/LIMIT_MASKED/LIMIT_BIGSTEP:
+#      seconds per section.
 # Nothing is installed: torch and triton must be there.
 set -u
 cd "$(dirname "$0")/.."
@@ -52,10 +59,13 @@ else
 fi
 mkdir -p "$OUT"
 # Section limits only stop a hang: generous on a shared CPU, where the dry run may crawl.
-if [ $DRY = 1 ]; then DEF=(300 300 300 300 300 300); else DEF=(60 170 130 75 120 150); fi
+# bigstep: about 3e16 FLOPs at 614,400 tokens (attention, recomputed once under full remat),
+# two minutes at 250 TFLOP/s, after a minute of planning, warm-up and Triton compiles; it
+# writes its plan before the step, so a timeout still leaves the planned figures.
+if [ $DRY = 1 ]; then DEF=(300 300 300 300 300 300 300); else DEF=(60 170 130 75 120 150 270); fi
 L_ENV=${LIMIT_ENV:-${DEF[0]}} L_TESTS=${LIMIT_TESTS:-${DEF[1]}} L_PARITY=${LIMIT_PARITY:-${DEF[2]}}
 L_PLANNER=${LIMIT_PLANNER:-${DEF[3]}} L_BENCH=${LIMIT_BENCH:-${DEF[4]}}
-L_MASKED=${LIMIT_MASKED:-${DEF[5]}}
+L_MASKED=${LIMIT_MASKED:-${DEF[5]}} L_BIGSTEP=${LIMIT_BIGSTEP:-${DEF[6]}}
 rm -f "$OUT"/kernel_tests.log "$OUT"/*.json "$OUT"/summary.md
 
 PY=""
@@ -101,7 +111,9 @@ PY
 # under the tests limit; their -v logs are joined into kernel_tests.log, which summarize.py
 # counts per dtype (a log survives a timeout; a JUnit file would not).
 if [ $DRY = 1 ]; then
-    # fp32 only (the interpreter has no bf16), one case of each kernel's interpreter test
+    # fp32 only, one case of each kernel's interpreter test: a plumbing check (the full
+    # interpreter tests also run bf16, except flash attention, whose bf16 tl.dot the
+    # interpreter computes wrongly)
     MARK="interpret"
     TEST_GROUPS=("float32 and (mha-s37 or rms_norm or rope or swiglu or fused_linear_ce)")
 else
@@ -142,6 +154,7 @@ section planner "$L_PLANNER" "$PY" -m bench.gpu.planner_check $TINY \
     ${TINY:+--seq 128} --out "$OUT/planner.json"
 section bench "$L_BENCH" "$PY" bench/kernel_bench.py $TINY --json "$OUT/kernel_bench.json"
 section masked "$L_MASKED" "$PY" -m bench.gpu.masked_attn_check $TINY --out "$OUT/masked_attn.json"
+section bigstep "$L_BIGSTEP" "$PY" -m bench.gpu.bigstep $TINY --out "$OUT/bigstep.json"
 
 echo "== summary"
 "$PY" -m bench.gpu.summarize --dir "$OUT" --sections "$SECTIONS"

@@ -15,7 +15,8 @@ from tests.kernels._harness import (
     GPU_DTYPES,
     INTERP_DTYPES,
     check_vs_reference,
-    skip_if_interpreter_cannot,
+    interpreter_dot_is_exact,
+    skip_if_interpreter_cannot_dot,
 )
 
 # dtype -> (rtol, atol relative to the largest expected magnitude)
@@ -77,8 +78,16 @@ def _check(case, dtype, device):
 @pytest.mark.parametrize("dtype", INTERP_DTYPES, ids=str)
 @pytest.mark.parametrize("case", INTERP_CASES)
 def test_flash_attn_matches_reference_interpret(case, dtype, interpret_triton):
-    skip_if_interpreter_cannot(dtype, interpret_triton)
+    skip_if_interpreter_cannot_dot(dtype, interpret_triton)
     _check(case, dtype, interpret_triton)
+
+
+@pytest.mark.interpret
+def test_interpreter_dot_probe_passes_a_correct_dot(interpret_triton):
+    """The probe behind the bf16 skip accepts the dots the interpreter does right, so the skip
+    fires only on a wrong dot (and lifts itself once Triton's interpreter gets bf16 right)."""
+    assert interpreter_dot_is_exact(torch.float32)
+    assert interpreter_dot_is_exact(torch.float16)
 
 
 @pytest.mark.interpret

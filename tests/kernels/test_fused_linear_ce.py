@@ -12,7 +12,6 @@ from tests.kernels._harness import (
     GPU_DTYPES,
     INTERP_DTYPES,
     check_vs_reference,
-    skip_if_interpreter_cannot,
 )
 from tests.kernels._memory import measure_peak
 
@@ -66,7 +65,6 @@ def _check(case, dtype, device):
 @pytest.mark.parametrize("dtype", INTERP_DTYPES, ids=str)
 @pytest.mark.parametrize("case", INTERP_CASES)
 def test_fused_linear_ce_matches_reference_interpret(case, dtype, interpret_triton):
-    skip_if_interpreter_cannot(dtype, interpret_triton)
     _check(case, dtype, interpret_triton)
 
 

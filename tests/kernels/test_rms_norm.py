@@ -12,7 +12,6 @@ from tests.kernels._harness import (
     GPU_DTYPES,
     INTERP_DTYPES,
     check_vs_reference,
-    skip_if_interpreter_cannot,
 )
 
 TOL = {torch.float32: (1e-5, 1e-6), torch.float16: (1e-2, 2e-3), torch.bfloat16: (2e-2, 1e-2)}
@@ -36,7 +35,6 @@ def _check(shape, dtype, device, eps=1e-6):
 @pytest.mark.parametrize("dtype", INTERP_DTYPES, ids=str)
 @pytest.mark.parametrize("shape", INTERP_SHAPES, ids=str)
 def test_rms_norm_matches_reference_interpret(shape, dtype, interpret_triton):
-    skip_if_interpreter_cannot(dtype, interpret_triton)
     _check(shape, dtype, interpret_triton)
 
 

@@ -11,7 +11,6 @@ from tests.kernels._harness import (
     GPU_DTYPES,
     INTERP_DTYPES,
     check_vs_reference,
-    skip_if_interpreter_cannot,
 )
 
 TOL = {torch.float32: (1e-5, 1e-6), torch.float16: (1e-2, 2e-3), torch.bfloat16: (2e-2, 1e-2)}
@@ -53,7 +52,6 @@ def _check(case, dtype, device):
 @pytest.mark.parametrize("dtype", INTERP_DTYPES, ids=str)
 @pytest.mark.parametrize("case", INTERP_CASES)
 def test_rope_matches_reference_interpret(case, dtype, interpret_triton):
-    skip_if_interpreter_cannot(dtype, interpret_triton)
     _check(case, dtype, interpret_triton)
 
 

@@ -25,17 +25,24 @@ def device_info(device: str) -> dict:
     return info
 
 
-def one_rank_mesh():
-    """A gloo process group of one rank and a one-rank ``sp`` mesh on it.
+def one_rank_mesh(device: str = "cpu"):
+    """A process group of one rank and a one-rank ``sp`` mesh on it.
 
     ``sp_shard(seq=1)`` needs a group to exist and runs no collective, so a CPU (gloo) mesh
-    serves CUDA tensors too, with no NCCL initialisation or network.
+    serves CUDA tensors too, with no NCCL initialisation or network. Sharded state
+    (``shard_state=True``) is the exception: ``distribute_tensor`` moves each parameter to the
+    mesh's device type, and its gathers run on the group, so ``device="cuda"`` makes a CUDA
+    mesh over gloo (CPU tensors) and NCCL (CUDA tensors).
     """
     from torch.distributed.device_mesh import init_device_mesh
 
     if not dist.is_initialized():
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    return init_device_mesh("cpu", (1,), mesh_dim_names=("sp",))
+        backend = "gloo"
+        if device == "cuda":
+            torch.cuda.set_device(0)
+            backend = "cpu:gloo,cuda:nccl"
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    return init_device_mesh(device, (1,), mesh_dim_names=("sp",))
 
 
 def close_group() -> None:

@@ -154,7 +154,42 @@ def markdown(data: dict) -> str:
         out += [f"- FAILED {f['case']}: {f['error']}" for f in ma.get("failures", [])]
     else:
         out.append(f"not available: {ma}")
+    out += bigstep(data.get("bigstep"))
     return "\n".join(out) + "\n"
+
+
+def bigstep(bs) -> list[str]:
+    """The ``bigstep`` section: the length chosen, then planned against measured bytes."""
+    out = ["", "## One big step: memory planner vs measured (sharded state, offload)", ""]
+    if not bs or "env" not in bs:
+        return out + [f"not available: {bs}"]
+    m, o = bs.get("model", {}), bs.get("options", {})
+    out.append(f"{m.get('config')} widths, {m.get('n_layers')} layers, "
+               f"{m.get('params', 0) / 1e6:,.1f}M parameters, {m.get('dtype')}; "
+               + ", ".join(f"{k} {v}" for k, v in o.items()))
+    choice = bs.get("choice", {})
+    out += [f"- {choice.get('why', 'no length chosen')}"]
+    out += [f"- tried {r['tokens']:,}: {r['why']}" for r in choice.get("tried", [])
+            if not r["fits"]]
+    rows = [(k, bs.get(k)) for k in ("device_peak", "reserved", "host")]
+    if any(r for _, r in rows):
+        out += ["", "| what | planned | measured | planned / measured | measured as |",
+                "|---|---|---|---|---|"]
+        from spdsl.memory import fmt_bytes
+        for name, r in rows:
+            if r:
+                out.append(f"| {name} | {fmt_bytes(r['planned'])} | "
+                           f"{fmt_bytes(r['measured'] or 0)} | "
+                           f"{_fmt(r.get('ratio'), '.3f')} | {r['quantity']} |")
+    t = bs.get("timings", {})
+    if "step_s" in t:
+        out.append(f"\nStep {t['step_s']:.1f} s (forward {t['forward_s']:.1f}, backward "
+                   f"{t['backward_s']:.1f}, optimizer {t['optimizer_s']:.1f}), "
+                   f"{t['tokens_per_s']:,.0f} tokens/s; build {t['build_s']:.1f} s, planning "
+                   f"{t['plan_s']:.1f} s, warm-up {t['warmup_s']:.1f} s; loss {bs['loss']:.4f}")
+    if "error" in bs:
+        out.append(f"- FAILED: {bs['error']}")
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -171,8 +206,10 @@ def main(argv: list[str] | None = None) -> int:
             "kernel_bench": _load(os.path.join(args.dir, "kernel_bench.json")),
             "train_parity": _load(os.path.join(args.dir, "train_parity.json")),
             "planner": _load(os.path.join(args.dir, "planner.json")),
-            "masked_attn": _load(os.path.join(args.dir, "masked_attn.json"))}
-    data["env"] = next((d["env"] for d in (data["train_parity"], data["planner"])
+            "masked_attn": _load(os.path.join(args.dir, "masked_attn.json")),
+            "bigstep": _load(os.path.join(args.dir, "bigstep.json"))}
+    data["env"] = next((d["env"] for d in (data["train_parity"], data["planner"],
+                                           data["bigstep"])
                         if isinstance(d, dict) and "env" in d), {})
     with open(os.path.join(args.dir, "gpu_check.json"), "w") as f:
         json.dump(data, f, indent=1, default=str)

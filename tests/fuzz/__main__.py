@@ -3,7 +3,8 @@
     python -m tests.fuzz --count 2000 --seed 7              # programs 7..2006 at SP 2 and 4
     python -m tests.fuzz --count 300 --world 4 --no-shrink
     python -m tests.fuzz --repro program.py --world 2 4      # check one printed program
-    python -m tests.fuzz --show 123                         # print program 123's source
+                                            # (its RUN line, if any, sets mesh and options)
+    python -m tests.fuzz --show 123 --world 4               # program 123 as run on 4 ranks
 
 A run prints each failure's shrunk program (paste it into a file for ``--repro``) and a
 summary: verdicts per degree and the ShardingError rules that refused programs.
@@ -16,6 +17,7 @@ import sys
 import time
 
 from tests.fuzz.check import check_sources, launch
+from tests.fuzz.config import config_of, draw, with_config
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -32,16 +34,18 @@ def main(argv: list[str] | None = None) -> int:
     if a.show is not None:
         from tests.fuzz.generate import generate
         from tests.fuzz.programs import render
-        print(render(generate(a.show)))
+        cfg = draw(a.show, max(a.world))      # the program and its RUN line, as the run drew them
+        print(with_config(render(generate(a.show, rows=cfg.dp > 1)), cfg))
         return 0
     if a.repro:
         from tests.dist import spawn
         with open(a.repro) as fh:
             src = fh.read()
         bad = 0
-        for w in a.world:
+        run = config_of(src, 0) if "RUN = " in src else None   # its RUN line fixes the ranks
+        for w in [run.dp * run.sp] if run else a.world:
             status, msg = spawn(check_sources, w, {"repro": src})[0]["repro"]
-            print(f"SP {w}: {status}{chr(10) + msg if msg else ''}")
+            print(f"{run or f'SP {w}'}: {status}{chr(10) + msg if msg else ''}")
             bad += status == "fail"
         return 1 if bad else 0
     seeds = list(range(a.seed, a.seed + a.count))
@@ -50,6 +54,8 @@ def main(argv: list[str] | None = None) -> int:
         t = time.time()
         res = launch(w, seeds, shrink=not a.no_shrink, max_failures=a.max_failures)
         print(f"SP {w}: {res['programs']} programs in {time.time() - t:.0f} s: {res['counts']}")
+        for cfg, n in sorted(res["configs"].items(), key=lambda x: -x[1]):
+            print(f"    {n:5d}  {cfg}")
         for rule, n in sorted(res["rules"].items(), key=lambda x: -x[1]):
             print(f"    {n:5d}  {rule}  (first: seed {res['examples'].get(rule)})")
         for f in res["failures"]:

@@ -1,20 +1,24 @@
 """Check one program: single-device PyTorch (fp32) against ``spdsl.shard`` on the ranks of a
 launch, outputs and every input and parameter gradient.
 
+Each program runs under its own configuration (``tests.fuzz.config``: an ``sp`` or ``dp x sp``
+mesh, ``shard_state``, the remat mode, ``compile``), drawn from its seed.
+
 Verdicts: ``ok`` (exact), ``sharding_error`` (spdsl refused the program with a
 ``ShardingError``: allowed, counted), ``fail`` (a wrong output or gradient, or any other
 exception). Every rank checks; the ranks then agree on one verdict over a process group of
 their own, so that they all shrink a failure the same way. ``fuzz_many`` runs many programs
 in one launch (``tests.dist.spawn``).
 
-Tolerances: outputs 1e-5 and gradients 1e-4 relative to the largest expected magnitude (for
-a gradient, at least 1e-2 of the largest gradient of the program: gradients that are zero in
-exact arithmetic are rounding noise in fp32), plus ten times the difference between the fp32
-and an fp64 run of the same program (how much rounding alone moves the value).
+Tolerances: each output within 1e-5 and each gradient within 1e-4 of its own largest expected
+magnitude (a small gradient beside a big one is held to its own scale), plus ten times the
+difference between the fp32 and an fp64 run of the same program (how much rounding alone moves
+the value); a gradient that is ~0 everywhere gets an absolute floor, ``GRAD_ABS``.
 """
 
 from __future__ import annotations
 
+import ast
 import json
 import os
 import tempfile
@@ -27,11 +31,17 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from tests.fuzz.config import RunConfig, config_of, draw, with_config
 from tests.fuzz.programs import build
 
 OUT_RTOL = 1e-5
 GRAD_RTOL = 1e-4
-GRAD_FLOOR = 1e-2
+# A gradient that is zero in exact arithmetic comes out of fp32 as rounding noise: sums of
+# terms of magnitude ~1-10 (unit normal inputs, 0.5-scaled weights, dims of at most 16*16)
+# cancelling in a different order on each side, about 1e-7 relative to each term. The fp64 run
+# usually measures that noise (NOISE below); where the single-device fp32 sum cancels to an
+# exact 0, it measures nothing, so such a gradient may differ by GRAD_RTOL * GRAD_ABS = 1e-8.
+GRAD_ABS = 1e-4
 NOISE = 10.0
 GLOO_TIMEOUT = timedelta(seconds=30)   # a rank stuck in a collective fails, not hangs
 
@@ -82,60 +92,134 @@ def _backward(outs, cots) -> None:
         torch.autograd.backward([o for o, _ in pairs], [c for _, c in pairs])
 
 
-def prepare(source: str, mesh):
-    """``spdsl.shard`` of the program with its inputs split as ``SPECS`` says, built for this
-    rank (traced, propagated, lowered) but not run."""
+def _weights(source: str) -> list[str]:
+    """The program's weights: the arguments the generator names ``w0``, ``w1``, ..."""
+    tree = ast.parse(source)
+    f = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "f")
+    return [a.arg for a in f.args.args if a.arg[0] == "w" and a.arg[1:].isdigit()]
+
+
+def _batch_dims(source: str) -> dict[str, int]:
+    """Each input's dim written ``B`` in ``inputs()`` (the first shape tuple of its maker)."""
+    tree = ast.parse(source)
+    fn = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "inputs")
+    out = {}
+    for st in fn.body:
+        if not isinstance(st, ast.Assign) or not isinstance(st.targets[0], ast.Name):
+            continue
+        shape = next((n for n in ast.walk(st.value) if isinstance(n, ast.Tuple)), None)
+        dims = [i for i, e in enumerate(shape.elts) if isinstance(e, ast.Name) and e.id == "B"] \
+            if shape is not None else []
+        if dims:
+            out[st.targets[0].id] = dims[0]
+    return out
+
+
+def _specs(source: str, names: list[str], args: list, specs, cfg: RunConfig, batch: int):
+    """``SPECS`` with the data axis named on each input's batch dim (``dp x sp`` meshes, an
+    even batch: an odd one stays whole on every dp group)."""
+    from spdsl import P
+    bdims = _batch_dims(source) if cfg.dp > 1 and batch % cfg.dp == 0 else {}
+    out = []
+    for n, a, sp in zip(names, args, specs):
+        if n not in bdims:
+            out.append(sp)
+            continue
+        entries = list(sp) if sp is not None else [None] * a.dim()
+        entries[bdims[n]] = "dp"
+        out.append(P(*entries))
+    return out
+
+
+class _Weights(torch.nn.Module):
+    """The program's weights as parameters (``shard_state`` splits a module's parameters)."""
+
+    def __init__(self, named: dict[str, torch.Tensor]) -> None:
+        super().__init__()
+        for n, t in named.items():
+            self.register_parameter(n, torch.nn.Parameter(t.detach().clone()))
+
+
+def prepare(source: str, mesh, cfg: RunConfig):
+    """``spdsl.shard`` of the program under ``cfg`` with its inputs split as ``SPECS`` says
+    (and the batch over ``dp``), built for this rank (traced, propagated, lowered) but not
+    run. With ``shard_state`` the weights are parameters of a module ``f`` closes over."""
     import spdsl
     f, inputs, specs = build(source)
+    names = list(f.__code__.co_varnames[:f.__code__.co_argcount])
     args = list(inputs())
-    step = spdsl.shard(f, mesh=mesh, in_specs=tuple(specs))
-    step.prepare(*args)
-    return f, step, args, specs
+    batch = f.__globals__.get("B", 1)
+    specs = _specs(source, names, args, specs, cfg, batch)
+    weights = _weights(source) if cfg.shard_state else []    # none: nothing to shard
+    module = _Weights({n: a for n, a in zip(names, args) if n in weights}) if weights else None
+    fn = f
+    if module is not None:
+        def fn(*data):
+            it = iter(data)
+            return f(*[getattr(module, n) if n in weights else next(it) for n in names])
+    data = [(n, a, sp) for n, a, sp in zip(names, args, specs) if n not in weights]
+    step = spdsl.shard(fn, mesh=mesh, in_specs=tuple(sp for _, _, sp in data),
+                       remat=cfg.remat, shard_state=bool(weights), compile=cfg.compile)
+    step.prepare(*[a for _, a, _ in data])
+    return step, data, module
 
 
-def run_sharded(prepared, source: str, rank: int, world: int) -> dict:
+def _own(shape, placements: dict[int, tuple[int, int]]) -> tuple[slice, ...]:
+    """The region a rank holds: for each split dim, its ``torch.chunk`` piece."""
+    from spdsl.propagate.placement import chunk_bounds
+    idx = [slice(None)] * len(shape)
+    for d, (parts, r) in placements.items():
+        lo, hi = chunk_bounds(shape[d], parts, r)
+        idx[d] = slice(lo, hi)
+    return tuple(idx)
+
+
+def run_sharded(prepared, source: str, mesh) -> dict:
     """Run a prepared program: full outputs, and full gradients (split inputs' gradients
     summed over the ranks: each rank's holds its own piece)."""
-    from torch.distributed.tensor import DTensor
-
-    from spdsl.propagate.placement import chunk_bounds
-    f, step, args, specs = prepared
-    names = list(f.__code__.co_varnames[:f.__code__.co_argcount])
-    outs = list(step(*args))
+    from torch.distributed.tensor import DTensor, distribute_tensor
+    step, data, module = prepared
+    outs = list(step(*[a for _, a, _ in data]))
     cots = cotangents([o.full_tensor() if isinstance(o, DTensor) else o for o in outs],
                       _seed_of(source))
     full, local, local_cots = [], [], []
     for o, c in zip(outs, cots):
         if isinstance(o, DTensor):
             full.append(o.full_tensor().detach().double())
-            for p in o.placements:
-                if p.is_shard():
-                    lo, hi = chunk_bounds(o.shape[p.dim], world, rank)
-                    c = c.narrow(p.dim, lo, hi - lo)
-            local.append(o.to_local())
+            c = distribute_tensor(c, o.device_mesh, o.placements, src_data_rank=None).to_local()
+            o = o.to_local()
         else:
             full.append(o.detach().double())
-            local.append(o)
+        local.append(o)
         local_cots.append(c)
     _backward(local, local_cots)
+    coords = {ax: (mesh.size(i), mesh.get_local_rank(ax))
+              for i, ax in enumerate(mesh.mesh_dim_names)}
     grads, held = {}, {}
-    for n, a, sp in zip(names, args, specs):
+    for n, a, sp in data:
         if not a.requires_grad:
             continue
         g = a.grad
         if sp is not None:
-            # each rank's own rows, summed over the ranks; a rank may hold only those (the
+            # each rank's own region, summed over the ranks; a rank may hold only that (the
             # rest zero) or the whole gradient (then it is compared as held, too)
-            d = list(sp).index("sp")
-            lo, hi = chunk_bounds(a.shape[d], world, rank)
+            region = _own(a.shape, {d: coords[ax] for d, ax in enumerate(sp) if ax})
             whole = torch.zeros_like(a) if g is None else g.detach().clone()
             own = torch.zeros_like(whole)
-            own.narrow(d, lo, hi - lo).copy_(whole.narrow(d, lo, hi - lo))
+            own[region] = whole[region]
             dist.all_reduce(own)
-            if whole.narrow(d, lo, hi - lo).zero_().abs().sum() > 0:
+            for ax, (parts, _) in coords.items():
+                if ax not in sp:        # the dp groups each hold the same piece: counted once
+                    own /= parts
+            whole[region] = 0
+            if whole.abs().sum() > 0:
                 held[n] = g.double()
             g = own
         grads[n] = g.double() if g is not None else None
+    for n, p in (module.named_parameters() if module is not None else ()):
+        g = p.grad
+        grads[n] = None if g is None else \
+            (g.full_tensor() if isinstance(g, DTensor) else g).detach().double()
     return {"outs": full, "grads": grads, "held": held}
 
 
@@ -153,11 +237,10 @@ def _close(name: str, got: torch.Tensor | None, want: torch.Tensor | None,
         return None
     err = (got - want).abs().max().item()
     noise = (want - want64).abs().max().item()
-    scale = max(want.abs().max().item(), floor)
-    tol = rtol * scale + NOISE * noise
-    if not err <= tol:      # NaN fails too
-        return (f"{name}: max abs diff {err:.3e} > tolerance {tol:.3e} (max |expected| "
-                f"{want.abs().max().item():.3e}, fp32 rounding {noise:.1e})")
+    scale = max(want.abs().max().item(), floor)       # this tensor's own magnitude
+    if not err / scale <= rtol + NOISE * noise / scale:      # NaN fails too
+        return (f"{name}: max abs diff {err:.3e} = {err / scale:.2e} of max |expected| "
+                f"{want.abs().max().item():.3e} > {rtol:.0e} (+ fp32 rounding {noise:.1e})")
     return None
 
 
@@ -168,19 +251,17 @@ def compare(got: dict, want: dict, want64: dict) -> list[str]:
         return [f"{len(got['outs'])} outputs, single device {len(want['outs'])}"]
     for i, (g, w, w64) in enumerate(zip(got["outs"], want["outs"], want64["outs"])):
         bad.append(_close(f"output {i}", g, w, w64, OUT_RTOL, 1e-30))
-    top = max([w.abs().max().item() for w in want["grads"].values()
-               if w is not None and w.numel()] or [0.0])
     for n, w in want["grads"].items():
-        floor = max(GRAD_FLOOR * top, 1e-12)
         bad.append(_close(f"gradient of {n}", got["grads"].get(n), w, want64["grads"].get(n),
-                          GRAD_RTOL, floor))
+                          GRAD_RTOL, GRAD_ABS))
         if n in got.get("held", {}):
             bad.append(_close(f"gradient of {n} as this rank holds it", got["held"][n], w,
-                              want64["grads"].get(n), GRAD_RTOL, floor))
+                              want64["grads"].get(n), GRAD_RTOL, GRAD_ABS))
     return [b for b in bad if b]
 
 
-def check_local(source: str, mesh, rank: int, world: int, group=None) -> Verdict:
+def check_local(source: str, mesh, cfg: RunConfig, world: int, group=None,
+                rank: int = 0) -> Verdict:
     """This rank's verdict on one program; with ``group``, the ranks agree once the program
     is built, before it runs a collective (a rank that fails to build would leave the others
     waiting in one)."""
@@ -197,18 +278,18 @@ def check_local(source: str, mesh, rank: int, world: int, group=None) -> Verdict
         except ShardingError as e:
             return None, Verdict("sharding_error", str(e), f"ShardingError[{e.rule}]")
         except Exception as e:  # noqa: BLE001 - any other exception is a failure
-            return None, Verdict("fail", f"{type(e).__name__} at SP {world}:\n"
+            return None, Verdict("fail", f"{type(e).__name__} at {cfg}:\n"
                                  f"{_tail(traceback.format_exc())}", f"error:{type(e).__name__}")
-    prepared, v = attempt(lambda: prepare(source, mesh))
+    prepared, v = attempt(lambda: prepare(source, mesh, cfg))
     v = agree(v, group, rank)
     if v.status != "ok":
         return v
-    got, v = attempt(lambda: run_sharded(prepared, source, rank, world))
+    got, v = attempt(lambda: run_sharded(prepared, source, mesh))
     if v.status != "ok":
         return v
     bad = compare(got, want, want64)
     if bad:
-        return Verdict("fail", f"wrong result at SP {world}:\n  " + "\n  ".join(bad),
+        return Verdict("fail", f"wrong result at {cfg}:\n  " + "\n  ".join(bad),
                        "mismatch")
     return Verdict("ok")
 
@@ -247,20 +328,30 @@ class Checker:
             self.group = dist.new_group(backend="gloo", timeout=GLOO_TIMEOUT)
         else:
             self.group = None
-        self.mesh = spdsl.mesh(sp=world)
+        self.meshes = {(1, world): spdsl.mesh(sp=world)}
+        if world == 4:        # every rank builds every mesh once, in the same order
+            self.meshes[(2, 2)] = spdsl.mesh(dp=2, sp=2)
         self.checked = 0
 
-    def check(self, source: str) -> Verdict:
+    def check(self, source: str, cfg: RunConfig | None = None) -> Verdict:
+        """``source`` under ``cfg`` (default: its ``RUN`` line, else ``sp`` alone)."""
         self.checked += 1
-        return agree(check_local(source, self.mesh, self.rank, self.world, self.group),
+        cfg = cfg or config_of(source, self.world)
+        mesh = self.meshes.get((cfg.dp, cfg.sp))
+        if mesh is None:
+            return Verdict("invalid", f"{cfg} needs {cfg.dp * cfg.sp} ranks, this launch has "
+                           f"{self.world}", "invalid")
+        return agree(check_local(source, mesh, cfg, self.world, self.group, self.rank),
                      self.group, self.rank)
 
 
 def fuzz_many(rank: int, world: int, seeds: list[int], shrink: bool = True,
-              max_failures: int = 5, shrink_checks: int = 150, progress: str = "") -> dict:
+              max_failures: int = 5, shrink_checks: int = 150, progress: str = "",
+              known: frozenset = frozenset()) -> dict:
     """Run on every rank of a launch (``spawn(fuzz_many, world, seeds)``): generate, check
     and, on a failure, shrink each program. Returns counts, ShardingError rules seen, and
-    the failures (seed, message, shrunk source, original source)."""
+    the failures (seed, message, shrunk source, original source). Seeds in ``known`` (open
+    library bugs) are checked but not shrunk; their verdicts come back as ``known``."""
     from tests.fuzz.generate import generate
     from tests.fuzz.programs import render
     from tests.fuzz.shrink import shrink as shrink_program
@@ -268,22 +359,29 @@ def fuzz_many(rank: int, world: int, seeds: list[int], shrink: bool = True,
     counts: Counter = Counter()
     rules: Counter = Counter()
     examples: dict[str, int] = {}       # the first seed each ShardingError rule refused
+    configs: Counter = Counter()
+    known_seen: dict[int, str] = {}
     failures: list[dict] = []
     t0 = time.time()
 
     def result() -> dict:
         return {"counts": dict(counts), "rules": dict(rules), "examples": examples,
-                "failures": failures,
+                "failures": failures, "configs": dict(configs), "known": known_seen,
                 "seconds": time.time() - t0, "programs": sum(counts.values())}
     for seed in seeds:
         if progress:            # what a launch that dies at this program had found
             with open(f"{progress}.{rank}", "w") as fh:
                 json.dump({"at": seed, **result()}, fh)
-        prog = generate(seed)
+        cfg = draw(seed, world)
+        prog = generate(seed, rows=cfg.dp > 1)
         source = render(prog)
-        v = checker.check(source)
+        configs[str(cfg)] += 1
+        v = checker.check(source, cfg)
         if v.failed and _broken(v.message):
             raise RuntimeError(f"collectives broke at seed {seed}: {v.message}")
+        if seed in known:
+            known_seen[seed] = v.signature if v.failed else v.status
+            continue
         counts[v.status] += 1
         if v.status == "sharding_error":
             rules[v.signature] += 1
@@ -292,11 +390,13 @@ def fuzz_many(rank: int, world: int, seeds: list[int], shrink: bool = True,
             continue
         small, v_small = prog, v
         if shrink:
-            small = shrink_program(prog, lambda p, first=v: _same(checker.check(render(p)), first),
-                                   max_checks=shrink_checks)
-            v_small = checker.check(render(small))
+            small = shrink_program(
+                prog, lambda p, first=v, cfg=cfg: _same(checker.check(render(p), cfg), first),
+                max_checks=shrink_checks)
+            v_small = checker.check(render(small), cfg)
         failures.append({"seed": seed, "world": world, "message": v_small.message,
-                         "source": render(small), "original": source,
+                         "source": with_config(render(small), cfg),
+                         "original": with_config(source, cfg),
                          "signature": v.signature})
         if len(failures) >= max_failures:
             break
@@ -311,7 +411,7 @@ def _broken(message: str) -> bool:
 
 
 def launch(world: int, seeds: list[int], shrink: bool = True, max_failures: int = 5,
-           shrink_checks: int = 150) -> dict:
+           shrink_checks: int = 150, known: frozenset = frozenset()) -> dict:
     """``fuzz_many`` over ``seeds`` on ``world`` ranks, in one launch unless a rank crashes or
     a collective breaks: then the program it was at is a failure (not shrunk: shrinking runs
     inside a launch) and a new launch goes on after it."""
@@ -319,12 +419,14 @@ def launch(world: int, seeds: list[int], shrink: bool = True, max_failures: int 
     from tests.fuzz.generate import generate
     from tests.fuzz.programs import render
     total = {"counts": Counter(), "rules": Counter(), "examples": {}, "failures": [],
-             "seconds": 0.0, "programs": 0}
+             "configs": Counter(), "known": {}, "seconds": 0.0, "programs": 0}
     todo = list(seeds)
 
     def add(res: dict) -> None:
         total["counts"].update(res["counts"])
         total["rules"].update(res["rules"])
+        total["configs"].update(res.get("configs", {}))
+        total["known"].update(res.get("known", {}))
         for k, v in res.get("examples", {}).items():
             total["examples"].setdefault(k, v)
         total["failures"] += res["failures"]
@@ -335,7 +437,7 @@ def launch(world: int, seeds: list[int], shrink: bool = True, max_failures: int 
         while todo and len(total["failures"]) < max_failures:
             try:
                 add(spawn(fuzz_many, world, todo, shrink, max_failures - len(total["failures"]),
-                          shrink_checks, progress)[0])
+                          shrink_checks, progress, frozenset(known))[0])
                 break
             except (RuntimeError, TimeoutError) as e:
                 states = []
@@ -351,14 +453,16 @@ def launch(world: int, seeds: list[int], shrink: bool = True, max_failures: int 
                 at = state["at"]
                 add(state)
                 total["counts"]["fail"] += 1
-                src = render(generate(at))
+                cfg = draw(at, world)
+                src = with_config(render(generate(at, rows=cfg.dp > 1)), cfg)
                 total["failures"].append({
                     "seed": at, "world": world, "source": src, "original": src,
                     "signature": "crash",
                     "message": f"the launch died at this program (SP {world}):\n"
                                f"{_tail(str(e), 8)}"})
                 todo = todo[todo.index(at) + 1:]
-    total["counts"], total["rules"] = dict(total["counts"]), dict(total["rules"])
+    for k in ("counts", "rules", "configs"):
+        total[k] = dict(total[k])
     return total
 
 

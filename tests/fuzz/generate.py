@@ -6,6 +6,13 @@ dims of *atoms* (named sizes or expressions in them), so a reshape can split or 
 sequence with its neighbours and still be written in the sizes. Only ops the propagation engine
 has rules for (``spdsl/propagate/rules/``, or DTensor's strategies through
 ``spdsl.propagate.rules.dtensor``) are drawn.
+
+``rows=True`` (a program whose batch a ``dp`` axis splits) keeps batch rows independent until
+the loss, the one condition under which spdsl splits the batch (its ``[data and sequence
+axes]`` refusal): every step also runs on two copies of the inputs, one with batch row 0
+redrawn and one with the other rows redrawn, and a step whose rows then move the wrong way
+(a slice, ``cat``, reduction or contraction over the batch) is drawn again. Scalars (losses)
+may mix rows.
 """
 
 from __future__ import annotations
@@ -48,6 +55,8 @@ class Val:
     name: str
     dims: list[Atoms]
     t: torch.Tensor
+    a0: torch.Tensor | None = None      # rows=True: the value with batch row 0 redrawn
+    a1: torch.Tensor | None = None      # ... with the other batch rows redrawn
 
     @property
     def nd(self) -> int:
@@ -66,7 +75,7 @@ class _Skip(Exception):
 
 
 class Generator:
-    def __init__(self, seed: int, attempt: int = 0) -> None:
+    def __init__(self, seed: int, attempt: int = 0, rows: bool = False) -> None:
         self.seed = seed
         self.rng = random.Random(f"{seed}:{attempt}")
         r = self.rng
@@ -78,14 +87,42 @@ class Generator:
         self.steps: list[Step] = []
         self.vals: dict[str, Val] = {}
         self.gen = torch.Generator().manual_seed(seed)
+        self.alt_gen = torch.Generator().manual_seed(seed + 1_000_003)
+        self.rows = rows and self.sizes["B"] % 2 == 0      # an odd batch is not split
         self.n = 0
 
     # -- values --------------------------------------------------------------------------
-    def env(self) -> dict:
+    def env(self, alt: str = "t") -> dict:
         ns = {"torch": torch, "F": F, "FLOAT": torch.float32, "g": self.gen}
         ns.update(self.sizes)
-        ns.update({k: v.t for k, v in self.vals.items()})
+        ns.update({k: getattr(v, alt) for k, v in self.vals.items()})
         return ns
+
+    def _alts(self, dims: list[Atoms], t: torch.Tensor, remake) -> tuple:
+        """An input with batch row 0, then the other rows, redrawn (``remake()``: a fresh one)."""
+        b = next((i for i, d in enumerate(dims) if d == ("B",)), None)
+        if b is None:
+            return t, t
+        other = remake()
+        a0, a1 = t.detach().clone(), t.detach().clone()
+        a0.narrow(b, 0, 1).copy_(other.narrow(b, 0, 1))
+        a1.narrow(b, 1, t.shape[b] - 1).copy_(other.narrow(b, 1, t.shape[b] - 1))
+        return a0, a1
+
+    def _rows_kept(self, dims: list[Atoms], t, a0, a1) -> bool:
+        """Each batch row of the value depends on that row of the inputs alone."""
+        def same(x, y):
+            return torch.allclose(x, y, rtol=1e-5, atol=1e-6) if x.is_floating_point() \
+                else torch.equal(x, y)
+        if t.dim() == 0:
+            return True
+        b = next((i for i, d in enumerate(dims) if d and d[0] == "B"), None)
+        if b is None:               # no batch dim with the batch outermost: batch-free only
+            return same(t, a0) and same(t, a1)
+        n = t.shape[b] // self.sizes["B"]          # one row's block of the (merged) dim
+        rest = t.shape[b] - n
+        return same(t.narrow(b, 0, n), a1.narrow(b, 0, n)) and \
+            same(t.narrow(b, n, rest), a0.narrow(b, n, rest))
 
     def size_of(self, atoms: Atoms) -> int:
         return math.prod(int(eval(a, {}, dict(self.sizes))) for a in atoms)
@@ -98,10 +135,13 @@ class Generator:
         inp = Input(name, tuple(dim_expr(d) for d in dims), kind, hi, split, grad)
         ns = self.env()
         t = eval(inp.make(), ns)
+        a0 = a1 = None
+        if self.rows:
+            a0, a1 = self._alts(dims, t, lambda: eval(inp.make(), {**ns, "g": self.alt_gen}))
         if grad:
             t.requires_grad_()
         self.inputs.append(inp)
-        v = Val(name, list(dims), t)
+        v = Val(name, list(dims), t, a0, a1)
         self.vals[name] = v
         return v
 
@@ -119,9 +159,14 @@ class Generator:
             raise AssertionError(f"{st.source()}: shape {list(t.shape)} != {want} ({dims})")
         if t.is_floating_point() and not torch.isfinite(t).all():
             raise _Skip
+        a0 = a1 = None
+        if self.rows:
+            a0, a1 = (eval(st.source(), self.env(alt)) for alt in ("a0", "a1"))
+            if not self._rows_kept(dims, t, a0, a1):
+                raise _Skip
         self.n += 1
         self.steps.append(st)
-        v = Val(name, list(dims), t)
+        v = Val(name, list(dims), t, a0, a1)
         self.vals[name] = v
         return v
 
@@ -181,7 +226,7 @@ class Generator:
         floats = [v for v in self.vals.values() if v.float and v.name.startswith("v")]
         last = floats[-1] if floats else self.vals["x"]
         outs = []
-        if r.random() < 0.25 and last.nd > 0:
+        if r.random() < 0.25 and last.nd > 0 and self._returnable(last):
             outs.append(last.name)                          # a tensor output
         else:
             for _ in range(10):
@@ -200,10 +245,15 @@ class Generator:
                 if v.name not in read and v.name != last.name and v.name != outs[0]:
                     outs[0] = self.step("{0} + 0.1 * {1}.mean()", (outs[0], v.name), []).name
         floats = [v for v in self.vals.values() if v.float and v.name.startswith("v")]
-        extra = [v for v in floats if v.name not in outs and v.nd > 0]
+        extra = [v for v in floats if v.name not in outs and v.nd > 0 and self._returnable(v)]
         if extra and r.random() < 0.2:
             outs.append(r.choice(extra).name)
         self.outputs = tuple(outs)
+
+    def _returnable(self, v: Val) -> bool:
+        """Under ``rows``, no tensor output merges the batch with another dim (``[B*S, E]``):
+        a DTensor cannot hold the sequence split inside the batch split."""
+        return not self.rows or not any("B" in d and len(d) > 1 for d in v.dims)
 
     def reduce_to_scalar(self, v: Val) -> Val:
         if v.nd == 0:
@@ -217,10 +267,11 @@ class Generator:
         return self.step(expr, (v.name,), [])
 
 
-def generate(seed: int) -> Program:
-    """A random program that runs single-device (forward and backward) at its sizes."""
+def generate(seed: int, rows: bool = False) -> Program:
+    """A random program that runs single-device (forward and backward) at its sizes; with
+    ``rows``, one that keeps batch rows independent until the loss (a ``dp`` split)."""
     for attempt in range(20):
-        prog = Generator(seed, attempt).run()
+        prog = Generator(seed, attempt, rows).run()
         try:
             check_runs(render(prog))
             return prog
@@ -642,6 +693,9 @@ def op_cross_entropy(g: Generator, v: Val | None = None) -> Val:
         raise _Skip
     w = g.weight([v.dims[-1], ("V",)])
     lead = v.dims[:-1]
+    b = next((i for i, d in enumerate(lead) if d and d[0] == "B"), None)
+    if g.rows and b is not None and any(g.size_of(d) > 1 for d in lead[:b]):
+        raise _Skip             # reshape(-1, V) would merge the batch inside another dim
     s = g.seq_dim(lead)
     labels = g.add_input("labels", lead, "labels", "V", split=s)
     red = g.rng.choice(["", "", ", reduction='sum'"])

@@ -1,5 +1,7 @@
 """Propagation fuzzing: random programs over the ops spdsl has rules for, each checked against
-single-device PyTorch at SP 2 and 4 (one launch of gloo ranks per degree).
+single-device PyTorch on 2 and 4 ranks (one launch of gloo ranks per world size), each under a
+configuration drawn from its seed: an ``sp`` or ``dp 2 x sp 2`` mesh, ``shard_state``, remat
+none/auto/full, and ``compile`` for one program (``tests.fuzz.config``).
 
 The fixed seed set runs in CI; ``SPDSL_FUZZ_COUNT`` and ``SPDSL_FUZZ_SEED`` change it (or run
 ``python -m tests.fuzz --count 2000 --seed 7``). The unit tests at the bottom check the
@@ -14,12 +16,27 @@ import pytest
 import torch
 
 from tests.fuzz.check import compare, launch, reference
+from tests.fuzz.config import COMPILE_PERIOD, REMATS, RunConfig, config_of, draw, with_config
 from tests.fuzz.generate import check_runs, generate
 from tests.fuzz.programs import build, render
 from tests.fuzz.shrink import prune, shrink
 
 COUNT = {2: 120, 4: 80}           # 200 programs, a few minutes on 2 cores: docs/fuzzing.md
-MIN_EXACT = 0.7                   # most programs must run, not be refused
+MAX_REFUSED = 0.05                # at most 5% of the programs refused with a ShardingError
+# Open library bugs the fuzzer found, all on dp 2 x sp 2 (docs/fuzzing.md, "Open"): checked
+# each run, not shrunk; each must still fail as recorded -- once fixed, drop it here.
+_A2A = "error:RuntimeError"    # an all_to_all reshapes to a dp-local shape holding a 0
+KNOWN = {4: {4: _A2A, 25: _A2A, 32: _A2A, 76: _A2A,
+             23: "error:ZeroDivisionError"}}  # building the [data and sequence axes] message
+# The refusals a correct engine gives these programs, each a documented limitation
+# (docs/fuzzing.md, "Refusals"); any other rule is a failure to look into.
+EXPECTED_RULES = {
+    "ShardingError[data-dependent shape]",       # x[mask]: drawn on purpose, rarely
+    "ShardingError[data and sequence axes]",     # dp: the batch merged inside a dim
+    "ShardingError[divisible heads]",            # attention: heads do not divide the ranks
+    "ShardingError[divisible sequence]",         # attention over an uneven sliced sequence
+    "ShardingError[unknown op]",                 # roll or pad on a merged [B*S] dim
+}
 
 
 def _seeds(world: int) -> list[int]:
@@ -33,17 +50,49 @@ def _seeds(world: int) -> list[int]:
 @pytest.mark.parametrize("world", [2, 4], ids=lambda w: f"sp{w}")
 def test_random_programs_match_single_device(world):
     seeds = _seeds(world)
-    res = launch(world, seeds)
+    known = {s: sig for s, sig in KNOWN.get(world, {}).items() if s in seeds}
+    res = launch(world, seeds, known=frozenset(known))
     report = [f"seed {f['seed']} at SP {world}: {f['message']}\n"
               f"--- shrunk program (python -m tests.fuzz --repro FILE --world {world}):\n"
               f"{f['source']}" for f in res["failures"]]
     assert not report, "\n\n".join(report)
-    assert res["programs"] == len(seeds)
-    exact = res["counts"].get("ok", 0)
-    assert exact >= MIN_EXACT * len(seeds), (res["counts"], res["rules"])
+    assert res["known"] == known, ("known bugs fixed or changed?", res["known"], known)
+    n = len(seeds) - len(known)
+    assert res["programs"] == n and sum(res["configs"].values()) == len(seeds)
+    refused = res["counts"].get("sharding_error", 0)
+    assert set(res["rules"]) <= EXPECTED_RULES, (res["rules"], res["examples"])
+    assert refused <= MAX_REFUSED * n, (res["counts"], res["rules"], res["examples"])
+    assert res["counts"].get("ok", 0) == n - refused, res["counts"]
+    print(f"\nSP {world}: {n} programs, {refused} refused ({res['rules']}), "
+          f"{res['seconds']:.0f} s")
 
 
-# -- the generator, printer, builder and shrinker, in one process ------------------------
+# -- the configuration, generator, printer, builder and shrinker, in one process -----------
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_the_ci_seeds_draw_every_option(world):
+    """Each option the fuzzer varies is drawn in the CI set, at each world size it applies to;
+    ``compile`` exactly once (at SP 2: a cold compile costs 20-80 s)."""
+    cfgs = [draw(s, world) for s in _seeds(world)]
+    assert cfgs == [draw(s, world) for s in _seeds(world)]
+    assert {c.remat for c in cfgs} == set(REMATS)
+    assert {c.shard_state for c in cfgs} == {False, True}
+    assert all(c.dp * c.sp == world for c in cfgs)
+    assert {c.dp for c in cfgs} == ({1, 2} if world == 4 else {1})
+    compiled = sum(c.compile for c in cfgs)
+    if os.environ.get("SPDSL_FUZZ_COUNT") is None and os.environ.get("SPDSL_FUZZ_SEED") is None:
+        assert compiled == (1 if world == 2 else 0), compiled
+    assert compiled <= -(-len(cfgs) // COMPILE_PERIOD)
+
+
+def test_a_printed_config_is_what_repro_runs():
+    src = render(generate(3))
+    assert config_of(src, 4) == RunConfig(sp=4)            # no RUN line: sp alone, eager
+    for cfg in (draw(s, 4) for s in range(8)):
+        assert config_of(with_config(src, cfg), 4) == cfg
+        assert with_config(with_config(src, cfg), cfg) == with_config(src, cfg)
+        build(with_config(src, cfg))                      # still runs as a program
+
 
 def test_generation_is_deterministic_and_varied():
     a = [render(generate(s)) for s in range(6)]
@@ -105,3 +154,20 @@ def test_prune_drops_dead_steps_and_unused_inputs():
     assert [s.out for s in small.steps] == [out]
     used = set(small.steps[0].reads)
     assert {i.name for i in small.inputs} == used & {i.name for i in prog.inputs}
+
+
+def test_rows_mode_redraws_steps_that_mix_batch_rows():
+    """Under a dp split the generator keeps batch rows independent: a flip, a slice or a sum
+    over the batch is drawn again; the same op over the sequence, and a loss, are kept."""
+    from tests.fuzz.generate import Generator, _Skip
+    g = Generator(0, rows=True)
+    g.sizes["B"], g.rows = 2, True
+    x = g.add_input("x", [("B",), ("S",), ("E",)], split=1, grad=True)
+    for expr, dims in (("torch.flip({0}, (0,))", x.dims), ("{0}[1:]", [("B - 1",)] + x.dims[1:]),
+                       ("{0}.sum(0)", x.dims[1:])):
+        with pytest.raises(_Skip):
+            g.step(expr, ("x",), dims)
+    g.step("torch.flip({0}, (1,))", ("x",), x.dims)
+    g.step("{0}.sum(1)", ("x",), [x.dims[0], x.dims[2]])
+    g.step("{0}.square().mean()", ("x",), [])
+    assert len(g.steps) == 3

@@ -23,6 +23,7 @@ LAYERS = [
     {"collectives"},
     {"lower", "dtensor_ops"},
     {"remat"},
+    {"pipeline"},             # one rank's program: lower, kernels, remat, compile
     {"memory"},
     {"inspect"},              # the plan reads the program the memory planner builds
     {"annotate"},

@@ -26,10 +26,10 @@ from spdsl.annotate.mesh import mesh as make_mesh
 from spdsl.annotate.spec import P, as_spec
 from spdsl.errors import ShardingError, user_line
 from spdsl.inspect.plan import ShardingPlan, build_plan
-from spdsl.lower.compile import compile_local
 from spdsl.lower.graph import lower
-from spdsl.lower.kernels import KernelChoice, swap_kernels
-from spdsl.memory.simulate import step_peak
+from spdsl.lower.kernels import KernelChoice
+from spdsl.memory.fit import SIZING
+from spdsl.pipeline import Job, build_step
 from spdsl.propagate.attention_choice import AttentionConfig
 from spdsl.propagate.engine import Propagator
 from spdsl.propagate.modes import describe_change, global_modes, module_modes, run_modes
@@ -41,7 +41,7 @@ from spdsl.propagate.placement import (
     typed_shape,
 )
 from spdsl.propagate.trace import GraphBreak, Traced, reachable_modules, trace, tracing
-from spdsl.remat import Remat, apply_remat, local_specs, parse_bytes
+from spdsl.remat import Remat, parse_bytes
 
 # programs traced by one step before it says why: train/eval x autocast x grad mode x a few
 # lengths are legitimately that many; state that changes every call reaches it at once
@@ -86,6 +86,7 @@ class _Compiled:
     rank: int = 0
     data_rank: int = 0
     remat: Any = None         # the Remat remat="fit" chose for this program
+    step: Any = None          # spdsl.pipeline.Step: this rank's program, as built
 
     def stale(self) -> bool:
         """A parameter was frozen or unfrozen since the trace: which gradients exist, and so
@@ -552,21 +553,22 @@ class Sharded:
             segmented(self, args, kwargs, e)     # raises where segments cannot run
             return None
         if entry.local is None:
-            local = self.lowered(entry, args, kwargs)
-            rank = entry.rank
-            # -- kernel swaps (spdsl.lower.kernels), on the flat graph before remat splits it --
-            local = swap_kernels(local, self.kernels,
-                                 *local_specs(entry, args, kwargs, self.parts, rank))
-            # -- remat stage (spdsl.remat): tiling, per-layer checkpoints, SAC policy --
-            specs = local_specs(entry, args, kwargs, self.parts, rank)
-            if self.remat.fit:     # the mode from memory (spdsl.memory.fit), once per program
-                local, entry.remat, entry.plan.remat = self._fit_remat(entry, local, *specs)
-            else:
-                local = apply_remat(local, self.remat, *specs, peak=step_peak)
-            if self.compile:
-                local = compile_local(local)   # fullgraph; breaks -> ShardingError
-            entry.local = local
+            # -- lower for this rank, kernels, remat, compile: one pipeline (spdsl.pipeline) --
+            entry.step = build_step(self.job, entry, args, kwargs, SIZING)
+            entry.local = entry.step.program
+            if entry.step.why is not None:   # remat="fit": what was chosen, once per program
+                entry.remat, entry.plan.remat = entry.step.remat, entry.step.why
         return entry
+
+    @property
+    def job(self) -> Job:
+        """This function as the pipeline sees it (``spdsl.pipeline.Job``): axes, options and
+        the job's own groups."""
+        return Job(parts=self.parts, axis=self.axis, data_axis=self.data_axis,
+                   data_parts=self.data_parts, remat=self.remat, kernels=self.kernels,
+                   compile=self.compile, group=self._group_and_rank, factor=self._factor,
+                   lowered=self.lowered, world=self._world, resident=_resident,
+                   agree=self._most if dist.is_initialized() else None)
 
     def __call__(self, *args, **kwargs):
         from spdsl.annotate.breaks import segmented
@@ -583,16 +585,6 @@ class Sharded:
         wrapped = [self._wrap(o, p, node, dp) for o, p, node, dp in zip(
             outs, entry.out_placements, _out_nodes(entry.traced), data_out)]
         return tree_unflatten(wrapped, entry.traced.out_spec)
-
-    def _fit_remat(self, entry: _Compiled, local, state, ins):
-        """``remat="fit"``: the least recomputation whose planned step fits this device, the
-        same on every rank (``spdsl.memory.fit``)."""
-        from spdsl.memory.fit import choose_remat
-        resident = sum((t.to_local() if isinstance(t, DTensor) else t).nbytes
-                       for t in entry.traced.state if t.device.type == "cpu")
-        return choose_remat(local, self.remat, state, ins, compiled=self.compile,
-                            resident=resident,
-                            agree=self._most if dist.is_initialized() else None)
 
     def _most(self, index: int) -> int:
         """The largest ``index`` of any rank of the mesh: one all-reduce per axis."""
@@ -706,6 +698,12 @@ class Sharded:
             return DTensor.from_local(local, sub, places, run_check=False,
                                       shape=val.shape, stride=val.stride())
         return local
+
+
+def _resident(entry: _Compiled) -> int:
+    """Bytes of the parameters already in CPU memory (``spdsl.memory.fit.device_budget``)."""
+    return sum((t.to_local() if isinstance(t, DTensor) else t).nbytes
+               for t in entry.traced.state if t.device.type == "cpu")
 
 
 def _plan_memory(fn: Sharded, args: tuple, kwargs: dict):

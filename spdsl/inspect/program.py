@@ -168,57 +168,20 @@ def _param(v: torch.fx.Node, typed: dict) -> str:
     return val.origin.removeprefix("parameter ") if val is not None else v.name
 
 
-def program_for_plan(fn, entry, args: tuple, kwargs: dict
+def program_for_plan(job, entry, args: tuple, kwargs: dict
                      ) -> tuple[torch.nn.Module, dict[str, str]]:
-    """The local program of ``fn(*args, **kwargs)`` built the way a step does (lower, swap
-    kernels, apply remat; ``spdsl.memory.planner`` builds the same for its simulation), its
-    shapes filled, and the axis of each process group it names. Outside a job a fake process
-    group of the axis' size stands in; no collective runs."""
-    import torch.distributed as dist
-
-    from spdsl.lower.graph import lower
-    from spdsl.lower.kernels import swap_kernels
-    from spdsl.lower.ring import ring_axes
+    """The local program of one call as the pipeline builds it for the step
+    (``spdsl.pipeline.planned_step``: no collective runs), its shapes filled, and the axis of
+    each process group it names."""
     from spdsl.lower.shapes import fill_shapes
-    from spdsl.memory.planner import _factor, _group, _off_meta
-    from spdsl.memory.simulate import step_peak
-    from spdsl.remat import apply_remat, local_specs
+    from spdsl.memory.fit import SIZING
+    from spdsl.pipeline import planned_step
 
-    def finish(local, rank: int, axes: dict[str, str]):
-        state, ins = local_specs(entry, args, kwargs, fn.parts, rank)
-        local = swap_kernels(local, fn.kernels, state, ins)
-        r = fn.remat
-        if getattr(r, "fit", False) and getattr(entry, "remat", None) is not None:
-            r = entry.remat                       # the mode the run chose
-        if getattr(r, "fit", False):              # not run yet: choose as the run would
-            from spdsl.memory.fit import choose_remat
-            local = choose_remat(local, r, state, ins, compiled=fn.compile)[0]
-        else:
-            local = apply_remat(local, r, state, ins, peak=step_peak)
+    with planned_step(job, entry, args, kwargs, SIZING) as step:
+        local = step.program
         if any(n.op == "call_function" and "val" not in n.meta for n in local.graph.nodes):
-            fill_shapes(local, state + ins)       # remat "none" leaves the graph unfilled
-        return local, {**ring_axes(local, fn.axis), **axes}
-
-    if entry.data is not None or entry.sharded:   # the job's own groups and this rank
-        local = _off_meta(fn.lowered(entry, args, kwargs))
-        return finish(local, entry.rank, _axes(fn))
-    in_job = dist.is_initialized() and dist.get_world_size() > 1
-    rank = fn._group_and_rank()[1] if in_job else 0
-    factor = _factor(fn)                # before a planning group exists
-    with _group(fn) as group:
-        local = _off_meta(lower(entry.prop, rank, group, entry.out_placements,
-                                factor=factor))
-        return finish(local, rank, {group: fn.axis})
-
-
-def _axes(fn) -> dict[str, str]:
-    """Process group name -> the axis it reduces or exchanges over (``dp+sp``: every rank)."""
-    axes = {fn._group_and_rank()[0]: fn.axis}
-    if fn.data_parts > 1:
-        axes[fn._group_and_rank(fn.data_axis)[0]] = fn.data_axis
-        both = f"{fn.data_axis}+{fn.axis}" if fn.parts > 1 else fn.data_axis
-        axes.setdefault(fn._world().get_group().group_name, both)
-    return axes
+            fill_shapes(local, step.state + step.inputs)    # remat "none" leaves it unfilled
+        return local, step.axes
 
 
 def attach(plan: ShardingPlan, fn, args: tuple, kwargs: dict) -> None:
@@ -227,7 +190,7 @@ def attach(plan: ShardingPlan, fn, args: tuple, kwargs: dict) -> None:
     def read(plan: ShardingPlan) -> list[Collective]:
         entry = fn.build(args, kwargs)
         try:
-            local, axes = program_for_plan(fn, entry, args, kwargs)
+            local, axes = program_for_plan(fn.job, entry, args, kwargs)
         except (ValueError, NotImplementedError) as e:
             # a lowering that needs groups a planning process lacks: say so, and list what
             # propagation decided (the gradient of each parameter reduced alone, no remat)

@@ -43,7 +43,8 @@ import torch
 
 from spdsl.lower.shapes import TensorSpec
 from spdsl.memory.report import fmt_bytes
-from spdsl.memory.simulate import simulate
+from spdsl.memory.simulate import simulate, step_peak
+from spdsl.pipeline import Sizing
 from spdsl.remat import Remat, RematChoice, apply_remat
 from spdsl.remat.config import parse_bytes
 
@@ -171,3 +172,7 @@ def _local_ranks() -> int:
         return int(n)
     import torch.distributed as dist
     return dist.get_world_size() if dist.is_initialized() else 1
+
+
+# the memory model the pipeline's remat stage decides by (spdsl.pipeline.Sizing)
+SIZING = Sizing(peak=step_peak, choose=choose_remat)

@@ -34,10 +34,11 @@ import math
 
 import torch
 
-from spdsl._torch import FakeTensorMode, fake_store, tree_flatten
+from spdsl._torch import FakeTensorMode, tree_flatten
 from spdsl.lower.shapes import TensorSpec
 from spdsl.memory.report import MemoryPlan
 from spdsl.memory.tracker import LiveBytes
+from spdsl.pipeline import planning_group  # noqa: F401  (planning outside a job)
 
 OPTIMIZERS = ("adamw", "adamw-bf16", "adamw-fp32-master", "sgd", "none")
 MASTER = "adamw-fp32-master"
@@ -187,21 +188,3 @@ def _rng_states_counted(tracker: LiveBytes):
         torch.get_rng_state = real
 
 
-@contextlib.contextmanager
-def planning_group(parts: int):
-    """A process group to lower against when none is running: a fake one, ``parts`` ranks
-    (``torch.testing._internal.distributed.fake_pg``), torn down afterwards. Yields its name."""
-    import torch.distributed as dist
-
-    if dist.is_initialized():
-        if dist.get_world_size() != parts:
-            raise ValueError(f"cannot plan {parts} ranks inside a running job of "
-                             f"{dist.get_world_size()}: plan in a process without one (the "
-                             "`python -m spdsl memory` command does)")
-        yield dist.group.WORLD.group_name
-        return
-    dist.init_process_group("fake", store=fake_store(), rank=0, world_size=parts)
-    try:
-        yield dist.group.WORLD.group_name
-    finally:
-        dist.destroy_process_group()

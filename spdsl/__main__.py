@@ -19,9 +19,9 @@ import sys
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["memory"]:
-        from spdsl.memory.cli import main as memory
+        from spdsl.cli.memory import main as memory
         return memory(argv[1:])
-    from spdsl.inspect.cli import main as plan
+    from spdsl.cli.plan import main as plan
     return plan(argv)
 
 

@@ -658,7 +658,7 @@ class Sharded:
         (replicated), so its gradient is the whole one: gathered in backward where it is
         asked for."""
         if x.requires_grad and torch.is_grad_enabled() and parts > 1:
-            from spdsl import collectives as C
+            import spdsl.collectives as C
             return C.take(x, (p.dim, 1, p.size, 1), parts, rank,
                           self._group_and_rank(axis)[0])
         lo, hi = chunk_bounds(p.size, parts, rank)

@@ -49,7 +49,7 @@ from typing import Any
 
 import torch
 
-from spdsl import collectives as C
+import spdsl.collectives as C
 from spdsl.lower import loss as L
 from spdsl.lower import ops
 from spdsl.propagate.heads import kv_repeat

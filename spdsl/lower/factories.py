@@ -21,7 +21,7 @@ import operator
 
 import torch
 
-from spdsl import collectives as C
+import spdsl.collectives as C
 from spdsl._torch import OpOverload
 from spdsl.propagate.placement import chunk_bounds
 

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from spdsl import collectives as C
+import spdsl.collectives as C
 from spdsl._torch import tree_map
 from spdsl.lower import ops, ring, tokenwise
 from spdsl.lower.factories import VAL as REPLICATED_VAL

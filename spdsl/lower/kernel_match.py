@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from spdsl import kernels as K
+import spdsl.kernels as K
 from spdsl._torch import OpOverload
 from spdsl.lower import ops
 from spdsl.lower.loss import find_loss, tile_loss, tiled_nll, tiled_nll_mean

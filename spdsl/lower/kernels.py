@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
-from spdsl import kernels as K
+import spdsl.kernels as K
 from spdsl.lower import kernel_match as M
 from spdsl.lower.shapes import fill_shapes
 from spdsl.propagate.source import module_of, source_of

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from spdsl import collectives as C
+import spdsl.collectives as C
 from spdsl.kernels.fused_linear_ce import fused_linear_cross_entropy
 from spdsl.lower import ops
 

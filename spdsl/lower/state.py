@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-from spdsl import collectives as C
+import spdsl.collectives as C
 from spdsl.lower.factories import VAL
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from spdsl.inspect.cli import build_model, main
+from spdsl.cli.plan import build_model, main
 from spdsl.models.llama import Llama
 from spdsl.models.toys import GPT2Like
 from spdsl.modelspec.cli import UsageError

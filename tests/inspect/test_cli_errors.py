@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from spdsl.inspect.cli import main as plan_main
-from spdsl.memory.cli import main as memory_main
-from spdsl.memory.cli import parser as memory_parser
+from spdsl.cli.memory import main as memory_main
+from spdsl.cli.memory import parser as memory_parser
+from spdsl.cli.plan import main as plan_main
 from spdsl.modelspec.cli import version
 
 TINY = "spdsl.models.llama:LlamaConfig.tiny"

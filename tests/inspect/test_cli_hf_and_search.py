@@ -8,8 +8,8 @@ import argparse
 import pytest
 import torch
 
-from spdsl.memory.cli import main as memory
-from spdsl.memory.cli import remat_of
+from spdsl.cli.memory import main as memory
+from spdsl.cli.memory import remat_of
 from spdsl.modelspec import build_model, field, load_config, with_layers
 from spdsl.remat import Remat
 
@@ -38,7 +38,7 @@ def test_remat_modes_are_named_in_the_output(capsys):
 
 def test_max_seq_says_each_length_it_probes(capsys, monkeypatch):
     # the per-layer figures (two more simulations at 65,536 tokens) are not what this checks
-    monkeypatch.setattr("spdsl.memory.cli.bytes_per_token_per_layer", lambda *a, **k: 1.0)
+    monkeypatch.setattr("spdsl.cli.memory.bytes_per_token_per_layer", lambda *a, **k: 1.0)
     assert memory(["--model", TINY, "--sp", "2", "--max-seq", "--remat", "full", "--reserve",
                    "0", "--device-memory", "6MiB", "--probe", "2048", "--granularity", "256",
                    "--kernels", "auto", "--optimizer", "none", "--no-verify"]) == 0
@@ -72,7 +72,7 @@ def test_hf_model_is_called_like_spdsls_own():
 
 
 def test_plan_an_hf_model_from_a_name_and_a_directory(tmp_path, capsys):
-    from spdsl.inspect.cli import main as plan
+    from spdsl.cli.plan import main as plan
     from spdsl.modelspec.hf import hf_config
     hf_config("llama-tiny").save_pretrained(tmp_path)
     for spec in ("hf:llama-tiny", f"hf:{tmp_path}"):
@@ -90,7 +90,7 @@ def test_memory_of_an_hf_model(capsys):
 
 
 def test_unknown_hf_name_is_one_line(capsys, tmp_path):
-    from spdsl.inspect.cli import main as plan
+    from spdsl.cli.plan import main as plan
     assert plan(["plan", "hf:nothing-here", "--seq", "64", "--sp", "4"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "llama-tiny" in err and "nothing is downloaded" in err

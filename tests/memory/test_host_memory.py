@@ -7,9 +7,9 @@ import pytest
 import torch
 
 import spdsl
+from spdsl.cli.search import model_plan
 from spdsl.memory import plan_memory
 from spdsl.memory.host import pinned_bytes, round_threshold
-from spdsl.memory.search import model_plan
 from spdsl.models.llama import Llama, LlamaConfig
 from spdsl.remat import Remat
 from spdsl.remat.offload import recording_host_requests

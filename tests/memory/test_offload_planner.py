@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from spdsl.memory.cli import main, state_shards
+from spdsl.cli.memory import main, state_shards
+from spdsl.cli.search import Estimator, bytes_per_token_per_layer, model_plan
 from spdsl.memory.report import MemoryPlan
 from spdsl.memory.reserve import default_reserve
-from spdsl.memory.search import Estimator, bytes_per_token_per_layer, model_plan
 from spdsl.models.llama import LlamaConfig
 from spdsl.remat import Remat, parse_bytes
 
@@ -59,7 +59,7 @@ def test_state_shards_count_the_gathered_weights():
 
 
 def test_gathered_bytes_are_the_largest_unit():
-    from spdsl.memory.search import gathered_bytes
+    from spdsl.cli.search import gathered_bytes
     from spdsl.models.llama import Llama
 
     with torch.device("meta"):

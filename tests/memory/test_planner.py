@@ -9,9 +9,9 @@ import pytest
 import torch
 
 import spdsl
+from spdsl.cli.memory import main
+from spdsl.cli.search import bytes_per_token_per_layer
 from spdsl.memory import plan_memory
-from spdsl.memory.cli import main
-from spdsl.memory.search import bytes_per_token_per_layer
 from spdsl.models.llama import Llama, LlamaConfig
 from spdsl.remat import Remat
 

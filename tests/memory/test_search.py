@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import torch
 
-from spdsl.memory.cli import best_grid
+from spdsl.cli.memory import best_grid
+from spdsl.cli.search import Estimator, max_seq, model_plan
 from spdsl.memory.host import pinned_bytes
 from spdsl.memory.reserve import default_reserve, reserve_parts
-from spdsl.memory.search import Estimator, max_seq, model_plan
 from spdsl.models.llama import LlamaConfig
 from spdsl.remat import Remat
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from spdsl.memory.search import gathered_bytes, model_plan
+from spdsl.cli.search import gathered_bytes, model_plan
 from spdsl.models.llama import Llama, LlamaConfig
 from spdsl.remat import Remat
 

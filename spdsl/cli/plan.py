@@ -26,6 +26,8 @@ from collections.abc import Sequence
 
 import torch
 
+from spdsl.annotate.api import plan as plan_of
+from spdsl.annotate.api import sp_shard
 from spdsl.errors import ShardingError
 from spdsl.modelspec import build_model
 from spdsl.modelspec.cli import (
@@ -56,7 +58,7 @@ def _parser() -> Parser:
     q = sub.add_parser("plan", help="plan a model's sequence parallelism without running it",
                        description=__doc__, formatter_class=HelpFormatter,
                        prog="python -m spdsl plan")
-    # parsed by spdsl.memory.cli; listed here so that --help names every subcommand
+    # parsed by spdsl.cli.memory; listed here so that --help names every subcommand
     sub.add_parser("memory", add_help=False,
                    help="per-rank memory of a training step and the longest sequence that "
                         "fits (python -m spdsl memory --help)")
@@ -97,15 +99,13 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _plan(args) -> int:
-    import spdsl
-
     t0 = time.perf_counter()
     model = build_model(args.model).to(DTYPES[args.dtype])
     ids = torch.empty(args.batch, args.seq, dtype=torch.long, device="meta")
     inputs = (ids,) if args.no_labels else (ids, ids)
     t1 = time.perf_counter()
-    plan = spdsl.plan(spdsl.sp_shard(seq=args.sp, axis=args.axis,
-                                     attention=attention_of(args.attention))(model), *inputs)
+    plan = plan_of(sp_shard(seq=args.sp, axis=args.axis,
+                            attention=attention_of(args.attention))(model), *inputs)
     t2 = time.perf_counter()
     plan.title = f"{args.model} seq={args.seq} {args.axis}={args.sp}"
     explained = [_explain(plan, name) for name in args.explain]

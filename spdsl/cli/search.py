@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
+from spdsl.annotate.api import sp_shard
 from spdsl.memory.planner import plan_memory
 from spdsl.memory.report import MemoryPlan
 from spdsl.memory.simulate import planning_group
@@ -56,8 +57,6 @@ def model_plan(cfg, seq: int, sp: int, remat, *, dtype: torch.dtype = torch.bflo
         plan = model_plan(LlamaConfig.llama3_8b(), 131072, 8, "full", kernels="triton")
         print(plan)
     """
-    import spdsl
-
     if pinned_host is None:
         pinned_host = kernels == "triton"
     world = dp * sp
@@ -69,8 +68,8 @@ def model_plan(cfg, seq: int, sp: int, remat, *, dtype: torch.dtype = torch.bflo
            "pinned_host": pinned_host}
     with _kernels(kernels) as choice, \
             (planning_group(world) if sharded else contextlib.nullcontext()):
-        step = spdsl.sp_shard(seq=sp, remat=remat, kernels=choice, attention=attention,
-                              shard_state=sharded)(model)
+        step = sp_shard(seq=sp, remat=remat, kernels=choice, attention=attention,
+                        shard_state=sharded)(model)
         plan = plan_memory(step, ids, ids, **how)
     if not sharded:
         plan = plan.with_state_shards(state_shards, gathered_bytes(model))

@@ -42,16 +42,16 @@ import sys
 import time
 from dataclasses import dataclass
 
-from spdsl.errors import ShardingError
-from spdsl.memory.report import fmt_bytes
-from spdsl.memory.reserve import reserve_parts
-from spdsl.memory.search import (
+from spdsl.cli.search import (
     Estimator,
     bytes_per_token_per_layer,
     max_seq,
     model_plan,
     propose,
 )
+from spdsl.errors import ShardingError
+from spdsl.memory.report import fmt_bytes
+from spdsl.memory.reserve import reserve_parts
 from spdsl.memory.simulate import OPTIMIZERS
 from spdsl.modelspec import field, load_config
 from spdsl.modelspec.cli import (

@@ -8,9 +8,10 @@ Example::
     loss.backward()                      # p.grad == the single-device gradient
 """
 
-from spdsl.annotate.api import Sharded, plan, shard, sp_shard, with_sharding_constraint
+from spdsl.annotate.api import Sharded, plan, shard, sp_shard
 from spdsl.annotate.mesh import mesh
 from spdsl.annotate.spec import P
+from spdsl.annotate.specs import with_sharding_constraint
 from spdsl.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from spdsl.dtensor_ops import dtensor_attention
 from spdsl.errors import ShardingError

@@ -1,8 +1,12 @@
-"""The user-facing transforms: ``shard`` (explicit specs), ``sp_shard`` (sequence sugar),
-``with_sharding_constraint`` and ``plan``.
+"""The user-facing transforms: ``shard`` (explicit specs), ``sp_shard`` (sequence sugar) and
+``plan``.
 
 A sharded function traces itself on first call (and again only when shapes, dtypes or specs
-change), propagates placements, lowers the graph for this rank and runs it on local tensors.
+change), propagates placements, has the pipeline (``spdsl.pipeline``) build this rank's
+program and runs it on local tensors. ``Sharded`` is assembled from the parts of the job:
+``specs.py`` (arguments to placements, ``with_sharding_constraint``), ``state.py`` (sharded
+parameters), ``runtime.py`` (local inputs in, DTensors out); this module keeps the options,
+the cache of decisions per call signature, and the call itself.
 """
 
 from __future__ import annotations
@@ -17,13 +21,19 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor import Replicate as DReplicate
-from torch.distributed.tensor import Shard as DShard
 
 from spdsl._torch import tree_flatten, tree_unflatten
 from spdsl.annotate.mesh import axis_size
 from spdsl.annotate.mesh import mesh as make_mesh
-from spdsl.annotate.spec import P, as_spec
+from spdsl.annotate.runtime import Runtime, _out_nodes, _resident
+from spdsl.annotate.spec import P
+from spdsl.annotate.specs import (
+    InputSpecs,
+    _axis_of,
+    _check_specs,
+    _decode,
+)
+from spdsl.annotate.state import StateSharding
 from spdsl.errors import ShardingError, user_line
 from spdsl.inspect.plan import ShardingPlan, build_plan
 from spdsl.lower.graph import lower
@@ -37,36 +47,13 @@ from spdsl.propagate.placement import (
     REPLICATE,
     Placement,
     Shard,
-    chunk_bounds,
-    typed_shape,
 )
-from spdsl.propagate.trace import GraphBreak, Traced, reachable_modules, trace, tracing
+from spdsl.propagate.trace import GraphBreak, Traced, reachable_modules, trace
 from spdsl.remat import Remat, parse_bytes
 
 # programs traced by one step before it says why: train/eval x autocast x grad mode x a few
 # lengths are legitimately that many; state that changes every call reaches it at once
 _RETRACE_WARN = 16
-
-
-def with_sharding_constraint(x: torch.Tensor, spec: P) -> torch.Tensor:
-    """Pin the placement of ``x`` inside a sharded function; outside one it returns ``x``.
-
-    Example::
-
-        h = spdsl.with_sharding_constraint(h, P(None, "sp", None))
-    """
-    spec = as_spec(spec, "with_sharding_constraint spec", x.dim())
-    if not tracing():
-        return x
-    return torch.ops.spdsl.constraint(x, _encode(spec))
-
-
-def _encode(spec: P) -> str:
-    return ",".join("" if e is None else e for e in spec) if len(spec) else "()"
-
-
-def _decode(s: str) -> P:
-    return P() if s == "()" else P(*[e or None for e in s.split(",")])
 
 
 @dataclass
@@ -94,7 +81,7 @@ class _Compiled:
         return tuple(t.requires_grad for t in self.traced.state) != self.state_requires
 
 
-class Sharded:
+class Sharded(InputSpecs, StateSharding, Runtime):
     """A function (or module) made to run split over one mesh axis. See ``shard``."""
 
     def __init__(self, fn: Callable, *, mesh=None, in_specs=None, out_specs=None,
@@ -189,159 +176,9 @@ class Sharded:
             self._state_mesh = state_mesh(self.mesh)
         return self._state_mesh
 
-    def _shard_state(self, roots: list[torch.nn.Module]) -> None:
-        from spdsl.state import shard_parameters
-        if not roots:
-            raise ShardingError(
-                rule="state sharding", detail="shard_state=True, but no module is reachable "
-                "from the function when it is wrapped",
-                fix="wrap the model (sp_shard(...)(model)) or a function that closes over it, "
-                    "then build the optimizer on model.parameters()")
-        for root in roots:
-            self._state_mesh = shard_parameters(root, self.mesh)
-
-    def _check_state_sharded(self, traced: Traced) -> list:
-        """Which graph inputs are sharded parameters (``spdsl.lower.state``)."""
-        from spdsl.lower.state import ShardedInput
-        from spdsl.state import is_sharded_state
-        out = []
-        for j, t in enumerate(traced.state):
-            if not isinstance(t, torch.nn.Parameter):
-                continue
-            if is_sharded_state(t):
-                out.append(ShardedInput(j, t.shape[0], t.to_local().shape[0]))
-            elif self.shard_state:
-                raise ShardingError(
-                    rule="state sharding", value=f"parameter {traced.state_names[j]}",
-                    detail="shard_state=True, but this parameter was not reachable when the "
-                           "function was wrapped, so it is still whole",
-                    fix="wrap the model itself, or a function that closes over it, so that "
-                        "its parameters are sharded before the optimizer is built")
-        return out
 
     # -- specs ----------------------------------------------------------------------------
-    def _leaf_placements(self, leaves: list, spec_leaves: list | None) -> list[tuple]:
-        out = []
-        for i, x in enumerate(leaves):
-            if not isinstance(x, torch.Tensor):
-                continue
-            if isinstance(x, DTensor):
-                out.append((self._from_dtensor(x), "DTensor input"))
-                continue
-            spec = spec_leaves[i] if spec_leaves is not None else None
-            out.append((self._placement_of(x, spec, i), f"in_specs[{i}]"))
-        return out
 
-    def _from_dtensor(self, x: DTensor) -> Placement:
-        names = x.device_mesh.mesh_dim_names or ()
-        i = names.index(self.axis) if self.axis in names else 0
-        p = x.placements[i]
-        if isinstance(p, DShard):
-            return Shard(p.dim, 1, x.shape[p.dim])
-        return REPLICATE
-
-    def _placement_of(self, x: torch.Tensor, spec, i: int) -> Placement:
-        spec = as_spec(spec, f"in_specs[{i}]", x.dim())
-        if spec is None:
-            return REPLICATE
-        if len(spec) and len(spec) != x.dim():
-            raise ShardingError(
-                rule="spec rank", value=typed_shape(x.shape, x.dtype, REPLICATE, self.axis),
-                where=f"argument {i}",
-                detail=f"spec {spec!r} has {len(spec)} entries for a {x.dim()}-d tensor",
-                fix="give one entry per dim: " + _respelled(spec, x.dim()))
-        data = self.data_axis
-        split = [(d, ax) for d, ax in spec.sharded() if ax != data or data is None]
-        for _, ax in split:
-            if ax != self.axis:
-                names = tuple(self._mesh.mesh_dim_names or ()) if self._mesh is not None else ()
-                if self._mesh is not None and ax not in names:
-                    try:
-                        axis_size(self._mesh, ax)
-                    except ShardingError as e:
-                        raise ShardingError(
-                            rule=e.rule, detail=e.detail, fix=e.fix, where=f"argument {i}",
-                            value=typed_shape(x.shape, x.dtype, REPLICATE, ax)) from None
-                raise ShardingError(
-                    rule="one split axis", where=f"argument {i}",
-                    value=typed_shape(x.shape, x.dtype, REPLICATE, ax),
-                    detail=f"spec {spec!r} splits over {ax!r} but this function splits over "
-                           f"{self.axis!r}",
-                    fix=f"name {self.axis!r} in every spec (other mesh axes, such as data "
-                        "parallel ones, take different data per group instead)")
-        if not split:
-            return REPLICATE
-        if len(split) > 1:
-            raise ShardingError(rule="one split dim", where=f"argument {i}",
-                                value=typed_shape(x.shape, x.dtype, REPLICATE, self.axis),
-                                detail=f"spec {spec!r} splits two dims over one axis",
-                                fix="split one dim per axis")
-        d = split[0][0]
-        s = Shard(d, 1, x.shape[d])
-        if x.shape[d] % self.parts:
-            n = x.shape[d]
-            raise ShardingError(
-                rule="divisible sequence", value=typed_shape(x.shape, x.dtype, s, self.axis),
-                where=f"argument {i}",
-                detail=f"dim {d} ({n}) must split evenly over the {self.parts} ranks of "
-                       f"{self.axis!r}",
-                fix=f"pad or trim it to a multiple of {self.parts} (e.g. {n + (-n) % self.parts})"
-                    f", or use a degree that divides {n}")
-        return s
-
-    def _data_placement_of(self, x: torch.Tensor, spec, i: int) -> Placement:
-        """The placement over the data axis: the dim the spec names it on (the batch)."""
-        data = self.data_axis
-        if data is None or spec is None or isinstance(x, DTensor):
-            return self._data_from_dtensor(x) if isinstance(x, DTensor) else REPLICATE
-        spec = spec if isinstance(spec, P) else P(*spec)
-        dims = [d for d, ax in spec.sharded() if ax == data]
-        if not dims:
-            return REPLICATE
-        d, D = dims[0], self.data_parts
-        n = x.shape[d] * (D if self.batch == "local" else 1)
-        if any(ax == self.axis for dd, ax in spec.sharded() if dd == d):
-            raise ShardingError(rule="one split dim", where=f"argument {i}",
-                                value=typed_shape(x.shape, x.dtype, REPLICATE, data),
-                                detail=f"spec {spec!r} splits dim {d} over two axes",
-                                fix="split the batch over the data axis, the sequence over "
-                                    "the sequence axis")
-        if n % D:
-            raise ShardingError(
-                rule="divisible batch", where=f"argument {i}",
-                value=typed_shape(x.shape, x.dtype, Shard(d, 1, n), data),
-                detail=f"dim {d} ({n} rows) must split evenly over the {D} ranks of {data!r}",
-                fix=f"give a batch that is a multiple of {D} rows (e.g. {n + (-n) % D}), or "
-                    f"a mesh with fewer {data!r} ranks")
-        return Shard(d, 1, n)
-
-    def _data_from_dtensor(self, x: DTensor) -> Placement:
-        names = x.device_mesh.mesh_dim_names or ()
-        if self.data_axis not in names:
-            return REPLICATE
-        p = x.placements[names.index(self.data_axis)]
-        return Shard(p.dim, 1, x.shape[p.dim]) if isinstance(p, DShard) else REPLICATE
-
-    def _specs_for(self, args: tuple, kwargs: dict, leaves: list) -> list | None:
-        if self.seq_dim is not None:
-            seq = next((x.shape[self.seq_dim] for x in leaves if isinstance(x, torch.Tensor)
-                        and x.dim() > self.seq_dim), None)
-            data = self.data_axis if self.seq_dim != 0 else None
-            return [P(*[self.axis if d == self.seq_dim else data if d == 0 else None
-                        for d in range(x.dim())])
-                    if isinstance(x, torch.Tensor) and x.dim() > self.seq_dim
-                    and x.shape[self.seq_dim] == seq else None for x in leaves]
-        if self.in_specs is None:
-            return None
-        specs = self.in_specs
-        if not isinstance(specs, tuple) or isinstance(specs, P):
-            specs = (specs,)
-        flat = []
-        for a, sp in zip(args, specs):
-            n = len(tree_flatten(a)[0])
-            flat += [sp] * n
-        flat += [None] * (len(leaves) - len(flat))
-        return flat
 
     # -- build and run --------------------------------------------------------------------
     def _key(self, args, kwargs, leaves, spec) -> tuple:
@@ -472,41 +309,6 @@ class Sharded:
             data_out.append(have if keep else REPLICATE)
         return dprop, data_out
 
-    def _regathered(self, phs: list, sharded: list) -> frozenset:
-        """Sharded parameters first used inside a checkpointed layer: gathered again when the
-        layer is recomputed in backward (remat ``auto``/``full``)."""
-        from spdsl.propagate.source import module_of
-        from spdsl.remat.segments import layer_of
-        if self.remat.mode not in ("auto", "full"):
-            return frozenset()
-        order = {n: i for i, n in enumerate(phs[0].graph.nodes)} if phs else {}
-        out = set()
-        for s in sharded:
-            users = list(phs[s.index].users)
-            if users and layer_of(module_of(min(users, key=order.__getitem__))) is not None:
-                out.add(s.index)
-        return frozenset(out)
-
-    def _state_reduced(self, traced, prop, dprop, outs, data_out, sharded) -> dict:
-        """Which sharded parameters' gradients are one reduce-scatter (the rest: whole on
-        every rank already): read off a lowering, so that the plan says what runs."""
-        if not sharded:
-            return {}
-        from spdsl.lower.graph import DataAxis
-        from spdsl.lower.state import GatherState
-        world = self.parts * self.data_parts
-        data = DataAxis(dprop, 0, "dp", "world") if dprop is not None else None
-        gather = GatherState(sharded, world, 0, "sp" if data is None or self.parts == world
-                             else "dp" if self.data_parts == world else "world")
-        # read only, never run: hybrid attention's groups by name alone
-        local = lower(prop, 0, "sp", outs, data, data_out, gather,
-                      lambda u: ("sp", 0, "sp", 0, self.parts // u))
-        found = {}
-        phs = [n for n in local.graph.nodes if n.op == "placeholder"]
-        for n in local.graph.nodes:
-            if n.target is torch.ops.spdsl.gather_param.default:
-                found[phs.index(n.args[0])] = n.args[5]
-        return found
 
     def _out_placements(self, traced: Traced, prop: Propagator) -> list[Placement]:
         out_node = next(n for n in traced.graph.graph.nodes if n.op == "output")
@@ -586,14 +388,6 @@ class Sharded:
             outs, entry.out_placements, _out_nodes(entry.traced), data_out)]
         return tree_unflatten(wrapped, entry.traced.out_spec)
 
-    def _most(self, index: int) -> int:
-        """The largest ``index`` of any rank of the mesh: one all-reduce per axis."""
-        mesh = self.mesh
-        t = torch.tensor([index], device="cuda" if mesh.device_type == "cuda" else "cpu")
-        for name in mesh.mesh_dim_names or ():
-            if axis_size(mesh, name) > 1:
-                dist.all_reduce(t, op=dist.ReduceOp.MAX, group=mesh.get_group(name))
-        return int(t.item())
 
     def lowered(self, entry: _Compiled, args: tuple, kwargs: dict) -> torch.fx.GraphModule:
         """This rank's local graph (before kernels and remat), the same for the run and the
@@ -635,97 +429,10 @@ class Sharded:
             state = GatherState(entry.sharded, smesh.size(), dist.get_rank(pg), group)
         return data, state
 
-    def _local_inputs(self, entry: _Compiled, args: tuple, kwargs: dict) -> list:
-        """This rank's pieces of the inputs: the one place global tensors become local."""
-        leaves, _ = tree_flatten((args, kwargs))
-        local_in = []
-        for j, i in enumerate(entry.traced.tensor_leaf_index):
-            x = leaves[i]
-            p = entry.in_placements[j]
-            dp = entry.data_in[j] if entry.data is not None else REPLICATE
-            if isinstance(x, DTensor):
-                local_in.append(x.to_local())
-                continue
-            if isinstance(dp, Shard) and self.batch == "global":
-                x = self._split_input(x, dp, self.data_parts, entry.data_rank, self.data_axis)
-            if isinstance(p, Shard):
-                x = self._split_input(x, p, self.parts, entry.rank, self.axis)
-            local_in.append(x.contiguous() if x is not leaves[i] else x)
-        return local_in
-
-    def _split_input(self, x: torch.Tensor, p: Shard, parts: int, rank: int, axis: str):
-        """This rank's chunk of a global input. The global tensor is the same on every rank
-        (replicated), so its gradient is the whole one: gathered in backward where it is
-        asked for."""
-        if x.requires_grad and torch.is_grad_enabled() and parts > 1:
-            import spdsl.collectives as C
-            return C.take(x, (p.dim, 1, p.size, 1), parts, rank,
-                          self._group_and_rank(axis)[0])
-        lo, hi = chunk_bounds(p.size, parts, rank)
-        return x.narrow(p.dim, lo, hi - lo)
-
-    def _check_same_inputs(self, leaves: list) -> None:
-        """Debug mode: every rank of the axis must pass the same global tensors. A mismatch
-        would otherwise give wrong results or a hang inside a collective."""
-        sums = [float(x.double().sum()) if isinstance(x, torch.Tensor) and
-                not isinstance(x, DTensor) else 0.0 for x in leaves]
-        mine = torch.tensor(sums, dtype=torch.float64)
-        pg = self.mesh.get_group(self.axis)
-        every = [torch.zeros_like(mine) for _ in range(dist.get_world_size(pg))]
-        dist.all_gather(every, mine, group=pg)
-        for i, (x, col) in enumerate(zip(leaves, torch.stack(every).T)):
-            if isinstance(x, torch.Tensor) and not torch.equal(col, col[:1].expand_as(col)):
-                raise ShardingError(
-                    rule="same global inputs", where=f"argument {i}",
-                    value=typed_shape(x.shape, x.dtype, REPLICATE, self.axis),
-                    detail=f"ranks of axis {self.axis!r} passed different values (checksums "
-                           f"{[round(float(c), 4) for c in col]})",
-                    fix="pass every rank the same global batch (seed the data loader the same "
-                        "on every rank of the axis), or pass DTensors already split")
-
-    def _wrap(self, local, p: Placement, node, dp: Placement = REPLICATE):
-        if (isinstance(p, Shard) or isinstance(dp, Shard)) and isinstance(local, torch.Tensor):
-            val = node.meta["val"]
-            if self.data_parts > 1:
-                names = self.mesh.mesh_dim_names
-                sub = self.mesh[(names[0], names[1])] if self.mesh.ndim > 2 else self.mesh
-                pl = {self.axis: p, self.data_axis: dp}
-                places = [DShard(pl[n].dim) if isinstance(pl[n], Shard) else DReplicate()
-                          for n in sub.mesh_dim_names]
-            else:
-                sub = self.mesh[self.axis] if self.mesh.ndim > 1 else self.mesh
-                places = [DShard(p.dim)]
-            return DTensor.from_local(local, sub, places, run_check=False,
-                                      shape=val.shape, stride=val.stride())
-        return local
-
-
-def _resident(entry: _Compiled) -> int:
-    """Bytes of the parameters already in CPU memory (``spdsl.memory.fit.device_budget``)."""
-    return sum((t.to_local() if isinstance(t, DTensor) else t).nbytes
-               for t in entry.traced.state if t.device.type == "cpu")
-
 
 def _plan_memory(fn: Sharded, args: tuple, kwargs: dict):
     from spdsl.memory import plan_memory
     return plan_memory(fn, *args, **kwargs)
-
-
-def _out_nodes(traced: Traced) -> list:
-    out_node = next(n for n in traced.graph.graph.nodes if n.op == "output")
-    return list(out_node.args[0])
-
-
-def _axis_of(specs, skip: str | None = None) -> str | None:
-    """The first mesh axis the specs split over (other than ``skip``); a spec naming the
-    data axis first (``P("dp", "sp")``) is read for its sequence axis by ``shard``."""
-    found = []
-    for s in tree_flatten(specs, is_leaf=lambda x: isinstance(x, P))[0] if specs else []:
-        if isinstance(s, P):
-            found += [ax for _, ax in s.sharded() if ax != skip]
-    if skip is None and len(set(found)) > 1:
-        return next((ax for ax in found if ax != "dp"), found[0])
-    return found[0] if found else None
 
 
 def shard(fn: Callable | None = None, *, mesh, in_specs, out_specs=None,
@@ -870,32 +577,6 @@ def _remat_of(remat, memory_budget) -> Remat:
             detail="the budget is the bytes one rank's training step may use",
             fix="give bytes (an int) or a size such as '40GiB'")
     return r.with_(budget=budget)
-
-
-def _check_specs(specs, what: str) -> None:
-    """A spec given as a bare string (``in_specs="sp"``, ``in_specs=("sp",)``) is refused
-    here, when the function is wrapped (``as_spec`` says what to write instead)."""
-    if isinstance(specs, str):
-        as_spec(specs, what)
-    if isinstance(specs, (tuple, list)) and not isinstance(specs, P):
-        for i, s in enumerate(specs):
-            if isinstance(s, str):
-                as_spec(s, f"{what}[{i}]")
-
-
-def _respelled(spec: P, ndim: int) -> str:
-    """``spec`` spelled with ``ndim`` entries, keeping its axes: ``P('sp')`` for a 2-d tensor
-    -> ``P(None, 'sp')`` (the sequence of ``[batch, seq]``) or ``P('sp', None)``."""
-    axes = [e for e in spec if e is not None]
-    if not axes or ndim == 0:
-        return repr(P(*[None] * ndim))
-    if len(axes) == 1:
-        def at(d: int) -> str:
-            seq = ", the sequence of [batch, seq, ...]" if d == 1 else ""
-            return f"{P(*[axes[0] if e == d else None for e in range(ndim)])!r} (dim {d}{seq})"
-        return " or ".join(at(d) for d in sorted(range(ndim), key=lambda d: (d != 1, d))[:4])
-    kept = [e for e in spec][:ndim] if len(spec) > ndim else list(spec)
-    return repr(P(*(kept + [None] * (ndim - len(kept)))))
 
 
 def _step_peak():

@@ -50,7 +50,8 @@ from spdsl._torch import (
     tree_flatten,
     tree_unflatten,
 )
-from spdsl.annotate.api import Sharded, _out_nodes
+from spdsl.annotate.api import Sharded
+from spdsl.annotate.runtime import _out_nodes
 from spdsl.annotate.segment import (
     graph,
     made_whole,

@@ -1,0 +1,115 @@
+"""The run of a built step: the rank's pieces of the global inputs, the outputs
+wrapped as DTensors, the debug check that every rank passed the same batch."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import Replicate as DReplicate
+from torch.distributed.tensor import Shard as DShard
+
+from spdsl._torch import tree_flatten
+from spdsl.annotate.mesh import axis_size
+from spdsl.errors import ShardingError
+from spdsl.propagate.placement import (
+    REPLICATE,
+    Placement,
+    Shard,
+    chunk_bounds,
+    typed_shape,
+)
+from spdsl.propagate.trace import Traced
+
+if TYPE_CHECKING:
+    from spdsl.annotate.api import _Compiled
+
+
+def _resident(entry: _Compiled) -> int:
+    """Bytes of the parameters already in CPU memory (``spdsl.memory.fit.device_budget``)."""
+    return sum((t.to_local() if isinstance(t, DTensor) else t).nbytes
+               for t in entry.traced.state if t.device.type == "cpu")
+
+
+def _out_nodes(traced: Traced) -> list:
+    out_node = next(n for n in traced.graph.graph.nodes if n.op == "output")
+    return list(out_node.args[0])
+
+
+class Runtime:
+    """Global arguments in, local program run, DTensors out (part of ``Sharded``)."""
+
+    def _most(self, index: int) -> int:
+        """The largest ``index`` of any rank of the mesh: one all-reduce per axis."""
+        mesh = self.mesh
+        t = torch.tensor([index], device="cuda" if mesh.device_type == "cuda" else "cpu")
+        for name in mesh.mesh_dim_names or ():
+            if axis_size(mesh, name) > 1:
+                dist.all_reduce(t, op=dist.ReduceOp.MAX, group=mesh.get_group(name))
+        return int(t.item())
+
+    def _local_inputs(self, entry: _Compiled, args: tuple, kwargs: dict) -> list:
+        """This rank's pieces of the inputs: the one place global tensors become local."""
+        leaves, _ = tree_flatten((args, kwargs))
+        local_in = []
+        for j, i in enumerate(entry.traced.tensor_leaf_index):
+            x = leaves[i]
+            p = entry.in_placements[j]
+            dp = entry.data_in[j] if entry.data is not None else REPLICATE
+            if isinstance(x, DTensor):
+                local_in.append(x.to_local())
+                continue
+            if isinstance(dp, Shard) and self.batch == "global":
+                x = self._split_input(x, dp, self.data_parts, entry.data_rank, self.data_axis)
+            if isinstance(p, Shard):
+                x = self._split_input(x, p, self.parts, entry.rank, self.axis)
+            local_in.append(x.contiguous() if x is not leaves[i] else x)
+        return local_in
+
+    def _split_input(self, x: torch.Tensor, p: Shard, parts: int, rank: int, axis: str):
+        """This rank's chunk of a global input. The global tensor is the same on every rank
+        (replicated), so its gradient is the whole one: gathered in backward where it is
+        asked for."""
+        if x.requires_grad and torch.is_grad_enabled() and parts > 1:
+            import spdsl.collectives as C
+            return C.take(x, (p.dim, 1, p.size, 1), parts, rank,
+                          self._group_and_rank(axis)[0])
+        lo, hi = chunk_bounds(p.size, parts, rank)
+        return x.narrow(p.dim, lo, hi - lo)
+
+    def _check_same_inputs(self, leaves: list) -> None:
+        """Debug mode: every rank of the axis must pass the same global tensors. A mismatch
+        would otherwise give wrong results or a hang inside a collective."""
+        sums = [float(x.double().sum()) if isinstance(x, torch.Tensor) and
+                not isinstance(x, DTensor) else 0.0 for x in leaves]
+        mine = torch.tensor(sums, dtype=torch.float64)
+        pg = self.mesh.get_group(self.axis)
+        every = [torch.zeros_like(mine) for _ in range(dist.get_world_size(pg))]
+        dist.all_gather(every, mine, group=pg)
+        for i, (x, col) in enumerate(zip(leaves, torch.stack(every).T)):
+            if isinstance(x, torch.Tensor) and not torch.equal(col, col[:1].expand_as(col)):
+                raise ShardingError(
+                    rule="same global inputs", where=f"argument {i}",
+                    value=typed_shape(x.shape, x.dtype, REPLICATE, self.axis),
+                    detail=f"ranks of axis {self.axis!r} passed different values (checksums "
+                           f"{[round(float(c), 4) for c in col]})",
+                    fix="pass every rank the same global batch (seed the data loader the same "
+                        "on every rank of the axis), or pass DTensors already split")
+
+    def _wrap(self, local, p: Placement, node, dp: Placement = REPLICATE):
+        if (isinstance(p, Shard) or isinstance(dp, Shard)) and isinstance(local, torch.Tensor):
+            val = node.meta["val"]
+            if self.data_parts > 1:
+                names = self.mesh.mesh_dim_names
+                sub = self.mesh[(names[0], names[1])] if self.mesh.ndim > 2 else self.mesh
+                pl = {self.axis: p, self.data_axis: dp}
+                places = [DShard(pl[n].dim) if isinstance(pl[n], Shard) else DReplicate()
+                          for n in sub.mesh_dim_names]
+            else:
+                sub = self.mesh[self.axis] if self.mesh.ndim > 1 else self.mesh
+                places = [DShard(p.dim)]
+            return DTensor.from_local(local, sub, places, run_check=False,
+                                      shape=val.shape, stride=val.stride())
+        return local

@@ -19,6 +19,7 @@ from typing_extensions import Self
 from spdsl._torch import dtensor_op_handlers
 from spdsl.collectives import all_to_all_many
 from spdsl.propagate.forms import dtensor_ops
+from spdsl.propagate.heads import kv_repeat
 
 aten = torch.ops.aten
 _FORWARD, _BACKWARD = dtensor_ops()     # of the attention forms (spdsl.propagate.forms)
@@ -68,6 +69,13 @@ def _local(a, rank, parts, hq):
     return a
 
 
+def head_repeats(shapes: list, hq: int, parts: int) -> list[int]:
+    """How many times each ``[B, H, S, D]`` argument's heads cross the all-to-all: the traced
+    path's rule (``spdsl.propagate.heads.kv_repeat``), so a DTensor model and the same model
+    traced move the same heads (1 for anything else)."""
+    return [kv_repeat(hq, s[1], parts) if len(s) == 4 else 1 for s in shapes]
+
+
 def _handler(backward: bool):
     def handle(op_call, args, kwargs):
         flat_keys = list(kwargs)
@@ -78,7 +86,7 @@ def _handler(backward: bool):
         rank = mesh.get_local_rank(axis)
         q = dts[1] if backward else dts[0]
         hq = q.shape[1]
-        reps = [max(1, parts // t.shape[1]) if t.dim() == 4 else 1 for t in dts]
+        reps = head_repeats([t.shape for t in dts], hq, parts)
         heads = _to_heads([t.to_local() for t in dts], parts, group, reps)
         flat = [_local(a, rank, parts, hq) for a in list(args) + list(kwargs.values())]
         for i, h in zip(split, heads):

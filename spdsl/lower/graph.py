@@ -24,6 +24,8 @@ from spdsl.propagate.eager_attention import COMPUTE_DTYPE, OUT_DTYPE
 from spdsl.propagate.engine import Propagator, tensor_inputs
 from spdsl.propagate.forms import FORM, form_of
 from spdsl.propagate.issued import slice_window
+from spdsl.propagate.lowerings import AT_ONE_RANK, DATA_SHARED
+from spdsl.propagate.lowerings import Lowering as L
 from spdsl.propagate.moves import kind_of
 from spdsl.propagate.placement import (
     REPLICATE,
@@ -40,7 +42,7 @@ aten = torch.ops.aten
 
 # special lowerings that mean the same thing whichever axis asked for them (a sum over the
 # tokens of both axes is one sum)
-_SHARED = {"nll_mean", "mean_partial", "loss_mean", "view", "constraint", "factory"}
+_SHARED = DATA_SHARED
 
 
 @dataclass
@@ -341,7 +343,7 @@ class Lowering:
         if node.target is torch.ops.spdsl.token_wise.default:   # the module on the rank's tokens
             return self.graph.call_function(tokenwise.run, args, kwargs)
         low = d.strategy.lowering
-        if self.parts == 1 and low not in ("view", "constraint", "ulysses"):
+        if self.parts == 1 and low not in AT_ONE_RANK:
             low = None
         P, r, g = self.parts, self.rank, self.group
         dd = self.data.prop.decisions.get(node) if self.data is not None else None
@@ -358,27 +360,27 @@ class Lowering:
                     fix="keep batch rows independent until the loss (no op that mixes rows), "
                         "or run without a dp axis")
             low, g = dlow, self.data.group
-        elif dlow is not None and dlow == "nll_mean" and P > 1:
+        elif dlow is not None and dlow == L.NLL_MEAN and P > 1:
             g = self.data.joint            # the token counts of both axes in one all-reduce
-        if low == "view":
+        if low == L.VIEW:
             shape = self.local_shape_of(node, d.output, dd.output if dd is not None
                                         else Replicate())
             # local pieces need not be contiguous where the global value was: reshape
             target = aten.expand.default if node.target is aten.expand.default else \
                 aten.reshape.default
             return self.graph.call_function(target, (args[0], shape) + tuple(args[2:]), kwargs)
-        if low == "constraint" or node.target is torch.ops.spdsl.constraint.default:
+        if low == L.CONSTRAINT or node.target is torch.ops.spdsl.constraint.default:
             return args[0]
-        if low in ("ring", "hybrid"):
+        if low in (L.RING, L.HYBRID):
             return self._ring(node, args)
-        if low == "ulysses" and node.target is torch.ops.spdsl.attention_fn.default:
+        if low == L.ULYSSES and node.target is torch.ops.spdsl.attention_fn.default:
             q, k, v, leaves, program, _, is_causal, scale = args[:8]
             out = self.graph.call_function(
                 ops.ulysses_attention_fn, (q, k, v, leaves, program, bool(is_causal), scale,
                                            P, r, g), _dtypes(node))
             out.meta[FORM] = form_of(node).name
             return out
-        if low == "ulysses":
+        if low == L.ULYSSES:
             a = list(args) + [None] * (8 - len(args))
             q, k, v, mask, dropout_p, is_causal, scale, gqa = a[:8]
             out = self.graph.call_function(
@@ -386,12 +388,12 @@ class Lowering:
                                         bool(gqa), P, r, g), written_out(node))
             out.meta[FORM] = form_of(node).name      # for the kernel pass
             return out
-        if low == "ulysses_flex":          # q, k, v, score_mod, block_mask, scale, options, bufs
+        if low == L.ULYSSES_FLEX:          # q, k, v, score_mod, block_mask, scale, options, bufs
             return self.call(ops.ulysses_flex, *args[:9], P, r, g)
-        if low == "nll_mean":
+        if low == L.NLL_MEAN:
             two_d = node.target.overloadpacket is aten.nll_loss2d_forward
             return self.call(ops.nll_mean, args[0], args[1], args[2], args[4], g, two_d)
-        if low == "mean_partial":
+        if low == L.MEAN_PARTIAL:
             src = node.args[0].meta["val"]
             dims = node.args[1] if len(node.args) > 1 else None
             dims = list(range(src.dim())) if not dims else [x % src.dim() for x in dims]
@@ -399,14 +401,14 @@ class Lowering:
             count = math.prod(src.shape[x] for x in dims)
             return self.call(ops.mean_partial, args[0], dims, keep, count,
                              node.kwargs.get("dtype"))
-        if low == "loss_mean":
+        if low == L.LOSS_MEAN:
             count = node.args[0].meta["val"].numel()
             return self.call(ops.loss_mean, node.target, tuple(args), count)
-        if low == "slice_window":           # the halo exchange d.issued lists
+        if low == L.SLICE_WINDOW:           # the halo exchange d.issued lists
             dim, start, n = slice_window(node)
             return self.call(C.window, args[0], dim, node.args[0].meta["val"].shape[dim], start,
                              n, P, r, g)
-        if low == "select_owner":
+        if low == L.SELECT_OWNER:
             src = node.args[0].meta["val"]
             dim = node.args[1] % src.dim()
             index = node.args[2] % src.shape[dim]

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from spdsl.propagate.heads import kv_repeat
+from spdsl.propagate.lowerings import Lowering as L
 from spdsl.propagate.placement import Partial, halo_rows, typed_shape
 
 
@@ -59,7 +60,7 @@ def issued(prop, node: torch.fx.Node, lowering: str | None,
     P = prop.parts
     if P == 1:
         return ()
-    if lowering in ("ulysses", "ulysses_flex"):
+    if lowering in (L.ULYSSES, L.ULYSSES_FLEX):
         q, k, v = (ins[j].meta["val"] for j in range(3))
         rep = kv_repeat(q.shape[1], k.shape[1], P)
         qkv = (_nbytes(q) + (_nbytes(k) + _nbytes(v)) * rep) // P
@@ -71,13 +72,13 @@ def issued(prop, node: torch.fx.Node, lowering: str | None,
                        (prop.typed(ins[0]),) + tuple(prop.typed(ins[j]) + kv_note
                                                      for j in (1, 2))),
                 Issued("all_to_all", o, o, "ulysses", (prop.typed(node, 0),)))
-    if lowering in ("ring", "hybrid"):
+    if lowering in (L.RING, L.HYBRID):
         return _ring(prop, node, ins)
-    if lowering == "nll_mean":
+    if lowering == L.NLL_MEAN:
         x = ins[0].meta["val"]
         return (Issued("all_reduce", 2 * x.element_size(), 0, "loss",
                        (typed_shape((2,), x.dtype, Partial(), prop.axis),)),)
-    if lowering == "slice_window":
+    if lowering == L.SLICE_WINDOW:
         a = ins[0].meta["val"]
         dim, start, n = slice_window(node)
         sent = halo_rows(a.shape[dim], start, n, P) * (_nbytes(a) // max(1, a.shape[dim]))

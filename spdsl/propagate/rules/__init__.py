@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from spdsl._torch import OpOverload
+from spdsl.propagate.lowerings import check as check_lowering
 from spdsl.propagate.placement import Placement
 
 aten = torch.ops.aten
@@ -24,9 +25,12 @@ aten = torch.ops.aten
 class Strategy:
     inputs: tuple[Placement, ...]          # one per tensor input, in flat order
     output: Any                            # a Placement, or a tuple of them for tuple outputs
-    lowering: str | None = None            # name of a special lowering, None: run the op as is
+    lowering: str | None = None            # a named lowering (propagate.lowerings), None: the op
     rule: str = ""                         # the rule's name, shown by plans
     extra_cost: float = 0.0
+
+    def __post_init__(self) -> None:
+        check_lowering(self.lowering)
 
 
 @dataclass

@@ -21,8 +21,8 @@ import torch
 from spdsl.annotate.api import sp_shard
 from spdsl.memory.planner import plan_memory
 from spdsl.memory.report import MemoryPlan
-from spdsl.memory.simulate import planning_group
 from spdsl.modelspec import field, model_class_for, with_layers
+from spdsl.pipeline import planning_group
 from spdsl.remat import Remat
 from spdsl.remat.segments import layer_of
 

@@ -38,7 +38,6 @@ from spdsl._torch import FakeTensorMode, tree_flatten
 from spdsl.lower.shapes import TensorSpec
 from spdsl.memory.report import MemoryPlan
 from spdsl.memory.tracker import LiveBytes
-from spdsl.pipeline import planning_group  # noqa: F401  (planning outside a job)
 
 OPTIMIZERS = ("adamw", "adamw-bf16", "adamw-fp32-master", "sgd", "none")
 MASTER = "adamw-fp32-master"

@@ -11,8 +11,8 @@ from torch import nn
 import spdsl
 from spdsl import collectives as C
 from spdsl.lower.graph import lower
-from spdsl.memory.simulate import planning_group
 from spdsl.models.llama import Llama, LlamaConfig
+from spdsl.pipeline import planning_group
 
 aten = torch.ops.aten
 

@@ -13,8 +13,8 @@ import torch
 import spdsl
 from spdsl import collectives as C
 from spdsl.lower.graph import bucket_gradient_reduces, lower
-from spdsl.memory.simulate import planning_group
 from spdsl.models.llama import Llama, LlamaConfig
+from spdsl.pipeline import planning_group
 
 
 def _local(model, seq: int = 64):

@@ -16,8 +16,9 @@ from spdsl.inspect.plan import ShardingPlan
 from spdsl.lower.graph import lower
 from spdsl.memory import fit
 from spdsl.memory.planner import plan_memory
-from spdsl.memory.simulate import planning_group, simulate
+from spdsl.memory.simulate import simulate
 from spdsl.models.llama import Llama, LlamaConfig
+from spdsl.pipeline import planning_group
 from spdsl.remat import Remat, RematChoice, apply_remat, local_specs
 
 SEQ = 512     # long enough that none > auto > full by kilobytes, not bytes

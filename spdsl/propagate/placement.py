@@ -43,7 +43,8 @@ class Shard:
         return f"Shard({self.dim})" if self.outer == 1 else f"Shard({self.dim}, outer={self.outer})"
 
     def inner(self, shape: Sequence[int]) -> int:
-        return shape[self.dim] // (self.outer * self.size)
+        # an empty dim split (``x[2:]`` of 2 rows) has no factor: nothing inside it
+        return shape[self.dim] // (self.outer * self.size) if self.size else 0
 
 
 Placement = Union[Replicate, Partial, Shard]  # noqa: UP007 (a runtime alias)

@@ -26,8 +26,7 @@ MAX_REFUSED = 0.05                # at most 5% of the programs refused with a Sh
 # Open library bugs the fuzzer found, all on dp 2 x sp 2 (docs/fuzzing.md, "Open"): checked
 # each run, not shrunk; each must still fail as recorded -- once fixed, drop it here.
 _A2A = "error:RuntimeError"    # an all_to_all reshapes to a dp-local shape holding a 0
-KNOWN = {4: {4: _A2A, 25: _A2A, 32: _A2A, 76: _A2A,
-             23: "error:ZeroDivisionError"}}  # building the [data and sequence axes] message
+KNOWN = {4: {4: _A2A, 25: _A2A, 32: _A2A, 76: _A2A}}
 # The refusals a correct engine gives these programs, each a documented limitation
 # (docs/fuzzing.md, "Refusals"); any other rule is a failure to look into.
 EXPECTED_RULES = {

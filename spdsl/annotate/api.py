@@ -221,13 +221,13 @@ class Sharded(InputSpecs, StateSharding, Runtime):
                 val = node.meta["val"]
                 node.meta["spdsl_constraint"] = self._placement_of(val, sp, -1) if len(sp) \
                     else REPLICATE
+        dprop, data_out = None, []
+        if self.data_parts > 1:      # first: the sequence axis must not cut what dp splits
+            dprop, data_out = self._propagate_data(traced, phs, data_in)
         prop = Propagator(gm, self.parts, self.axis, gathers="error" if self.strict else "warn",
-                          attention=self.attention)
+                          attention=self.attention, taken=dprop)
         prop.run(inputs)
         outs = self._out_placements(traced, prop)
-        dprop, data_out = None, []
-        if self.data_parts > 1:
-            dprop, data_out = self._propagate_data(traced, phs, data_in)
         sharded = self._check_state_sharded(traced)
         reduced = self._state_reduced(traced, prop, dprop, outs, data_out, sharded)
         plan = build_plan(prop, requires, outs, frozenset(

@@ -107,9 +107,11 @@ class Propagator:
     ``attention``: how attention runs over the axis (``spdsl.propagate.attention_choice``)."""
 
     def __init__(self, gm: torch.fx.GraphModule, parts: int, axis: str,
-                 gathers: str | None = None, attention=None) -> None:
+                 gathers: str | None = None, attention=None,
+                 taken: Propagator | None = None) -> None:
         self.gm, self.parts, self.axis, self.gathers = gm, parts, axis, gathers
         self.attention = attention
+        self.taken = taken      # another axis' decisions (dp): the whole dims it splits
         self.decisions: dict[torch.fx.Node, Decision] = {}
         self.constraints: dict[torch.fx.Node, tuple[Placement, torch.fx.Node]] = {}
 
@@ -170,6 +172,8 @@ class Propagator:
         best, best_cost = None, INF
         candidates = list(rule(ctx))
         for s in candidates:
+            if self._clashes(s, cur, ins):
+                continue
             cost = s.extra_cost + sum(
                 redistribute_cost(c, r, a.meta["val"], self.parts)
                 for c, r, a in zip(cur, s.inputs, ins))
@@ -199,6 +203,22 @@ class Propagator:
         self.decisions[node] = d
         d.issued = issued(self, node, best.lowering, ins)
         self._atoms(node, ins)
+
+    def _clashes(self, s: Strategy, cur: list[Placement], ins: list[torch.fx.Node]) -> bool:
+        """``s`` would move an input to a split of a whole dim that the other axis (``taken``:
+        the batch over dp) already splits: this axis would cut the other's local piece, which
+        neither the engine's sizes nor the lowering's local shapes describe. Such a strategy
+        is not taken (another is, or the op is refused)."""
+        if self.taken is None:
+            return False
+        for c, r, a in zip(cur, s.inputs, ins):
+            if c == r or not isinstance(r, Shard) or r.outer != 1:
+                continue
+            d = self.taken.decisions.get(a)
+            t = d.output if d is not None else None
+            if isinstance(t, Shard) and t.outer == 1 and t.dim == r.dim:
+                return True
+        return False
 
     def _atoms(self, node: torch.fx.Node, ins: list[torch.fx.Node]) -> None:
         val = node.meta.get("val")

@@ -36,9 +36,11 @@ from spdsl.annotate.specs import (
 from spdsl.annotate.state import StateSharding
 from spdsl.errors import ShardingError, user_line
 from spdsl.inspect.plan import ShardingPlan, build_plan
+from spdsl.inspect.program import attach
 from spdsl.lower.graph import lower
 from spdsl.lower.kernels import KernelChoice
 from spdsl.memory.fit import SIZING
+from spdsl.memory.planner import plan_entry
 from spdsl.pipeline import Job, build_step
 from spdsl.propagate.attention_choice import AttentionConfig
 from spdsl.propagate.engine import Propagator
@@ -236,12 +238,14 @@ class Sharded(InputSpecs, StateSharding, Runtime):
             from spdsl.inspect.mesh_plan import add_mesh_collectives
             add_mesh_collectives(plan, gm, dprop, requires, data_out, sharded, reduced,
                                  self._regathered(phs, sharded))
-        plan._memory = functools.cache(functools.partial(_plan_memory, self, args, kwargs))
-        from spdsl.inspect.program import attach
-        attach(plan, self, args, kwargs)     # plan.collectives: the calls the program runs
         entry = _Compiled(traced, prop, [p for p, _ in placements], outs, plan,
                           state_requires=tuple(t.requires_grad for t in traced.state),
                           data=dprop, data_in=data_in, data_out=data_out, sharded=sharded)
+        # what the plan reads later, from the pipeline's records only: its memory and the
+        # calls the program runs (spdsl.inspect.program)
+        job = self.job
+        plan._memory = functools.cache(functools.partial(plan_entry, job, entry, args, kwargs))
+        attach(plan, job, entry, args, kwargs)
         self._cache[key] = entry
         return entry
 
@@ -428,11 +432,6 @@ class Sharded(InputSpecs, StateSharding, Runtime):
                 pg.group_name
             state = GatherState(entry.sharded, smesh.size(), dist.get_rank(pg), group)
         return data, state
-
-
-def _plan_memory(fn: Sharded, args: tuple, kwargs: dict):
-    from spdsl.memory import plan_memory
-    return plan_memory(fn, *args, **kwargs)
 
 
 def shard(fn: Callable | None = None, *, mesh, in_specs, out_specs=None,

@@ -184,13 +184,13 @@ def program_for_plan(job, entry, args: tuple, kwargs: dict
         return local, step.axes
 
 
-def attach(plan: ShardingPlan, fn, args: tuple, kwargs: dict) -> None:
-    """Let ``plan.collectives`` be read off ``fn``'s program for these arguments when first
-    asked (built then, see :func:`program_for_plan`)."""
+def attach(plan: ShardingPlan, job, entry, args: tuple, kwargs: dict) -> None:
+    """Let ``plan.collectives`` be read off the program of ``entry`` (the decisions of one
+    call) when first asked: built then by the pipeline for ``job`` (``spdsl.pipeline.Job``),
+    see :func:`program_for_plan`."""
     def read(plan: ShardingPlan) -> list[Collective]:
-        entry = fn.build(args, kwargs)
         try:
-            local, axes = program_for_plan(fn.job, entry, args, kwargs)
+            local, axes = program_for_plan(job, entry, args, kwargs)
         except (ValueError, NotImplementedError) as e:
             # a lowering that needs groups a planning process lacks: say so, and list what
             # propagation decided (the gradient of each parameter reduced alone, no remat)

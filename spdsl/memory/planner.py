@@ -46,11 +46,21 @@ def plan_memory(fn, *args, remat=None, rank: int = 0, optimizer: str = "adamw",
     job = getattr(fn, "job", None)
     if not isinstance(job, Job):           # spdsl.Sharded describes itself as a Job
         raise TypeError("plan_memory needs a function wrapped by spdsl.sp_shard or spdsl.shard")
+    return plan_entry(job, fn.build(args, kwargs), args, kwargs, remat=remat, rank=rank,
+                      optimizer=optimizer, optimizer_on_host=optimizer_on_host,
+                      pinned_host=pinned_host, compiled=compiled)
+
+
+def plan_entry(job: Job, entry, args: tuple, kwargs: dict, *, remat=None, rank: int = 0,
+               optimizer: str = "adamw", optimizer_on_host: bool = False,
+               pinned_host: bool | None = None, compiled: bool | None = None) -> MemoryPlan:
+    """:func:`plan_memory` of one call whose decisions (``entry``) are already made: what a
+    plan's ``memory()`` runs."""
     compiled = job.compile if compiled is None else compiled
     if pinned_host is None:
         pinned_host = any(isinstance(a, torch.Tensor) and a.device.type == "cuda"
                           for a in args)
-    with planned_step(job, fn.build(args, kwargs), args, kwargs, SIZING, rank=rank,
+    with planned_step(job, entry, args, kwargs, SIZING, rank=rank,
                       remat=Remat.of(remat) if remat is not None else None,
                       compiled=compiled, optimizer=optimizer) as step:
         return plan_step(step, job.parts, compiled=compiled, optimizer=optimizer,

@@ -22,7 +22,8 @@ parameter and gradient, the gathers and reduce-scatters of the layer in flight);
 divides the replicated program's state (an over-count). Optimizer (--optimizer): adamw-bf16
 updates the bf16 weights with fp32 moments (12 B per parameter with weights and gradients);
 adamw-fp32-master keeps fp32 master weights too (16 B), --optimizer-on-host puts masters and
-moments in pageable host memory (4 B on the device, 12 B on the host). Host memory:
+moments in pageable host memory (4 B on the device, 12 B on the host); adamw-torch is
+torch.optim.AdamW on the bf16 weights as it is, its moments in bf16 (8 B). Host memory:
 --host-memory per rank (192GiB: a 1.5 TiB node of 8 GPUs; such nodes have 1-2 TiB), offloaded
 copies counted as PyTorch's pinned allocator takes them (each rounded up to a power of two:
 spdsl.memory.host). Device figures plan the GPU run (--kernels triton: spdsl's Triton kernels
@@ -125,7 +126,9 @@ def parser() -> argparse.ArgumentParser:
                    help="per-rank host memory for offloaded activations")
     p.add_argument("--optimizer", choices=OPTIMIZERS, default="adamw-bf16",
                    help="adamw-bf16: bf16 weights updated in place, fp32 moments; "
-                        "adamw-fp32-master: fp32 master weights too (adamw = adamw-bf16)")
+                        "adamw-fp32-master: fp32 master weights too; adamw-torch: "
+                        "torch.optim.AdamW as it is, moments in the weights' dtype "
+                        "(adamw = adamw-bf16)")
     p.add_argument("--optimizer-on-host", action="store_true",
                    help="fp32 masters and moments in host memory (adamw-fp32-master)")
     p.add_argument("--state-shards", default="1",

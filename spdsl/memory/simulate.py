@@ -11,15 +11,20 @@ parameter at a time (its temporaries: the gradient cast to fp32, ``sqrt(v)`` and
 in one of two precisions. Bytes per parameter, for bf16 parameters (divided by the state
 shards where state is sharded):
 
-============================  ======  ========  ===================  ==============
-``optimizer=``                weights gradient  fp32 master          moments (fp32)
-============================  ======  ========  ===================  ==============
-``"adamw-bf16"`` (default)    2       2         none: updates the    8 (``m``, ``v``)
+============================  ======  ========  ===================  ==================
+``optimizer=``                weights gradient  fp32 master          moments
+============================  ======  ========  ===================  ==================
+``"adamw-bf16"`` (default)    2       2         none: updates the    8 (``m``, ``v`` fp32)
                                                 bf16 weights
 ``"adamw-fp32-master"``       2       2         4                    8
-============================  ======  ========  ===================  ==============
+``"adamw-torch"``             2       2         none                 4 (bf16, as
+                                                                     ``torch.optim.AdamW``
+                                                                     keeps them)
+============================  ======  ========  ===================  ==================
 
-so 12 and 16 B per parameter on the device (``"adamw"`` is ``"adamw-bf16"``). The master copy
+so 12, 16 and 8 B per parameter on the device (``"adamw"`` is ``"adamw-bf16"``).
+``"adamw-torch"`` is ``torch.optim.AdamW(model.parameters())`` on the parameters as they are:
+its moments take the parameter's dtype and the gradient is used as it comes (no fp32 copy). The master copy
 is updated in fp32 and cast into the bf16 weights; fp32 weights need no master. With
 ``optimizer_on_host=True`` (fp32 master only: DeepSpeed's ZeRO-Offload, as ALST runs it) the
 master and moments (12 B per parameter) live in pageable host memory, each gradient is copied to
@@ -39,8 +44,9 @@ from spdsl.lower.shapes import TensorSpec
 from spdsl.memory.report import MemoryPlan
 from spdsl.memory.tracker import LiveBytes
 
-OPTIMIZERS = ("adamw", "adamw-bf16", "adamw-fp32-master", "sgd", "none")
+OPTIMIZERS = ("adamw", "adamw-bf16", "adamw-fp32-master", "adamw-torch", "sgd", "none")
 MASTER = "adamw-fp32-master"
+TORCH = "adamw-torch"      # torch.optim.AdamW as it runs: moments in the parameter's dtype
 
 
 def canonical_optimizer(optimizer: str, on_host: bool = False) -> str:
@@ -54,14 +60,20 @@ def canonical_optimizer(optimizer: str, on_host: bool = False) -> str:
 
 
 def optimizer_state_bytes(params: list[TensorSpec], optimizer: str) -> int:
-    """Persistent optimizer bytes: AdamW keeps fp32 ``exp_avg``, ``exp_avg_sq`` and ``step``
-    (and with fp32 masters an fp32 copy of each non-fp32 parameter)."""
+    """Persistent optimizer bytes: AdamW keeps ``exp_avg``, ``exp_avg_sq`` (fp32, or the
+    parameter's dtype under ``"adamw-torch"``) and ``step`` (and with fp32 masters an fp32 copy
+    of each non-fp32 parameter)."""
     optimizer = canonical_optimizer(optimizer)
     if not optimizer.startswith("adamw"):
         return 0
     master = optimizer == MASTER
-    return sum(math.prod(p.shape) * (8 + 4 * (master and p.dtype != torch.float32)) + 4
+    return sum(math.prod(p.shape) * (2 * _moment_dtype(p.dtype, optimizer).itemsize +
+                                     4 * (master and p.dtype != torch.float32)) + 4
                for p in params if p.requires_grad)
+
+
+def _moment_dtype(dtype: torch.dtype, optimizer: str) -> torch.dtype:
+    return dtype if optimizer == TORCH else torch.float32
 
 
 def _adamw_update(p: torch.Tensor, m: torch.Tensor, v: torch.Tensor, step: torch.Tensor,
@@ -118,7 +130,7 @@ def simulate(gm: torch.nn.Module, state: list[TensorSpec], inputs: list[TensorSp
         xs = [s.fake() for s in inputs]
         states = {}
         if optimizer.startswith("adamw"):
-            states = {i: _adamw_state(p, optimizer == MASTER)
+            states = {i: _adamw_state(p, optimizer == MASTER, _moment_dtype(p.dtype, optimizer))
                       for i, p in enumerate(params) if p.requires_grad}
         tracker.register(params, "parameter")
         tracker.register(xs, "input")
@@ -157,12 +169,13 @@ def simulate(gm: torch.nn.Module, state: list[TensorSpec], inputs: list[TensorSp
                                    tokens=tokens, label=label)
 
 
-def _adamw_state(p: torch.Tensor, master: bool) -> tuple:
-    """``exp_avg``, ``exp_avg_sq``, ``step`` and the fp32 master (None where p is fp32 or
-    there is none), on the parameter's device (a CUDA plan mixing devices would fail). A host
-    optimizer's state is the same tensors, counted as host memory by the caller."""
-    m = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
-    v = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
+def _adamw_state(p: torch.Tensor, master: bool, moments: torch.dtype = torch.float32) -> tuple:
+    """``exp_avg``, ``exp_avg_sq`` (in ``moments``), ``step`` and the fp32 master (None where p
+    is fp32 or there is none), on the parameter's device (a CUDA plan mixing devices would
+    fail). A host optimizer's state is the same tensors, counted as host memory by the
+    caller."""
+    m = torch.zeros(p.shape, dtype=moments, device=p.device)
+    v = torch.zeros(p.shape, dtype=moments, device=p.device)
     w = p.detach().to(torch.float32, copy=True) if master and p.dtype != torch.float32 else None
     return m, v, torch.zeros(()), w
 

@@ -76,6 +76,7 @@ def test_planned_host_bytes_are_the_requests_offload_makes(one_rank):
 
 
 OPT_CASES = {"adamw-bf16": (False, 12, 0), "adamw-fp32-master": (False, 16, 0),
+             "adamw-torch": (False, 8, 0),
              "adamw-fp32-master/host": (True, 4, 12)}
 
 

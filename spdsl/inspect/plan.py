@@ -20,7 +20,7 @@ import torch
 
 from spdsl._torch import OpOverload
 from spdsl.propagate.engine import Decision, Propagator, nbytes, tensor_inputs
-from spdsl.propagate.forms import form_of
+from spdsl.propagate.forms import form_of, is_attention_node
 from spdsl.propagate.heads import kv_repeat
 from spdsl.propagate.masks import MASK
 from spdsl.propagate.moves import Move
@@ -283,7 +283,7 @@ def _attention(node: torch.fx.Node, prop: Propagator, ins: list) -> Attention | 
         return None
     flex = node.target is torch.ops.higher_order.flex_attention
     fn = node.target is torch.ops.spdsl.attention_fn.default
-    if (node.target is torch.ops.spdsl.attention.default or flex or fn) and len(ins) >= 3:
+    if is_attention_node(node) and len(ins) >= 3:
         q, k, v = (ins[j].meta["val"] for j in range(3))
         if q.dim() != 4:
             return None

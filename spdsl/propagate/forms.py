@@ -110,6 +110,15 @@ def is_attention_op(func) -> bool:
     return hit
 
 
+def is_attention_node(node: torch.fx.Node) -> bool:
+    """A node of a traced graph that is an attention site: the ``spdsl.attention`` node every
+    captured or found form becomes, ``spdsl.attention_fn`` (a mask program) and
+    ``flex_attention``. What the plan lists as attention and the rules decide as one."""
+    return node.op == "call_function" and node.target in (
+        torch.ops.spdsl.attention.default, torch.ops.spdsl.attention_fn.default,
+        torch.ops.higher_order.flex_attention)
+
+
 def dtensor_ops() -> tuple[list, list]:
     """(forward, backward) ATen ops the DTensor adapter runs as Ulysses."""
     fwd = [op for f in FORMS.values() if f.dtensor for op in f.ops]

@@ -99,7 +99,9 @@ def dot_precision(dtype: torch.dtype) -> str:
     Triton's default for fp32 operands is TF32 (10-bit mantissa, about 1e-3 relative error per
     product), which would make an fp32 run silently inexact; "ieee" keeps full fp32 products.
     fp16/bf16 operands ignore the setting, so they keep the default. The interpreter computes
-    every dot in numpy at full precision whatever is asked: only a GPU run tells them apart.
+    fp32 and fp16 dots in numpy at full precision whatever is asked (only a GPU run tells
+    IEEE from TF32); its bf16 dots multiply the raw uint16 bit patterns, so bf16 flash
+    attention is tested on a GPU only.
     """
     return "ieee" if dtype == torch.float32 else "tf32"
 

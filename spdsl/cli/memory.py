@@ -13,8 +13,9 @@ Modes (--remat), as remat= of sp_shard: none; auto (remat="auto": saves per op b
 FLOPs per saved byte); full; a per-rank budget such as 60GiB (remat="60GiB": the least
 recomputation that fits it). Two more for this search: lean, auto's leanest policy
 (Remat("auto", budget=0): attention saved, all else recomputed, MLP and loss tiled); and best:
-a search over remat mode (auto, lean, full) x recomputed all-to-alls x offload (when --offload
-allows it) x the tiling chunk (256 or 64 MiB) x state shards (as given, and over every rank),
+a search over remat mode (auto, lean, full) x MLP tiling (where its intermediate reaches
+256 MiB, or in sequence chunks at any size; lean tiles always) x recomputed all-to-alls x
+offload (when --offload allows it) x state shards (as given, and over every rank),
 every combination's longest sequence from the depth extrapolation, the longest checked at full
 depth; its header names the choice. State split over every rank (--state-shards all, ZeRO-3
 over the dp x sp mesh) is planned as the sharded program runs (each rank's rows of every
@@ -182,9 +183,11 @@ def remat_of(mode: str, a) -> Remat:
 
 
 def best_grid(offload: bool, shards: int, every: int) -> list[tuple[Remat, int]]:
-    """What ``best`` searches: remat mode (auto, lean, full) x recomputed all-to-alls x offload
-    (with --offload) x state shards (as given, and over every rank), as (Remat, shards)."""
-    modes = [Remat("auto"), Remat("auto", budget=0), Remat("full")]
+    """What ``best`` searches: remat mode (auto, lean, full) x MLP tiling (by size, or in
+    sequence chunks at any size; lean tiles always) x recomputed all-to-alls x offload (with
+    --offload) x state shards (as given, and over every rank), as (Remat, shards)."""
+    modes = [Remat("auto"), Remat("auto", tile_mlp=True), Remat("auto", budget=0),
+             Remat("full"), Remat("full", tile_mlp=True)]
     out = []
     for n in sorted({shards, every}):
         for r in modes:
@@ -197,7 +200,7 @@ def best_grid(offload: bool, shards: int, every: int) -> list[tuple[Remat, int]]
 def _name(r: Remat, shards: int | None = None) -> str:
     base = r.mode if r.mode != "auto" or r.budget is None else \
         "lean" if r.budget == 0 else f"auto({fmt_bytes(r.budget)})"
-    extra = [k for k in ("recompute_collectives", "offload") if getattr(r, k)]
+    extra = [k for k in ("tile_mlp", "recompute_collectives", "offload") if getattr(r, k)]
     state = [f"state/{shards}"] if shards is not None else []
     return "+".join([base] + extra + state)
 

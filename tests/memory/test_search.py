@@ -52,7 +52,9 @@ def test_default_reserve_for_an_80gib_card():
 
 def test_best_grid():
     grid = best_grid(True, 8, 32)
-    assert len(grid) == 3 * 2 * 2 * 2
+    assert len(grid) == 5 * 2 * 2 * 2
     assert {n for _, n in grid} == {8, 32}
-    assert {(r.mode, r.budget) for r, _ in grid} == {("auto", None), ("auto", 0), ("full", None)}
-    assert len(best_grid(False, 8, 8)) == 3 * 2
+    assert {(r.mode, r.budget, r.tile_mlp) for r, _ in grid} == {
+        ("auto", None, None), ("auto", None, True), ("auto", 0, None), ("full", None, None),
+        ("full", None, True)}
+    assert len(best_grid(False, 8, 8)) == 5 * 2

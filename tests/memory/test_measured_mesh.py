@@ -1,7 +1,8 @@
 """The planner's per-rank peak with sharded state on a dp x sp mesh against the allocator's
 own count (``spdsl.memory.measure``, which shares no code with the planner): tiny and small
 Llama, dp=2 x sp=2 and dp=1 x sp=4, remat none/auto/full and full with offload (its host copies
-counted with the device bytes: on CPU they share the allocator), within 10%.
+counted with the device bytes: on CPU they share the allocator), and the tiny Llama compiled at
+dp=1 x sp=4 (remat none and full), within 10%.
 What is compared is what ``tests/memory/measured.py`` compares: the most bytes held during one
 steady-state step above what was held when it began."""
 
@@ -65,6 +66,10 @@ def _case(name: str, dp: int, sp: int, mesh, compile: bool = False, modes=None) 
     return out
 
 
+# compiled: one case (a cold compile per mode costs about a minute on these cores)
+COMPILED = ("tiny_4x256", 1, 4, ("none", "full"))
+
+
 def _run(rank: int, world: int) -> dict:
     track_cpu_allocations()
     res = {}
@@ -72,7 +77,9 @@ def _run(rank: int, world: int) -> dict:
         mesh = spdsl.mesh(dp=dp, sp=sp)
         for name in CASES:
             res[(name, dp, sp)] = _case(name, dp, sp, mesh)
-    return res
+    name, dp, sp, modes = COMPILED
+    compiled = _case(name, dp, sp, spdsl.mesh(dp=dp, sp=sp), compile=True, modes=modes)
+    return {"eager": res, "compiled": compiled}
 
 
 @functools.cache
@@ -83,8 +90,8 @@ def _results() -> list[dict]:
 @pytest.mark.parametrize("mesh", MESHES, ids=[f"dp{d}xsp{s}" for d, s in MESHES])
 def test_planner_within_10pct_of_allocator_with_sharded_state(mesh):
     rows, bad = [], []
-    for rank, res in enumerate(_results()):
-        for (name, dp, sp), modes in res.items():
+    for rank, both in enumerate(_results()):
+        for (name, dp, sp), modes in both["eager"].items():
             if (dp, sp) != mesh:
                 continue
             for mode, o in modes.items():
@@ -97,4 +104,23 @@ def test_planner_within_10pct_of_allocator_with_sharded_state(mesh):
                 assert o["end"] == 0, row + f" (the step kept {o['end']} B)"
     print("\n" + "\n".join(rows))
     assert len(rows) == 4 * len(CASES) * len(_modes())
+    assert not bad, "\n".join(bad)
+
+
+def test_compiled_sharded_program_planned_as_measured():
+    """The compiled step with sharded state (Inductor's program replayed by the planner,
+    ``spdsl.memory.compiled``) against the allocator, every rank, within the same 10%."""
+    name, dp, sp, modes = COMPILED
+    rows, bad = [], []
+    for rank, both in enumerate(_results()):
+        for mode, o in both["compiled"].items():
+            err = o["planned"] / o["measured"] - 1
+            row = (f"compiled dp{dp}xsp{sp} r{rank} {name} {mode:5} planned {o['planned']:>10,} "
+                   f"measured {o['measured']:>10,} {err:+.2%}")
+            rows.append(row)
+            if abs(err) > TOL:
+                bad.append(row)
+            assert o["end"] == 0, row + f" (the step kept {o['end']} B)"
+    print("\n" + "\n".join(rows))
+    assert len(rows) == 4 * len(modes)
     assert not bad, "\n".join(bad)

@@ -87,40 +87,38 @@ def _results() -> list[dict]:
     return spawn(_run, 4, timeout=1500)
 
 
+def _check(cases) -> None:
+    """``cases``: (label, result) pairs; each planned peak within ``TOL`` of the measured one,
+    and each step ending where it began."""
+    rows, bad = [], []
+    for label, o in cases:
+        err = o["planned"] / o["measured"] - 1
+        row = (f"{label} planned {o['planned']:>11,} measured {o['measured']:>11,} "
+               f"{err:+.2%}")
+        rows.append(row)
+        if abs(err) > TOL:
+            bad.append(row)
+        assert o["end"] == 0, row + f" (the step kept {o['end']} B)"
+    print("\n" + "\n".join(rows))
+    assert not bad, "\n".join(bad)
+
+
 @pytest.mark.parametrize("mesh", MESHES, ids=[f"dp{d}xsp{s}" for d, s in MESHES])
 def test_planner_within_10pct_of_allocator_with_sharded_state(mesh):
-    rows, bad = [], []
-    for rank, both in enumerate(_results()):
-        for (name, dp, sp), modes in both["eager"].items():
-            if (dp, sp) != mesh:
-                continue
-            for mode, o in modes.items():
-                err = o["planned"] / o["measured"] - 1
-                row = (f"dp{dp}xsp{sp} r{rank} {name:12} {mode:12} planned {o['planned']:>11,} "
-                       f"measured {o['measured']:>11,} {err:+.2%}")
-                rows.append(row)
-                if abs(err) > TOL:
-                    bad.append(row)
-                assert o["end"] == 0, row + f" (the step kept {o['end']} B)"
-    print("\n" + "\n".join(rows))
-    assert len(rows) == 4 * len(CASES) * len(_modes())
-    assert not bad, "\n".join(bad)
+    dp, sp = mesh
+    cases = [(f"dp{dp}xsp{sp} r{rank} {name:12} {mode:12}", o)
+             for rank, both in enumerate(_results())
+             for (name, d, s), modes in both["eager"].items() if (d, s) == mesh
+             for mode, o in modes.items()]
+    assert len(cases) == 4 * len(CASES) * len(_modes())
+    _check(cases)
 
 
 def test_compiled_sharded_program_planned_as_measured():
     """The compiled step with sharded state (Inductor's program replayed by the planner,
     ``spdsl.memory.compiled``) against the allocator, every rank, within the same 10%."""
     name, dp, sp, modes = COMPILED
-    rows, bad = [], []
-    for rank, both in enumerate(_results()):
-        for mode, o in both["compiled"].items():
-            err = o["planned"] / o["measured"] - 1
-            row = (f"compiled dp{dp}xsp{sp} r{rank} {name} {mode:5} planned {o['planned']:>10,} "
-                   f"measured {o['measured']:>10,} {err:+.2%}")
-            rows.append(row)
-            if abs(err) > TOL:
-                bad.append(row)
-            assert o["end"] == 0, row + f" (the step kept {o['end']} B)"
-    print("\n" + "\n".join(rows))
-    assert len(rows) == 4 * len(modes)
-    assert not bad, "\n".join(bad)
+    cases = [(f"compiled dp{dp}xsp{sp} r{rank} {name} {mode:5}", o)
+             for rank, both in enumerate(_results()) for mode, o in both["compiled"].items()]
+    assert len(cases) == 4 * len(modes)
+    _check(cases)

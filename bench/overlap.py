@@ -19,7 +19,9 @@ system, alternating too: **exposed communication** is the time the rank's own th
 inside collectives -- functional collectives' issue and ``wait_tensor`` (spdsl), ``c10d``
 calls and the blocking wait that follows them up to the next op (hand-written Ulysses, whose
 ``dist.all_to_all_single`` waits without a profiler record of its own) -- summed per step,
-and its share of that rank's profiled step; the mean over ranks and profiled steps.
+and its share of that rank's profiled step; the mean over ranks and profiled steps. Beside
+it, the plan's cost model of the same step (``plan.timing().exposed_share``, CPU links: the
+share the links alone would leave exposed, without other ranks' compute to wait for).
 """
 
 from __future__ import annotations
@@ -75,12 +77,21 @@ class _Spdsl:
         self.groups, self.grad_overlap = groups, grad_overlap
         self.trainer = SpdslTrainer(cfg, False, attention="ulysses")
 
-    def step(self, ids, labels) -> float:
+    def _modes(self) -> None:
         from spdsl import collectives
         from spdsl.lower import ops
         ops.ULYSSES_GROUPS = self.groups
         collectives.GRAD_OVERLAP = self.grad_overlap
+
+    def step(self, ids, labels) -> float:
+        self._modes()
         return _step(self.trainer, ids, labels)
+
+    def modelled(self, ids, labels) -> float:
+        """The plan's cost model (``plan.timing()``, CPU links): exposed share of the step."""
+        import spdsl
+        self._modes()
+        return spdsl.plan(self.trainer.fn, ids, labels).timing().exposed_share
 
 
 class _Plain:
@@ -164,6 +175,9 @@ def main() -> None:
             got = [None] * world
             dist.all_gather_object(got, (e, s))
             exposed[k].extend(got)
+    ids, labels = batches[0]
+    model = {k: systems[k].modelled(ids, labels) if isinstance(systems[k], _Spdsl) else None
+             for k in names}
     if rank == 0:
         rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], check=False,
                              capture_output=True, text=True).stdout.strip()
@@ -176,8 +190,9 @@ def main() -> None:
         print(f"revision {out['revision']}, SP {world}, {a.seq} tokens, model {a.model}, "
               f"load {os.getloadavg()[0]:.1f}")
         print(f"| system | step s: median (min-max) | vs {first} | paired ratio median | "
-              f"exposed comm s / step | exposed share | max loss diff vs {first} |")
-        print("|---|---|---|---|---|---|---|")
+              f"exposed comm s / step | exposed share | cost model's exposed share | "
+              f"max loss diff vs {first} |")
+        print("|---|---|---|---|---|---|---|---|")
         for k in names:
             med = statistics.median(times[k])
             paired = statistics.median(x / y for x, y in zip(times[k], times[first]))
@@ -185,9 +200,11 @@ def main() -> None:
             share = statistics.mean(e / s for e, s in exposed[k])
             dl = max(abs(x - y) for x, y in zip(losses[k], losses[first]))
             out["systems"][k] = {"times": times[k], "losses": losses[k],
-                                 "exposed": exposed[k]}
+                                 "exposed": exposed[k], "modelled_share": model[k]}
+            mod = "-" if model[k] is None else f"{model[k]:.1%}"
             print(f"| {k} | {med:.3f} ({min(times[k]):.3f}-{max(times[k]):.3f}) | "
-                  f"{med / base:.2f} | {paired:.2f} | {ex:.3f} | {share:.1%} | {dl:.1e} |")
+                  f"{med / base:.2f} | {paired:.2f} | {ex:.3f} | {share:.1%} | {mod} | "
+                  f"{dl:.1e} |")
         if a.out:
             with open(a.out, "w") as f:
                 json.dump(out, f, indent=1)

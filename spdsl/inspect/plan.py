@@ -31,6 +31,8 @@ from spdsl.propagate.source import module_of, source_of
 if TYPE_CHECKING:
     from spdsl.inspect.explain import Explanation
     from spdsl.inspect.layers import Block, Totals
+    from spdsl.inspect.timing import Timing
+    from spdsl.propagate.attention_choice import Links
 
 
 @dataclass(frozen=True)
@@ -154,6 +156,21 @@ class ShardingPlan:
         """Bytes per rank per step beside the analytic Ulysses floor."""
         from spdsl.inspect.layers import totals
         return totals(self)
+
+    def timing(self, links: Links | None = None) -> Timing:
+        """The step's communication against its compute from a cost model of the program
+        that runs: each transfer's seconds, how much of it is exposed and what hides the rest
+        (``spdsl.inspect.timing``; ``links`` default to ``Links.default`` for the inputs'
+        device)."""
+        self.collectives                        # noqa: B018  (reads the program once)
+        schedule = self.__dict__.get("_schedule")
+        if schedule is None and links is None and "_timing" in self.__dict__:
+            return self.__dict__["_timing"]          # read from JSON: its figures only
+        if schedule is None:
+            raise AttributeError("this plan has no program to time (build it with spdsl.plan "
+                                 "on an sp_shard/shard-ed function)")
+        from spdsl.inspect.timing import simulate
+        return simulate(schedule, links)
 
     def explain(self, value: Any) -> Explanation:
         """The chain of rules that gave ``value`` (a name, a ``Value`` or an fx node) its

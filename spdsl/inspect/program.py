@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import operator
 import warnings
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -39,8 +40,30 @@ _GATHER_PARAM = torch.ops.spdsl.gather_param.default
 def program_calls(gm: torch.nn.Module) -> list[tuple[torch.fx.Node, Call, bool]]:
     """``(call node, collective, recomputed)`` for every collective ``gm`` runs in one step,
     in program order; shapes must be filled (``fill_shapes``, or remat's own annotation)."""
-    out: list[tuple[torch.fx.Node, Call, bool]] = []
-    _walk(gm.__dict__.get("gm", gm), None, None, out)       # CompiledLocal: its graph
+    return [(e.node, e.call, e.recomputed) for e in program_events(gm) if e.call is not None]
+
+
+@dataclass(frozen=True)
+class Event:
+    """One step of a program, in order: an op (``call`` None) or one collective of a call
+    node. ``region``: the checkpointed layer it runs in (remat runs its ops again in
+    backward), ``top``: the index of the top-level node it belongs to, ``grad``: whether its
+    value needs a gradient (backward runs for it)."""
+
+    node: torch.fx.Node
+    call: Call | None
+    recomputed: bool
+    region: Any
+    top: int
+    grad: bool
+    module: Any = None      # a call_module node's module (a tiled MLP: ``TiledRows``)
+
+
+def program_events(gm: torch.nn.Module) -> list[Event]:
+    """Every op and collective ``gm`` runs in one step's forward, in program order (what
+    ``spdsl.inspect.timing`` schedules); shapes filled as for :func:`program_calls`."""
+    out: list[Event] = []
+    _walk(gm.__dict__.get("gm", gm), None, None, out, None)       # CompiledLocal: its graph
     return out
 
 
@@ -51,9 +74,11 @@ def _floating(n: torch.fx.Node) -> bool:
     return any(x.is_floating_point() for x in ts) if ts else v is None
 
 
-def _walk(gm: torch.nn.Module, in_grads: list[bool] | None, region, out: list) -> Any:
-    """Walk ``gm``'s graph; ``region``: the ``Checkpointed`` layer it runs in, if any.
-    Returns whether each output needs a gradient."""
+def _walk(gm: torch.nn.Module, in_grads: list[bool] | None, region, out: list,
+          top: int | None) -> Any:
+    """Walk ``gm``'s graph; ``region``: the ``Checkpointed`` layer it runs in, if any;
+    ``top``: the top-level node's index (None: this is the top level). Returns whether each
+    output needs a gradient."""
     from spdsl.remat.segments import Checkpointed
 
     grad: dict[torch.fx.Node, Any] = {}
@@ -63,7 +88,8 @@ def _walk(gm: torch.nn.Module, in_grads: list[bool] | None, region, out: list) -
         return any(g) if isinstance(g, (list, tuple)) else bool(g)
 
     ins = iter(in_grads or ())
-    for n in gm.graph.nodes:
+    for i, n in enumerate(gm.graph.nodes):
+        at = i if top is None else top
         if n.op == "placeholder":
             grad[n] = next(ins, False) if in_grads is not None else \
                 bool(n.meta.get("spdsl_requires_grad")) and _floating(n)
@@ -72,20 +98,24 @@ def _walk(gm: torch.nn.Module, in_grads: list[bool] | None, region, out: list) -
             inner, where = (sub.inner, sub) if isinstance(sub, Checkpointed) else (sub, region)
             args = [needs(a) for a in n.args if isinstance(a, torch.fx.Node)]
             if isinstance(inner, torch.fx.GraphModule):
-                grad[n] = _walk(inner, args, where, out)
+                grad[n] = _walk(inner, args, where, out, at)
             else:                               # a tiled MLP: no collectives inside
                 grad[n] = any(args)
+                out.append(Event(n, None, False, where, at, grad[n], sub))
         elif n.op == "call_function":
             if n.target is operator.getitem and isinstance(grad.get(n.args[0]), (list, tuple)):
                 grad[n] = bool(grad[n.args[0]][n.args[1]])
             else:
                 grad[n] = _floating(n) and n.target is not torch.ops.aten.detach.default and \
                     any(needs(a) for a in n.all_input_nodes)
-            for c in describe(n, needs):
-                out.append((n, c, False))
+            calls = describe(n, needs)
+            if not calls:
+                out.append(Event(n, None, False, region, at, grad[n]))
+            for c in calls:
+                out.append(Event(n, c, False, region, at, grad[n]))
                 if c.bytes and _recomputed(region, n):
-                    out.append((n, Call(c.kind, c.group, 0, c.bytes, c.purpose, c.values),
-                                True))
+                    out.append(Event(n, Call(c.kind, c.group, 0, c.bytes, c.purpose, c.values),
+                                     True, region, at, grad[n]))
         elif n.op == "output":
             res = n.args[0]
             return [needs(a) for a in res] if isinstance(res, (tuple, list)) else needs(res)
@@ -187,7 +217,8 @@ def program_for_plan(job, entry, args: tuple, kwargs: dict
 def attach(plan: ShardingPlan, job, entry, args: tuple, kwargs: dict) -> None:
     """Let ``plan.collectives`` be read off the program of ``entry`` (the decisions of one
     call) when first asked: built then by the pipeline for ``job`` (``spdsl.pipeline.Job``),
-    see :func:`program_for_plan`."""
+    see :func:`program_for_plan`; ``plan.timing()`` schedules the same program
+    (``spdsl.inspect.timing``)."""
     def read(plan: ShardingPlan) -> list[Collective]:
         try:
             local, axes = program_for_plan(job, entry, args, kwargs)
@@ -198,5 +229,27 @@ def attach(plan: ShardingPlan, job, entry, args: tuple, kwargs: dict) -> None:
                           "the collectives listed are propagation's, not the program's",
                           stacklevel=3)
             return plan.__dict__["_collectives"]
-        return collectives_of(local, plan, axes)
+        colls = collectives_of(local, plan, axes)
+        plan.__dict__["_schedule"] = _schedule(local, colls, job, args)
+        return colls
     plan.__dict__["_program"] = read
+
+
+def _schedule(local: torch.nn.Module, colls: list[Collective], job, args: tuple):
+    """What ``spdsl.inspect.timing`` needs of the program: its events beside the plan's
+    entry of each call, the axes' sizes, the device and how gradient buckets run."""
+    import spdsl.collectives as C
+    from spdsl.inspect.timing import Schedule
+
+    events = program_events(local)
+    after = [c for c in colls if c.purpose == "input"]        # listed first, run last
+    it = iter(colls[len(after):])
+    per_event = tuple(next(it) if e.call is not None else None for e in events)
+    sizes = {job.axis: job.parts}
+    if job.data_axis and job.data_parts > 1:
+        sizes[job.data_axis] = job.data_parts
+        sizes[f"{job.data_axis}+{job.axis}"] = job.data_parts * job.parts
+    device = next((a.device.type for a in args if isinstance(a, torch.Tensor)), "cpu")
+    return Schedule(local.__dict__.get("gm", local), tuple(events), per_event, tuple(after), sizes,
+                    "cuda" if device == "cuda" else "cpu",
+                    C.GRAD_OVERLAP and not job.compile)

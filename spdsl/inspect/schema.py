@@ -68,7 +68,16 @@ def to_dict(plan: ShardingPlan) -> dict[str, Any]:
         "collectives": [_collective(c) for c in plan.collectives],
         "values": [_value(v) for v in plan.values],
         "remat": plan.remat.to_dict() if plan.remat is not None else None,
+        "timing": _timing(plan),
     }
+
+
+def _timing(plan: ShardingPlan) -> dict[str, Any] | None:
+    """The cost model's figures under the default links, where the plan has a program."""
+    try:
+        return plan.timing().to_dict()
+    except AttributeError:
+        return None
 
 
 def to_json(plan: ShardingPlan, indent: int | None = 1) -> str:
@@ -102,6 +111,10 @@ def from_json(text: str) -> ShardingPlan:
                      a.get("mask", ""), a.get("runs", ""), a.get("why", ""))
            for a in d["attention"]]
     remat = RematChoice.from_dict(d["remat"]) if d.get("remat") else None
-    return ShardingPlan(d["axis"], d["parts"], values, colls,
+    plan = ShardingPlan(d["axis"], d["parts"], values, colls,
                         [(o["value"], o["placement"]) for o in d["outputs"]], att, d["title"],
                         remat=remat)
+    if d.get("timing"):
+        from spdsl.inspect.timing import Timing
+        plan.__dict__["_timing"] = Timing.from_dict(d["timing"])
+    return plan

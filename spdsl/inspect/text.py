@@ -134,4 +134,7 @@ def render(plan: ShardingPlan) -> str:
                      f"{fmt_ratio(t.ratio_bwd)} backward")
     if plan.remat is not None:       # what remat="fit" chose, and the peaks it weighed
         lines.append(f"  remat:              {plan.remat}")
+    if "_schedule" in plan.__dict__ or "_timing" in plan.__dict__:    # modelled communication
+        lines.append(f"  communication:      {plan.timing().summary()} (cost model: "
+                     "plan.timing())")
     return "\n".join(lines)

@@ -457,9 +457,10 @@ def written_out(node: torch.fx.Node) -> dict:
 GRAD_BUCKET_BYTES = 32 * 2 ** 20
 
 
-def bucket_gradient_reduces(graph: torch.fx.Graph, cap: int = GRAD_BUCKET_BYTES) -> int:
+def bucket_gradient_reduces(graph: torch.fx.Graph, cap: int | None = None) -> int:
     """Fold the gradient all-reduces of graph inputs (parameters) into buckets of up to
-    ``cap`` bytes, one ``grad_all_reduce_many`` each; returns the number of buckets.
+    ``cap`` bytes (default :data:`GRAD_BUCKET_BYTES`, read when called), one
+    ``grad_all_reduce_many`` each; returns the number of buckets.
 
     A marker on a value computed from one parameter alone (``t(w)``) moves to the parameter
     when nothing else uses that chain: the gradient map of replicated inputs is the same on
@@ -470,6 +471,7 @@ def bucket_gradient_reduces(graph: torch.fx.Graph, cap: int = GRAD_BUCKET_BYTES)
     outside every layer (checkpointed regions never re-run them). A parameter read only
     through ``detach()`` gets no marker: it keeps no gradient, eager or compiled.
     """
+    cap = GRAD_BUCKET_BYTES if cap is None else cap
     nodes = [m for m in (_marker_on_input(graph, n) for n in list(graph.nodes)
                          if n.target is C.grad_all_reduce) if m is not None]
     nodes = [n for n in nodes if n.args[0].op == "placeholder"]

@@ -40,8 +40,9 @@ def test_totals_beside_the_floor(tiny_plan):
     grads = [c for c in tiny_plan.collectives if c.purpose == "gradient"]
     assert len(grads) == 1 and t.grad_bwd == grads[0].bytes_bwd      # one bucket
     assert len(grads[0].carries) == 21 and grads[0].carries[0] == "lm_head.weight"
-    last = str(tiny_plan).splitlines()[-1]
-    assert "Ulysses floor" in last and "1.00x forward, 1.00x backward" in last
+    floor, comm = str(tiny_plan).splitlines()[-2:]
+    assert "Ulysses floor" in floor and "1.00x forward, 1.00x backward" in floor
+    assert comm.startswith("  communication:") and "exposed" in comm
 
 
 def test_block_of_and_bytes():

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# One-command check of spdsl on one CUDA device (under 8 minutes on one H200). Sections, each in
-# its own process under its own time limit (a failure or a hang in one does not stop the rest):
+# One-command check of spdsl on one CUDA device, within BUDGET seconds (560: one device call of
+# at most 10 minutes, with the start-up). Sections, each in its own process under its own time
+# limit cut to what is left of the budget (a failure or a hang in one does not stop the rest):
 #   tests   - pytest tests/kernels on the device: the gpu cases in fp32 (IEEE dots), bf16 and
 #             fp16 against the fp32 references, plus the plain CPU tests (bench/gpu/summarize.py
 #             counts pass/fail per dtype);
@@ -30,7 +31,9 @@
 #   bash bench/gpu_check.sh --dry-run       # CPU, well under a minute: every section at tiny
 #                                           # shapes, kernels under TRITON_INTERPRET=1, fp32
 #   bash bench/gpu_check.sh --out DIR       # results elsewhere (dry run default: a temp dir)
-# Env: PYTHON=... (default: the first of python, python3 that imports torch);
+#   bash bench/gpu_check.sh --only bench,masked   # these sections only (a second call: the
+#                                           # others' results in the folder are kept)
+# Env: PYTHON=... (default: the first of python, python3 that imports torch); BUDGET=seconds;
 #      LIMIT_ENV/LIMIT_TESTS/LIMIT_PARITY/LIMIT_PLANNER/LIMIT_BENCH/LIMIT_MASKED/LIMIT_BIGSTEP:
 #      seconds per section.
 # Nothing is installed: torch and triton must be there.
@@ -38,14 +41,17 @@ set -u
 cd "$(dirname "$0")/.."
 DRY=0
 OUT=""
+ONLY=""
 while [ $# -gt 0 ]; do
     case "$1" in
         --dry-run) DRY=1 ;;
         --out) OUT="$2"; shift ;;
-        *) echo "unknown argument $1 (use --dry-run, --out DIR)"; exit 2 ;;
+        --only) ONLY=",$2,"; shift ;;
+        *) echo "unknown argument $1 (use --dry-run, --out DIR, --only SECTION,...)"; exit 2 ;;
     esac
     shift
 done
+T0=$(date +%s)
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export SPDSL_KERNELS=auto
 if [ $DRY = 1 ]; then
@@ -62,11 +68,14 @@ mkdir -p "$OUT"
 # bigstep: about 3e16 FLOPs at 614,400 tokens (attention, recomputed once under full remat),
 # two minutes at 250 TFLOP/s, after a minute of planning, warm-up and Triton compiles; it
 # writes its plan before the step, so a timeout still leaves the planned figures.
-if [ $DRY = 1 ]; then DEF=(300 300 300 300 300 300 300); else DEF=(60 170 130 75 120 150 270); fi
+# BUDGET: the whole run's seconds (a device call is limited to 10 minutes): each section's limit
+# is cut to what is left, and a section with under 20 s left is skipped (its rc 125).
+if [ $DRY = 1 ]; then DEF=(300 300 300 300 300 300 300); else DEF=(30 150 100 60 90 100 240); fi
+BUDGET=${BUDGET:-$([ $DRY = 1 ] && echo 100000 || echo 560)}
 L_ENV=${LIMIT_ENV:-${DEF[0]}} L_TESTS=${LIMIT_TESTS:-${DEF[1]}} L_PARITY=${LIMIT_PARITY:-${DEF[2]}}
 L_PLANNER=${LIMIT_PLANNER:-${DEF[3]}} L_BENCH=${LIMIT_BENCH:-${DEF[4]}}
 L_MASKED=${LIMIT_MASKED:-${DEF[5]}} L_BIGSTEP=${LIMIT_BIGSTEP:-${DEF[6]}}
-rm -f "$OUT"/kernel_tests.log "$OUT"/*.json "$OUT"/summary.md
+[ -z "$ONLY" ] && rm -f "$OUT"/kernel_tests.log "$OUT"/*.json "$OUT"/summary.md
 
 PY=""
 for c in ${PYTHON:-} python python3 /opt/torch/.venv/bin/python3; do
@@ -75,9 +84,23 @@ done
 [ -n "$PY" ] || { echo "no python with torch found (set PYTHON=...)"; exit 1; }
 
 SECTIONS=""
+wanted() {    # wanted NAME: in --only (or no --only given)
+    [ -z "$ONLY" ] || [[ "$ONLY" == *",$1,"* ]]
+}
+left() {      # left LIMIT: the limit cut to the budget's remaining seconds
+    local rem=$(( BUDGET - ($(date +%s) - T0) ))
+    echo $(( $1 < rem ? $1 : rem ))
+}
 section() {   # section NAME LIMIT_S COMMAND...: run it, record exit status and seconds
-    local name=$1 limit=$2 start rc secs
+    local name=$1 limit start rc secs
+    limit=$(left "$2")
     shift 2
+    wanted "$name" || return 0
+    if [ "$limit" -lt 20 ]; then
+        echo "== $name: SKIPPED (${limit}s of the ${BUDGET}s budget left; rerun with --only $name)"
+        SECTIONS="$SECTIONS${SECTIONS:+,}$name:125:0"
+        return 0
+    fi
     echo "== $name (limit ${limit}s): $*"
     start=$(date +%s)
     timeout -k 10 "$limit" "$@"
@@ -122,6 +145,8 @@ else
     MARK="gpu or not (interpret or slow)"
     TEST_GROUPS=("float32" "bfloat16" "float16 and not bfloat16" "not float32 and not float16")
 fi
+if wanted tests; then
+L_TESTS=$(left "$L_TESTS")
 echo "== tests (limit ${L_TESTS}s): ${#TEST_GROUPS[@]} pytest processes, -m '$MARK'"
 start=$(date +%s)
 rm -rf "$OUT/parts" && mkdir -p "$OUT/parts"
@@ -148,13 +173,16 @@ rm -rf "$OUT/parts"
 grep -E "^(FAILED|ERROR) |passed|failed" "$OUT/kernel_tests.log" | tail -40
 SECTIONS="$SECTIONS${SECTIONS:+,}tests:$rc:$(( $(date +%s) - start ))"
 echo "== tests: exit $rc"
+fi
 
+# in the order of what a first device run most needs: kernels and training parity, then the
+# 600K-token step, then the planner, masked attention and kernel speed
 section parity "$L_PARITY" "$PY" -m bench.gpu.train_parity $TINY --out "$OUT/train_parity.json"
+section bigstep "$L_BIGSTEP" "$PY" -m bench.gpu.bigstep $TINY --out "$OUT/bigstep.json"
 section planner "$L_PLANNER" "$PY" -m bench.gpu.planner_check $TINY \
     ${TINY:+--seq 128} --out "$OUT/planner.json"
-section bench "$L_BENCH" "$PY" bench/kernel_bench.py $TINY --json "$OUT/kernel_bench.json"
 section masked "$L_MASKED" "$PY" -m bench.gpu.masked_attn_check $TINY --out "$OUT/masked_attn.json"
-section bigstep "$L_BIGSTEP" "$PY" -m bench.gpu.bigstep $TINY --out "$OUT/bigstep.json"
+section bench "$L_BENCH" "$PY" bench/kernel_bench.py $TINY --json "$OUT/kernel_bench.json"
 
 echo "== summary"
 "$PY" -m bench.gpu.summarize --dir "$OUT" --sections "$SECTIONS"

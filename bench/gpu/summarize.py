@@ -69,7 +69,9 @@ def markdown(data: dict) -> str:
     env = data.get("env") or {}
     out.append(" ".join(f"{k}: {v};" for k, v in env.items()))
     out += ["", "| section | exit | seconds |", "|---|---|---|"]
-    out += [f"| {s['name']} | {s['rc']} | {s['seconds']} |" for s in data["sections"]]
+    said = {124: " (timed out)", 125: " (skipped: budget spent)"}
+    out += [f"| {s['name']} | {s['rc']}{said.get(s['rc'], '')} | {s['seconds']} |"
+            for s in data["sections"]]
 
     out += ["", "## Kernel tests (pytest tests/kernels on the device)", ""]
     kt = data.get("kernel_tests")

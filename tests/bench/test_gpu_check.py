@@ -61,6 +61,21 @@ def test_bigstep_steps_down_to_the_first_length_that_fits():
     assert choose_tokens([600], plans.__getitem__, 10, 10)[0] is None
 
 
+def test_sections_past_the_budget_are_skipped_and_said(tmp_path):
+    """A device call has 10 minutes: a section that would start with under 20 s of
+    ``BUDGET`` left does not start, and the summary says so; ``--only`` picks sections."""
+    env = {**os.environ, "BUDGET": "5"}
+    out = subprocess.run(["bash", "bench/gpu_check.sh", "--dry-run", "--only", "env,parity",
+                          "--out", str(tmp_path)], cwd=ROOT, env=env, capture_output=True,
+                         text=True, timeout=300, check=False)
+    assert out.returncode == 1, out.stdout[-3000:] + out.stderr[-2000:]
+    assert out.stdout.count("SKIPPED") == 2 and "rerun with --only parity" in out.stdout
+    assert "== tests" not in out.stdout and "== bigstep" not in out.stdout
+    data = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert [(s["name"], s["rc"]) for s in data["sections"]] == [("env", 125), ("parity", 125)]
+    assert "125 (skipped: budget spent)" in (tmp_path / "summary.md").read_text()
+
+
 @pytest.mark.slow
 def test_dry_run_writes_every_result(tmp_path):
     if not triton_available():
@@ -74,8 +89,8 @@ def test_dry_run_writes_every_result(tmp_path):
                  "masked_attn.json", "bigstep.json", "gpu_check.json", "summary.md"):
         assert (tmp_path / name).is_file(), name
     data = json.loads((tmp_path / "gpu_check.json").read_text())
-    assert [s["name"] for s in data["sections"]] == ["env", "tests", "parity", "planner",
-                                                     "bench", "masked", "bigstep"]
+    assert [s["name"] for s in data["sections"]] == ["env", "tests", "parity", "bigstep",
+                                                     "planner", "masked", "bench"]
     assert all(s["rc"] == 0 for s in data["sections"]), data["sections"]
     counts = data["kernel_tests"]["counts"]["fp32 (cpu)"]
     assert counts["passed"] >= 5 and counts["failed"] == 0, counts

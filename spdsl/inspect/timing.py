@@ -266,6 +266,8 @@ class _Sim:
         flops = _flops(e)
         if e.call is None:
             bwd = ATTENTION_BWD if _attention(e.node) else MATMUL_BWD
+            if getattr(e.module, "chunks", 1) > 1:     # a tiled MLP runs each chunk again
+                bwd += 1.0
             self._work(flops * bwd, "attention" if _attention(e.node) else "matmul")
             return
         if _is_bucket(unit):
@@ -396,6 +398,8 @@ def _attention_args() -> dict[Any, tuple]:
 
 
 _ATT: dict = {}
+_MATMULS = {torch.ops.aten.mm.default: 0, torch.ops.aten.bmm.default: 0,
+            torch.ops.aten.addmm.default: 1, torch.ops.aten.baddbmm.default: 1}
 
 
 def _attention(node: torch.fx.Node) -> bool:
@@ -442,9 +446,16 @@ def _flops(e: Event) -> float:
         # a rank's share of [B, H, S, S] scores: its S/P queries of every head against
         # every key (Ulysses: H/P heads over the whole sequence, the same count)
         return 4.0 * b * h * s * k.shape[-2] * parts * d * frac
+    out = n.meta.get("val")
+    if not isinstance(out, torch.Tensor):
+        return 0.0
+    first = _MATMULS.get(n.target)
+    if first is not None:      # 2 * output elements * the reduced dim (the left operand's last)
+        a = n.args[first].meta.get("val") if isinstance(n.args[first], torch.fx.Node) else None
+        return 2.0 * out.numel() * a.shape[-1] if isinstance(a, torch.Tensor) else 0.0
     from torch.utils.flop_counter import flop_registry
     fn = flop_registry.get(getattr(n.target, "overloadpacket", None))
-    if fn is None or "val" not in n.meta:
-        return 0.0
     args, kwargs = torch.fx.node.map_arg((n.args, n.kwargs), lambda a: a.meta.get("val"))
-    return float(fn(*args, out_val=n.meta["val"], **kwargs))   # shapes of the fake values
+    if fn is None or any(a is None for a in args):
+        return 0.0
+    return float(fn(*args, out_val=out, **kwargs))      # convolutions: shapes of fake values

@@ -79,6 +79,11 @@ def test_compute_is_the_single_device_flops_over_the_ranks():
     full = _plan(LlamaConfig.small(), 512, remat="full")[2].timing(LINKS)
     assert full.flops["matmul"] > t.flops["matmul"]
     assert full.comm_s == pytest.approx(t.comm_s)
+    # a tiled MLP runs each chunk's forward again in backward: its three projections once more
+    c = LlamaConfig.small()
+    tiled = _plan(c, 512, remat=spdsl.Remat("none", tile_mlp=True, mlp_chunks=4))[2]
+    extra = 2 * (512 // P) * c.dim * c.ffn_dim * 3 * c.n_layers
+    assert tiled.timing(LINKS).flops["matmul"] == t.flops["matmul"] + extra
 
 
 def test_one_exchange_each_way_hides_nothing(monkeypatch):

@@ -16,7 +16,7 @@ from spdsl.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from spdsl.dtensor_ops import dtensor_attention
 from spdsl.errors import ShardingError
 from spdsl.inspect.plan import Collective, ShardingPlan
-from spdsl.propagate.attention_choice import AttentionConfig
+from spdsl.propagate.attention_choice import AttentionConfig, Links
 from spdsl.propagate.rules import RuleCtx, Strategy, register_rule
 from spdsl.propagate.tokenwise import token_wise
 from spdsl.remat import Remat
@@ -24,6 +24,7 @@ from spdsl.remat import Remat
 __all__ = [
     "AttentionConfig",
     "Collective",
+    "Links",
     "P",
     "Remat",
     "RuleCtx",

@@ -5,7 +5,7 @@ exposed communication and step time, interleaved in one launch.
     torchrun --standalone --nproc_per_node=4 bench/overlap.py --seq 4096 --steps 10 \\
         --out bench/results/overlap_sp4.json
     torchrun --standalone --nproc_per_node=4 bench/overlap.py --grad --model small --seq 1024 \\
-        --steps 10 --out bench/results/grad_overlap_sp4.json
+        --steps 10 --bucket-mib 1 --out bench/results/grad_overlap_sp4_1mib.json
 
 Systems (same weights and batches; ``attention="ulysses"``, default remat): ``spdsl-g1``
 (``spdsl.lower.ops.ULYSSES_GROUPS = 1``: today's one exchange in, one out), ``spdsl-g2`` (2 head
@@ -136,6 +136,9 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--profiled", type=int, default=3)
     p.add_argument("--out", default=None)
+    p.add_argument("--bucket-mib", type=float, default=None,
+                   help="gradient bucket cap (default: spdsl's, 32 MiB: a model smaller than "
+                        "that has one bucket, complete only when backward ends)")
     p.add_argument("--grad", action="store_true",
                    help="gradient buckets reduced during backward (spdsl-overlap, the default) "
                         "against each bucket waited where it starts (spdsl-sync)")
@@ -144,6 +147,9 @@ def main() -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.set_num_threads(1)
     cfg = RunConfig(a.model, a.batch, world, rank, seed=0, lr=1e-3)
+    if a.bucket_mib is not None:
+        from spdsl.lower import graph
+        graph.GRAD_BUCKET_BYTES = int(a.bucket_mib * 2 ** 20)
     if a.grad:
         systems = {"spdsl-sync": _Spdsl(cfg, 1, grad_overlap=False),
                    "spdsl-overlap": _Spdsl(cfg, 1, grad_overlap=True)}
@@ -185,9 +191,10 @@ def main() -> None:
                                check=False, capture_output=True, text=True).stdout.strip()
         out = {"revision": rev + ("+dirty" if dirty else ""), "seq": a.seq, "world": world,
                "model": a.model, "load": os.getloadavg(), "steps": a.steps,
-               "systems": {}}
+               "bucket_mib": a.bucket_mib, "systems": {}}
         base = statistics.median(times[first])
-        print(f"revision {out['revision']}, SP {world}, {a.seq} tokens, model {a.model}, "
+        cap = f", buckets of {a.bucket_mib:g} MiB" if a.bucket_mib is not None else ""
+        print(f"revision {out['revision']}, SP {world}, {a.seq} tokens, model {a.model}{cap}, "
               f"load {os.getloadavg()[0]:.1f}")
         print(f"| system | step s: median (min-max) | vs {first} | paired ratio median | "
               f"exposed comm s / step | exposed share | cost model's exposed share | "

@@ -7,7 +7,6 @@ from __future__ import annotations
 import pytest
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
-from torch.utils.flop_counter import FlopCounterMode
 
 import spdsl
 import spdsl.collectives as C
@@ -63,6 +62,9 @@ def test_transfer_seconds_follow_the_links():
 
 
 def test_compute_is_the_single_device_flops_over_the_ranks():
+    # imported here: torch.utils.flop_counter imports triton, which must not load before
+    # tests/kernels/conftest.py chooses its CPU interpreter at collection
+    from torch.utils.flop_counter import FlopCounterMode
     model, ids, plan = _plan(LlamaConfig.small(), 512, remat="none")
     t = plan.timing(LINKS)
     with FlopCounterMode(display=False) as counter, sdpa_kernel(SDPBackend.MATH):

@@ -249,7 +249,9 @@ def _schedule(local: torch.nn.Module, colls: list[Collective], job, args: tuple)
     if job.data_axis and job.data_parts > 1:
         sizes[job.data_axis] = job.data_parts
         sizes[f"{job.data_axis}+{job.axis}"] = job.data_parts * job.parts
+    # a plan on the meta device is a plan for accelerators (a model too large for this
+    # machine): timed on a GPU node's links, which the printed line names
     device = next((a.device.type for a in args if isinstance(a, torch.Tensor)), "cpu")
     return Schedule(local.__dict__.get("gm", local), tuple(events), per_event, tuple(after), sizes,
-                    "cuda" if device == "cuda" else "cpu",
+                    "cuda" if device in ("cuda", "meta") else "cpu",
                     C.GRAD_OVERLAP and not job.compile)

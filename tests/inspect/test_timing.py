@@ -155,3 +155,15 @@ def test_the_printed_plan_gives_the_summary():
     text = str(plan)
     assert "communication:" in text and "exposed" in text
     assert str(plan.timing(LINKS)).startswith("communication (cost model: 1 GB/s")
+
+
+def test_default_links_follow_the_device():
+    _, _, cpu = _plan(LlamaConfig.tiny(), 256, remat="none")
+    assert cpu.timing().links == Links.default("cpu")
+    with torch.device("meta"):            # planned for accelerators: a GPU node's links
+        model = Llama(LlamaConfig.tiny())
+    ids = torch.empty(1, 256, dtype=torch.long, device="meta")
+    meta = spdsl.plan(spdsl.sp_shard(seq=P, remat="none")(model), ids, ids)
+    t = meta.timing()
+    assert t.links == Links.default("cuda")
+    assert t.comm_s == pytest.approx(meta.timing(Links.default("cuda")).comm_s)

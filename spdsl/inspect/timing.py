@@ -43,17 +43,19 @@ from __future__ import annotations
 import dataclasses
 import operator
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 
+from spdsl.inspect.flops import (
+    ATTENTION_BWD,
+    MATMUL_BWD,
+    flops_of,
+    is_attention,
+    ring_slowdown,
+)
 from spdsl.inspect.plan import Collective
 from spdsl.inspect.program import Event
 from spdsl.propagate.attention_choice import Links
-
-# backward FLOPs per forward FLOP: a matmul's two gradients; attention's recomputed scores,
-# dP, dS and the three gradients (flash attention's backward against its forward)
-MATMUL_BWD, ATTENTION_BWD = 2.0, 2.5
 
 
 @dataclass(frozen=True)
@@ -245,14 +247,14 @@ class _Sim:
     def _forward(self, unit: list, again: bool = False) -> None:
         e = unit[0][0]
         calls = [c for ev, c in unit if c is not None and ev.recomputed == again]
-        flops = _flops(e)
+        flops = flops_of(e)
         if e.call is None:
-            self._work(flops, "attention" if _attention(e.node) else "matmul")
+            self._work(flops, "attention" if is_attention(e.node) else "matmul")
             return
         phase = "recompute" if again else "forward"
         if _is_bucket(unit):
             return
-        if _attention(e.node):
+        if is_attention(e.node):
             self._attention(e.node, calls, flops, 1.0, phase,
                             (lambda c: c.bytes_bwd) if again else (lambda c: c.bytes))
         else:
@@ -263,17 +265,17 @@ class _Sim:
         e = unit[0][0]
         if not e.grad:
             return
-        flops = _flops(e)
+        flops = flops_of(e)
         if e.call is None:
-            bwd = ATTENTION_BWD if _attention(e.node) else MATMUL_BWD
+            bwd = ATTENTION_BWD if is_attention(e.node) else MATMUL_BWD
             if getattr(e.module, "chunks", 1) > 1:     # a tiled MLP runs each chunk again
                 bwd += 1.0
-            self._work(flops * bwd, "attention" if _attention(e.node) else "matmul")
+            self._work(flops * bwd, "attention" if is_attention(e.node) else "matmul")
             return
         if _is_bucket(unit):
             return
         calls = [c for ev, c in unit if c is not None and not ev.recomputed]
-        if _attention(e.node):        # the output's gradient in first, q/k/v's out last
+        if is_attention(e.node):        # the output's gradient in first, q/k/v's out last
             self._attention(e.node, _mirror(calls), flops, ATTENTION_BWD, "backward",
                             lambda c: c.bytes_bwd)
         else:
@@ -294,7 +296,7 @@ class _Sim:
             r = len(ring) + 1
             for j in range(r):
                 p = self._issue(ring[j], size(ring[j]), phase) if j < len(ring) else None
-                self._work(work / r, "attention", _ring_slowdown(node, self.links))
+                self._work(work / r, "attention", ring_slowdown(node, self.links))
                 if p is not None:
                     self._wait([p], [ring[j]], "ring block compute")
             for c in after:
@@ -308,8 +310,7 @@ class _Sim:
             for c in calls[1:]:
                 self._sync(c, size(c), phase)
             return
-        ins = [calls[0]] + [calls[1 + 2 * i] for i in range(g - 1)]
-        outs = [calls[2 + 2 * i] for i in range(g - 1)] + [calls[-1]]
+        ins, outs = _in_out(calls)
         behind = "head-group attention"
         pending = [self._issue(ins[0], size(ins[0]), phase)]
         back = []
@@ -356,7 +357,9 @@ def _ready(unit: list, top: torch.fx.GraphModule) -> int:
     users = [u for g in items for u in g.users]
     if node.graph is top.graph:
         return min((order[u] for u in users if u in order), default=unit[0][0].top)
-    m = parent[node.graph]
+    m = parent.get(node.graph)
+    if m is None:
+        return unit[0][0].top
     if any(u.op != "output" for u in users):
         return order[m]
     out = next(u for u in users if u.op == "output").args[0]
@@ -367,95 +370,19 @@ def _ready(unit: list, top: torch.fx.GraphModule) -> int:
     return min((order[u] for u in later if u in order), default=order[m])
 
 
+def _in_out(calls: list[Collective]) -> tuple[list, list]:
+    """A pipelined Ulysses op's calls, in issue order (group 1's in, then each group's out
+    after the next group's in: ``spdsl.lower.calls``), as (ins, outs) by group."""
+    g = len(calls) // 2
+    return ([calls[0]] + [calls[1 + 2 * i] for i in range(g - 1)],
+            [calls[2 + 2 * i] for i in range(g - 1)] + [calls[-1]])
+
+
 def _mirror(calls: list[Collective]) -> list[Collective]:
     """Backward receives the gradients in the reverse roles: each group's output gradient in,
-    q/k/v gradients out. For the schedule the order of ins and outs swaps."""
-    g = len(calls) // 2
-    if any(c.kind == "send_recv" for c in calls):
+    q/k/v gradients out (a ring's calls simply reversed)."""
+    if len(calls) <= 2 or any(c.kind == "send_recv" for c in calls):
         return list(reversed(calls))
-    if g <= 1:
-        return list(reversed(calls))
-    ins = [calls[0]] + [calls[1 + 2 * i] for i in range(g - 1)]
-    outs = [calls[2 + 2 * i] for i in range(g - 1)] + [calls[-1]]
-    return [outs[0]] + [c for i in range(g - 1) for c in (outs[i + 1], ins[i])] + [ins[-1]]
-
-
-# -- FLOPs ---------------------------------------------------------------------------------
-
-def _attention_args() -> dict[Any, tuple]:
-    """Attention call targets -> (index of ``is_causal``, of the Ulysses degree, of the ring
-    groups (their last entry the ring's size), whether a mask program decides the scores):
-    None where the call has none."""
-    from spdsl.lower import ops, ring
-    aten = torch.ops.aten
-    return {ops.ulysses_attention: (5, 8, None, False),
-            ops.ulysses_attention_fn: (5, 7, None, True),
-            ops.ulysses_flex: (None, 9, None, True),
-            ring.ring_attention: (4, 6, 7, False),
-            ring.ring_attention_fn: (5, 7, 8, True),
-            ops.local_attention: (5, None, None, False),
-            aten.scaled_dot_product_attention.default: (5, None, None, False)}
-
-
-_ATT: dict = {}
-_MATMULS = {torch.ops.aten.mm.default: 0, torch.ops.aten.bmm.default: 0,
-            torch.ops.aten.addmm.default: 1, torch.ops.aten.baddbmm.default: 1}
-
-
-def _attention(node: torch.fx.Node) -> bool:
-    if not _ATT:
-        _ATT.update(_attention_args())
-    return node.op == "call_function" and node.target in _ATT
-
-
-def _ring_slowdown(node: torch.fx.Node, links: Links) -> float:
-    masked = _ATT[node.target][3]
-    return links.ring_slowdown if masked else links.ring_slowdown_fused
-
-
-def _arg(n: torch.fx.Node, i: int | None, name: str, default: Any) -> Any:
-    if i is not None and i < len(n.args):
-        return n.args[i]
-    return n.kwargs.get(name, default)
-
-
-def _flops(e: Event) -> float:
-    """Forward FLOPs of one event's node on this rank (matmuls and attention)."""
-    n = e.node
-    if n.op == "call_module":
-        region = getattr(e.module, "region", None)       # a tiled MLP: its whole rows
-        if isinstance(region, torch.fx.GraphModule):
-            return sum(_flops(Event(m, None, False, None, e.top, True))
-                       for m in region.graph.nodes if m.op == "call_function")
-        return 0.0
-    if n.op != "call_function":
-        return 0.0
-    if _attention(n):
-        causal_at, degree_at, groups_at, program = _ATT[n.target]
-        q, k = (a.meta.get("val") for a in n.args[:2])
-        if not isinstance(q, torch.Tensor) or not isinstance(k, torch.Tensor):
-            return 0.0
-        b, h, s, d = q.shape
-        parts = _arg(n, degree_at, "parts", 1) or 1
-        groups = _arg(n, groups_at, "groups", None) if groups_at is not None else None
-        if groups:
-            parts *= groups[-1]          # Ulysses degree x ring size: every rank
-        causal = bool(_arg(n, causal_at, "is_causal", False)) if causal_at is not None \
-            else False
-        frac = 0.5 if causal or program else 1.0
-        # a rank's share of [B, H, S, S] scores: its S/P queries of every head against
-        # every key (Ulysses: H/P heads over the whole sequence, the same count)
-        return 4.0 * b * h * s * k.shape[-2] * parts * d * frac
-    out = n.meta.get("val")
-    if not isinstance(out, torch.Tensor):
-        return 0.0
-    first = _MATMULS.get(n.target)
-    if first is not None:      # 2 * output elements * the reduced dim (the left operand's last)
-        a = n.args[first].meta.get("val") if isinstance(n.args[first], torch.fx.Node) else None
-        return 2.0 * out.numel() * a.shape[-1] if isinstance(a, torch.Tensor) else 0.0
-    from torch.utils.flop_counter import flop_registry
-    fn = flop_registry.get(getattr(n.target, "overloadpacket", None))
-    args, kwargs = torch.fx.node.map_arg((n.args, n.kwargs), lambda a: a.meta.get("val"))
-    if fn is None or any(a is None for a in args):
-        return 0.0
-    return float(fn(*args, out_val=out, **kwargs))      # convolutions: shapes of fake values
+    ins, outs = _in_out(calls)
+    return [outs[0]] + [c for i in range(len(ins) - 1) for c in (outs[i + 1], ins[i])] + \
+        [ins[-1]]

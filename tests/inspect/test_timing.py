@@ -12,7 +12,7 @@ import spdsl
 import spdsl.collectives as C
 import spdsl.lower.graph as G
 import spdsl.lower.ops as O
-from spdsl.inspect.timing import ATTENTION_BWD
+from spdsl.inspect.flops import ATTENTION_BWD
 from spdsl.models.llama import Llama, LlamaConfig
 from spdsl.propagate.attention_choice import Links
 

@@ -86,6 +86,10 @@ def workspace_bytes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, leaves: l
     the block's mask (a boolean and its negation; an additive program's fp32 bias and its
     comparisons), per-row running values, k and v repeated to the query heads (GQA), fp32
     copies of narrow inputs, and in backward the row sums and fp32 gradient accumulators."""
+    from spdsl.kernels import masked_attn_keys as keys
+    fused = keys.split(q, k, v, leaves, program, causal, values=False)
+    if fused is not None:
+        return keys.workspace_bytes(q, k, v, fused, backward)
     b, h, s_q, d = q.shape
     s_k, dv = k.shape[2], v.shape[3]
     f32 = torch.promote_types(q.dtype, torch.float32)
@@ -284,6 +288,10 @@ def _forward(q, k, v, leaves, program_key, causal, scale):
     """Online softmax over key blocks (the flash recurrence); returns the output and the
     row statistics ``[B, H, S_q, 2]``: max and sum of ``exp(s - max)``, kept apart (a row of
     ``finfo.min`` entries would absorb ``log(sum)`` into a log-sum-exp)."""
+    from spdsl.kernels import masked_attn_keys as keys
+    fused = keys.split(q, k, v, leaves, program_key, causal)
+    if fused is not None:        # causal x a key-side row: ATen's fused kernel takes it whole
+        return keys.forward(q, k, v, fused, scale)
     program = mask_program(program_key) if program_key else None
     leaves = typed_leaves(program_key, leaves)
     b, h, s_q, _ = q.shape
@@ -305,6 +313,10 @@ def _forward(q, k, v, leaves, program_key, causal, scale):
 
 
 def _backward(dout, q, k, v, out, stats, leaves, program_key, causal, scale):
+    from spdsl.kernels import masked_attn_keys as keys
+    fused = keys.split(q, k, v, leaves, program_key, causal)
+    if fused is not None:
+        return keys.backward(dout, q, k, v, out, stats, fused, scale)
     program = mask_program(program_key) if program_key else None
     leaves = typed_leaves(program_key, leaves)
     b, h, s_q, _ = q.shape

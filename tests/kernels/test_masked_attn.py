@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from spdsl.kernels import masked_attn as M
+from spdsl.kernels import masked_attn_keys as K
 from tests._util import assert_close
 
 TOL = {torch.float32: (2e-5, 2e-6), torch.float64: (1e-12, 1e-13)}
@@ -81,17 +82,24 @@ def test_fp32_against_sdpa_with_its_mask():
         assert_close(x, y, rtol=1e-4, atol=1e-5, name="grad")
 
 
-def test_working_memory_is_bounded_by_the_block():
+def test_working_memory_is_bounded_by_the_block(monkeypatch):
     rows, cols = M.block_sizes(1, 1, 131072, 131072)
     assert rows * cols <= M.BLOCK_ELEMENTS
 
     def ws(s, backward=False):
         q = torch.empty(1, 1, s, 64, device="meta")
         return M.workspace_bytes(q, q, q, causal=True, backward=backward)
-    # fp32, no GQA, causal: a constant in the sequence forward (a block of scores, its mask,
-    # per-row values of one block); backward adds the row sums: linear, never S^2
+    # causal alone runs on ATen's fused kernel: its tiles, a constant, and per row the
+    # log-sum-exp (4 bytes): linear, never S^2 (one head: no copies of its results)
+    grow = (1 << 20) - (1 << 17)
+    assert ws(1 << 20) - ws(1 << 17) == grow * 4
+    assert ws(1 << 20, True) - ws(1 << 17, True) == grow * 4
+    # the block kernel (any mask the fused kernel cannot take): a constant in the sequence
+    # forward (a block of scores, its mask, per-row values of one block); backward adds the
+    # row sums
+    monkeypatch.setattr(K, "split", lambda *a, **kw: None)
     assert ws(1 << 17) == ws(1 << 20) < 2 * 4 * M.BLOCK_ELEMENTS
-    assert ws(1 << 20, True) - ws(1 << 17, True) == 4 * ((1 << 20) - (1 << 17))
+    assert ws(1 << 20, True) - ws(1 << 17, True) == 4 * grow
 
 
 @pytest.mark.slow
@@ -116,3 +124,60 @@ def test_planned_scratch_against_the_allocator(kind):
     plan_bwd = M.workspace_bytes(q, k, v, leaves, key, causal, backward=True)
     assert scratch_fwd <= plan_fwd <= 1.15 * scratch_fwd, (plan_fwd, scratch_fwd)
     assert scratch_bwd <= plan_bwd <= 1.15 * scratch_bwd, (plan_bwd, scratch_bwd)
+
+
+def _traced(fn, leaves):
+    """The program as spdsl's mask recogniser hands it over: an FX graph of ATen ops."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+    return make_fx(fn)(*leaves)
+
+
+@pytest.mark.parametrize("name", ["padding", "padding+causal", "causal"])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_fused_path_for_causal_and_key_masks(name, dtype, monkeypatch):
+    """Causal x a key-side boolean row runs on ATen's fused kernel (``masked_attn_keys``):
+    forward and every gradient equal to the dense computation and to the block kernel,
+    left-padding rows (keeping no key) zero, GQA."""
+    torch.manual_seed(0)
+    b, h, hk, s, d = 2, 4, 2, 37, 8
+    masks = _masks(b, h, s)
+    fn, leaves, causal = (masks[name] if name != "causal" else (None, [], True))
+    key = M.register_mask_program(_traced(fn, leaves)) if fn is not None else ""
+    q = torch.randn(b, h, s, d, dtype=dtype, requires_grad=True)
+    k = torch.randn(b, hk, s, d, dtype=dtype, requires_grad=True)
+    v = torch.randn(b, hk, s, d, dtype=dtype, requires_grad=True)
+    assert K.split(q, k, v, leaves, key, causal) is not None
+    out = M.masked_attn(q, k, v, mask_fn=key or None, leaves=leaves, causal=causal, scale=0.3)
+    g = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), g)
+    ref = _dense(q, k, v, fn(*leaves) if fn is not None else None, causal, 0.3)
+    refs = torch.autograd.grad(ref, (q, k, v), g)
+    monkeypatch.setattr(K, "split", lambda *a, **kw: None)           # the block kernel
+    blk = M.masked_attn(q, k, v, mask_fn=key or None, leaves=leaves, causal=causal, scale=0.3)
+    blks = torch.autograd.grad(blk, (q, k, v), g)
+    rtol, atol = TOL[dtype]
+    for x, y, z, n in zip((out, *grads), (ref, *refs), (blk, *blks), ["out", "dq", "dk", "dv"]):
+        assert_close(x, y, rtol=rtol, atol=atol, name=f"{name} {n} vs dense")
+        assert_close(x, z, rtol=rtol, atol=atol, name=f"{name} {n} vs blocks")
+    if name == "padding+causal":    # rows 0-2 of batch 0 keep no key: zeros, no gradient
+        assert out[0, :, :3].abs().max() == 0 and grads[0][0, :, :3].abs().max() == 0
+
+
+@pytest.mark.parametrize("name", ["documents", "window", "alibi", "hf_additive"])
+def test_other_masks_stay_on_the_block_kernel(name):
+    b, h, s = 2, 4, 19
+    fn, leaves, causal = _masks(b, h, s)[name]
+    key = M.register_mask_program(_traced(fn, leaves))
+    q = torch.randn(b, h, s, 8)
+    assert K.split(q, q, q, leaves, key, causal) is None
+
+
+def test_positions_not_from_zero_stay_on_the_block_kernel():
+    b, h, s = 1, 2, 16
+    fn, leaves, causal = _masks(b, h, s)["padding+causal"]
+    key = M.register_mask_program(_traced(fn, leaves))
+    q = torch.randn(b, h, s, 8)
+    shifted = [leaves[0] + 3, leaves[1] + 3, leaves[2]]            # the same program
+    assert K.split(q, q, q, leaves, key, causal) is not None
+    assert K.split(q, q, q, shifted, key, causal) is None
+    assert K.split(q, q, q, shifted, key, causal, values=False) is not None   # the planner

@@ -1,0 +1,203 @@
+"""Masked attention on ATen's fused CPU flash attention, for the masks it can take whole: a
+causal triangle (the ``causal`` flag, or ``key_pos <= query_pos`` in the program) and a
+boolean function of key-side values only (a padding flag ``[B, 1, 1, S]``, constants).
+
+Hugging Face's SDPA mask for a padded batch is such a program: ``(kv_idx <= q_idx) & pad``.
+The block kernel (``spdsl.kernels.masked_attn``) runs it a block of queries and keys at a
+time in PyTorch ops, several times slower than the fused kernel; here the key-side part
+becomes one additive ``[B, H | 1, 1, S_k]`` row (0 kept, -inf not), which the fused kernel
+broadcasts over the queries (its ``attn_mask`` strides), and the triangle its ``is_causal``:
+no ``[S, S]`` value, the kernel's own skipping of the upper blocks, 4-5x the block kernel's
+speed (``bench/RESULTS.md``). Rows that keep no key (left padding) give zeros and zero
+gradients, as the block kernel's boolean masks do.
+
+``SPDSL_MASK_FUSED=0`` (or ``FUSED = False`` here) sends every mask to the block kernel.
+
+Not taken here, to the block kernel: additive (float) programs (a row of ``finfo.min``
+entries averages every key, causal ones included, which ``is_causal`` would drop), masks
+that read query-side values other than positions (documents, windows, ALiBi), positions
+that are not ``0..S-1`` on every batch row, GPU tensors (FlexAttention), a value head size
+other than the query's.
+"""
+
+from __future__ import annotations
+
+import operator
+import os
+from dataclasses import dataclass
+
+import torch
+
+from spdsl.kernels.cpu_flash import flash_cpu_backward, flash_cpu_forward
+
+aten = torch.ops.aten
+FUSED = os.environ.get("SPDSL_MASK_FUSED", "1") != "0"
+_AND = {aten.bitwise_and.Tensor, aten.logical_and.default, operator.and_}
+# (key position's argument, query position's argument): keep k <= q, the causal triangle
+_CAUSAL = {aten.le.Tensor: (0, 1), aten.ge.Tensor: (1, 0), operator.le: (0, 1),
+           operator.ge: (1, 0)}
+
+
+@dataclass(frozen=True)
+class KeyMask:
+    """``causal``: the triangle; ``bias``: the additive key row ``[B|1, H|1, 1, S_k]`` in the
+    query's dtype, or None (no key-side mask)."""
+
+    causal: bool
+    bias: torch.Tensor | None
+
+
+def split(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, leaves: list, program_key: str,
+          causal: bool, values: bool = True) -> KeyMask | None:
+    """The mask as a causal flag and a key row, or None where the fused kernel cannot take
+    it (see the module docstring). ``values=False``: decide by the program and the shapes
+    only, not by the positions' values (the memory planner, on fake tensors: positions that
+    turn out not to be ``0..S-1`` run the block kernel instead)."""
+    from spdsl.kernels.masked_attn import mask_program, typed_leaves
+    if not FUSED or q.device.type not in ("cpu", "meta") or v.shape[-1] != q.shape[-1]:
+        return None
+    s_q, s_k = q.shape[2], k.shape[2]
+    if not program_key:
+        return KeyMask(causal, None) if not causal or s_q == s_k else None
+    fn = mask_program(program_key)
+    graph = getattr(fn, "graph", None)
+    if not isinstance(graph, torch.fx.Graph):
+        return None
+    leaves = typed_leaves(program_key, leaves)
+    phs = [n for n in graph.nodes if n.op == "placeholder"]
+    if len(phs) != len(leaves):
+        return None
+    value = dict(zip(phs, leaves))
+    query_side = {p for p, t in value.items() if t.dim() == 4 and t.shape[2] > 1}
+    out = next(n for n in graph.nodes if n.op == "output").args[0]
+    if not isinstance(out, torch.fx.Node):
+        return None
+    keys: list[torch.fx.Node] = []
+    for term in _conjuncts(out):
+        if not _ancestors(term) & query_side:
+            keys.append(term)
+        elif _is_causal(term, value, query_side, s_q, s_k, values):
+            causal = True
+        else:
+            return None
+    if causal and s_q != s_k:
+        return None
+    keep = None
+    for term in keys:
+        t = _evaluate(term, value)
+        if not isinstance(t, torch.Tensor) or t.dtype != torch.bool or \
+                (t.dim() == 4 and t.shape[2] != 1) or t.dim() > 4:
+            return None
+        keep = t if keep is None else keep & t
+    if keep is None:
+        return KeyMask(causal, None)
+    keep = keep.reshape((1,) * (4 - keep.dim()) + tuple(keep.shape))
+    bias = torch.zeros(keep.shape, dtype=q.dtype, device=q.device).masked_fill_(
+        keep.logical_not(), float("-inf"))
+    return KeyMask(causal, bias.expand(*bias.shape[:3], s_k))
+
+
+def _conjuncts(n: torch.fx.Node) -> list[torch.fx.Node]:
+    if n.op == "call_function" and n.target in _AND and len(n.args) == 2 and \
+            all(isinstance(a, torch.fx.Node) for a in n.args):
+        return _conjuncts(n.args[0]) + _conjuncts(n.args[1])
+    return [n]
+
+
+def _ancestors(n: torch.fx.Node) -> set[torch.fx.Node]:
+    seen, todo = set(), [n]
+    while todo:
+        x = todo.pop()
+        if x not in seen:
+            seen.add(x)
+            todo += x.all_input_nodes
+    return seen
+
+
+def _is_causal(term: torch.fx.Node, value: dict, query_side: set, s_q: int, s_k: int,
+               values: bool) -> bool:
+    """``key_pos <= query_pos`` with both the positions ``0..S-1`` on every row."""
+    if term.op != "call_function" or term.target not in _CAUSAL or len(term.args) != 2:
+        return False
+    ki, qi = _CAUSAL[term.target]
+    kp, qp = term.args[ki], term.args[qi]
+    if not (isinstance(kp, torch.fx.Node) and isinstance(qp, torch.fx.Node) and
+            kp.op == "placeholder" and qp.op == "placeholder" and qp in query_side and
+            kp not in query_side):
+        return False
+    kt, qt = value[kp], value[qp]
+    if kt.dim() != 4 or qt.dim() != 4 or kt.shape[1:3] != (1, 1) or qt.shape[1] != 1 or \
+            qt.shape[3] != 1 or kt.shape[3] != s_k or qt.shape[2] != s_q:
+        return False
+    if not values:
+        return True
+    return bool((kt[:, 0, 0, :] == torch.arange(s_k, device=kt.device)).all()) and \
+        bool((qt[:, 0, :, 0] == torch.arange(s_q, device=qt.device)).all())
+
+
+def _evaluate(term: torch.fx.Node, value: dict):
+    """The key-side term's value: its ancestors run on the leaves (all key-side, small)."""
+    order = {n: i for i, n in enumerate(term.graph.nodes)}
+    env = dict(value)
+    for n in sorted(_ancestors(term), key=order.__getitem__):
+        if n.op == "call_function":
+            args, kwargs = torch.fx.node.map_arg((n.args, n.kwargs), env.__getitem__)
+            env[n] = n.target(*args, **kwargs)
+        elif n.op != "placeholder":
+            return None
+    return env[term]
+
+
+def _grouped(x: torch.Tensor, h: int) -> torch.Tensor:
+    return x if x.shape[1] == h else x.repeat_interleave(h // x.shape[1], dim=1)
+
+
+def forward(q, k, v, mask: KeyMask, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Output and the block kernel's row statistics ``[B, H, S_q, 2]`` (max, sum), here
+    ``(log-sum-exp, 1)``: the same probabilities ``exp(s - max) / sum``."""
+    h = q.shape[1]
+    out, lse = aten._scaled_dot_product_flash_attention_for_cpu(
+        q, _grouped(k, h), _grouped(v, h), 0.0, mask.causal, attn_mask=mask.bias,
+        scale=scale)[:2]
+    stats = lse.new_ones(*lse.shape, 2)
+    stats[..., 0] = lse
+    # the kernel's output is a [B, S, H, D] buffer seen as [B, H, S, D]: made contiguous, as
+    # the op's fake (and Inductor's plan of a compiled step) has it
+    return out.contiguous(), stats
+
+
+def backward(dout, q, k, v, out, stats, mask: KeyMask, scale: float):
+    """dq, dk, dv (k and v at their own heads: a group's gradients summed)."""
+    b, h = q.shape[:2]
+    hk = k.shape[1]
+    dq, dk, dv = aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        dout, q, _grouped(k, h), _grouped(v, h), out, stats[..., 0].contiguous(), 0.0,
+        mask.causal, attn_mask=mask.bias, scale=scale)
+    if hk != h:
+        dk = dk.reshape(b, hk, h // hk, *dk.shape[2:]).sum(2)
+        dv = dv.reshape(b, hk, h // hk, *dv.shape[2:]).sum(2)
+    return dq.contiguous(), dk.contiguous(), dv.contiguous()
+
+
+def workspace_bytes(q, k, v, mask: KeyMask, backward: bool = False) -> int:
+    """Scratch beyond the op's inputs and outputs: the key row; k and v repeated to the query
+    heads (GQA) and, backward, their gradients before each group is summed; the fused
+    kernel's tiles (``spdsl.kernels.cpu_flash``); its ``[B, S, H, D]`` results before they
+    are made contiguous (a copy only with several heads); forward the log-sum-exp before it
+    goes into the statistics, backward its contiguous copy."""
+    b, h, s_q, d = q.shape
+    size = q.element_size()
+    row = mask.bias.shape[0] * mask.bias.shape[1] * mask.bias.shape[3] * \
+        mask.bias.element_size() if mask.bias is not None else 0
+    gqa = k.shape[1] != h
+    kv_h = b * h * k.shape[2] * (k.shape[3] + v.shape[3]) * k.element_size()   # at H heads
+    lse = b * h * s_q * torch.promote_types(q.dtype, torch.float32).itemsize
+    q_bytes = b * h * s_q * d * size
+    copied = h > 1                     # a [B, S, H, D] buffer is [B, H, S, D]-contiguous at H=1
+    if not backward:
+        return row + (kv_h if gqa else 0) + lse + (q_bytes if copied else 0) + \
+            flash_cpu_forward((q, k), {})
+    dout = torch.empty(b, h, s_q, d, device="meta", dtype=q.dtype)   # as autograd makes it
+    grads = kv_h if gqa or copied else 0            # dk, dv at H heads, or before the copy
+    return row + (kv_h if gqa else 0) + grads + lse + (q_bytes if copied else 0) + \
+        flash_cpu_backward((dout, q, k), {})

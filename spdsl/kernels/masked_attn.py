@@ -8,8 +8,11 @@ position ``[1, 1, S, 1]``, a padding flag ``[B, 1, 1, S]``, a per-head slope ``[
 bias (Hugging Face's ``finfo.min`` masks, ALiBi). Masks such a program expresses: causal,
 padding, packed documents, sliding windows, position biases, and any pointwise combination.
 
-How it runs (CPU and GPU alike, plain PyTorch): flash attention's recurrence in blocks of
-queries and keys. For each block the mask program runs on the block's slice of the leaves
+How it runs on CPU for a causal triangle times a boolean function of key-side values
+(Hugging Face's padded SDPA masks, a causal flag alone): ATen's fused flash attention, the
+key-side part as one broadcast ``[B, 1, 1, S_k]`` row (``spdsl.kernels.masked_attn_keys``).
+Every other mask (and every mask where ``SPDSL_MASK_FUSED=0``), CPU and GPU alike in plain
+PyTorch: flash attention's recurrence in blocks of queries and keys. For each block the mask program runs on the block's slice of the leaves
 (``[.., rows, cols]``); a block that keeps nothing is skipped (causal: every key after the
 query block; a window or a document: all but its extent), the others update a running max,
 sum and output per row. The backward recomputes each block's probabilities from the saved

@@ -92,6 +92,9 @@ def split(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, leaves: list, progr
     if keep is None:
         return KeyMask(causal, None)
     keep = keep.reshape((1,) * (4 - keep.dim()) + tuple(keep.shape))
+    if keep.shape[3] not in (1, s_k) or keep.shape[0] not in (1, q.shape[0]) or \
+            keep.shape[1] not in (1, q.shape[1]):
+        return None                                 # not a row the kernel can broadcast
     bias = torch.zeros(keep.shape, dtype=q.dtype, device=q.device).masked_fill_(
         keep.logical_not(), float("-inf"))
     return KeyMask(causal, bias.expand(*bias.shape[:3], s_k))

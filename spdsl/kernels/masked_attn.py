@@ -83,16 +83,26 @@ def block_sizes(b: int, h: int, s_q: int, s_k: int) -> tuple[int, int]:
 
 def workspace_bytes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, leaves: list = (),
                     program: str = "", causal: bool = False, backward: bool = False) -> int:
-    """The kernel's peak scratch beyond its inputs and outputs, for the memory planner
-    (checked against the allocator in tests/kernels/test_masked_attn.py): fp32 score blocks
-    (one forward, two backward: the probabilities and their gradient, both made in place),
-    the block's mask (a boolean and its negation; an additive program's fp32 bias and its
-    comparisons), per-row running values, k and v repeated to the query heads (GQA), fp32
-    copies of narrow inputs, and in backward the row sums and fp32 gradient accumulators."""
+    """The op's peak scratch beyond its inputs and outputs, for the memory planner (checked
+    against the allocator in tests/kernels/test_masked_attn.py), on the route it takes: the
+    fused CPU kernel's (``masked_attn_keys.workspace_bytes``, decided by the program and the
+    shapes) or the block kernel's (:func:`block_workspace_bytes`)."""
     from spdsl.kernels import masked_attn_keys as keys
     fused = keys.split(q, k, v, leaves, program, causal, values=False)
     if fused is not None:
         return keys.workspace_bytes(q, k, v, fused, backward)
+    return block_workspace_bytes(q, k, v, leaves, program, causal, backward)
+
+
+def block_workspace_bytes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, leaves: list = (),
+                          program: str = "", causal: bool = False,
+                          backward: bool = False) -> int:
+    """The block kernel's scratch, whatever route the op would take (ring attention runs its
+    pieces' blocks with it): fp32 score blocks (one forward, two backward: the probabilities
+    and their gradient, both made in place), the block's mask (a boolean and its negation; an
+    additive program's fp32 bias and its comparisons), per-row running values, k and v
+    repeated to the query heads (GQA), fp32 copies of narrow inputs, and in backward the row
+    sums and fp32 gradient accumulators."""
     b, h, s_q, d = q.shape
     s_k, dv = k.shape[2], v.shape[3]
     f32 = torch.promote_types(q.dtype, torch.float32)

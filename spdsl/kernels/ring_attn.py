@@ -356,7 +356,7 @@ def workspace_bytes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, leaves: l
     to fp32 a key block at a time, never repeated: the query heads are grouped by the kv head
     they read). Forward: the running row max and sum (fp32; the
     running output is the op's output in fp32, scratch beside a narrow one), a block of rows
-    of q in fp32, a block's scratch as in :func:`spdsl.kernels.masked_attn.workspace_bytes`
+    of q in fp32, a block's scratch as in :func:`spdsl.kernels.masked_attn.block_workspace_bytes`
     and the running output of its previous key block and its update. Backward, at the block
     phase of its fullest step: the step's dk/dv (one flat fp32 buffer at the kv heads, sent on
     as the piece's accumulator) and, from the second piece on, the previous accumulator in
@@ -377,7 +377,7 @@ def workspace_bytes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, leaves: l
         k = torch.empty(1, 1, 65536, 128, dtype=torch.bfloat16, device="meta")
         workspace_bytes(q, k, k, causal=True, backward=True, parts=8)
     """
-    from spdsl.kernels.masked_attn import workspace_bytes as block_bytes
+    from spdsl.kernels.masked_attn import block_workspace_bytes as block_bytes
     b, h, s_q, d = q.shape
     hk, s_k, dv = k.shape[1], k.shape[2], v.shape[3]
     f32 = torch.promote_types(q.dtype, torch.float32)

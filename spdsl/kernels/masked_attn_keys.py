@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from spdsl.kernels.cpu_flash import flash_cpu_backward, flash_cpu_forward
+from spdsl.kernels.masked_attn import _grouped, mask_program, typed_leaves
 
 aten = torch.ops.aten
 FUSED = os.environ.get("SPDSL_MASK_FUSED", "1") != "0"
@@ -53,7 +54,6 @@ def split(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, leaves: list, progr
     it (see the module docstring). ``values=False``: decide by the program and the shapes
     only, not by the positions' values (the memory planner, on fake tensors: positions that
     turn out not to be ``0..S-1`` run the block kernel instead)."""
-    from spdsl.kernels.masked_attn import mask_program, typed_leaves
     if not FUSED or q.device.type not in ("cpu", "meta") or v.shape[-1] != q.shape[-1]:
         return None
     s_q, s_k = q.shape[2], k.shape[2]
@@ -149,10 +149,6 @@ def _evaluate(term: torch.fx.Node, value: dict):
         elif n.op != "placeholder":
             return None
     return env[term]
-
-
-def _grouped(x: torch.Tensor, h: int) -> torch.Tensor:
-    return x if x.shape[1] == h else x.repeat_interleave(h // x.shape[1], dim=1)
 
 
 def forward(q, k, v, mask: KeyMask, scale: float) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,7 +1,8 @@
 """One rank's program for one call, built one way for everyone who reads it.
 
 ``trace -> propagate`` give the decisions (``spdsl.annotate`` keeps them per call signature);
-from them :func:`build_step` makes this rank's program: lower for the rank, swap in kernels,
+from them :func:`build_step` makes this rank's program: lower for the rank, swap in kernels (and fuse
+the output projection into attention pipelined by head groups, ``spdsl.lower.project``),
 apply the remat stage (chosen from memory under ``remat="fit"``), compile when asked. The run
 (``sp_shard``/``shard``), the plan's list of collectives (``spdsl.inspect.program``), the memory
 planner (``spdsl.memory.planner``) and both command lines all read the :class:`Step` it returns;
@@ -37,6 +38,7 @@ import torch.distributed as dist
 from spdsl._torch import fake_store
 from spdsl.lower.graph import lower
 from spdsl.lower.kernels import KernelChoice, swap_kernels
+from spdsl.lower.project import fuse_output_projection
 from spdsl.lower.shapes import TensorSpec
 from spdsl.remat import Remat, apply_remat, local_specs
 
@@ -156,6 +158,7 @@ def _build(stack: contextlib.ExitStack, job: Job, entry, args: tuple, kwargs: di
         axes = {group: job.axis}
     state, ins = local_specs(entry, args, kwargs, job.parts, rank)
     lowered = swap_kernels(lowered, job.kernels, state, ins)    # in place, before remat
+    fuse_output_projection(lowered, state, ins)                 # with head groups; in place
     kernels = tuple(getattr(lowered, "spdsl_kernels", ()))
     program, why = lowered, None
     if r.fit:        # the least recomputation that fits (spdsl.memory.fit), every rank alike

@@ -71,21 +71,7 @@ def flops_of(e: Event) -> float:
     if n.op != "call_function":
         return 0.0
     if is_attention(n):
-        causal_at, degree_at, groups_at, program = _ATT[n.target]
-        q, k = (a.meta.get("val") for a in n.args[:2])
-        if not isinstance(q, torch.Tensor) or not isinstance(k, torch.Tensor):
-            return 0.0
-        b, h, s, d = q.shape
-        parts = _arg(n, degree_at, "parts", 1) or 1
-        groups = _arg(n, groups_at, "groups", None) if groups_at is not None else None
-        if groups:
-            parts *= groups[-1]          # Ulysses degree x ring size: every rank
-        causal = bool(_arg(n, causal_at, "is_causal", False)) if causal_at is not None \
-            else False
-        frac = 0.5 if causal or program else 1.0
-        # a rank's share of [B, H, S, S] scores: its S/P queries of every head against
-        # every key (Ulysses: H/P heads over the whole sequence, the same count)
-        return 4.0 * b * h * s * k.shape[-2] * parts * d * frac
+        return attention_flops(n) + projection_flops(n)
     out = n.meta.get("val")
     if not isinstance(out, torch.Tensor):
         return 0.0
@@ -99,3 +85,34 @@ def flops_of(e: Event) -> float:
     if fn is None or any(a is None for a in args):
         return 0.0
     return float(fn(*args, out_val=out, **kwargs))      # convolutions: shapes of fake values
+
+
+def attention_flops(n: torch.fx.Node) -> float:
+    """Forward FLOPs of an attention call's scores on this rank (not the output projection
+    fused into it: :func:`projection_flops`)."""
+    causal_at, degree_at, groups_at, program = _ATT[n.target]
+    q, k = (a.meta.get("val") for a in n.args[:2])
+    if not isinstance(q, torch.Tensor) or not isinstance(k, torch.Tensor):
+        return 0.0
+    b, h, s, d = q.shape
+    parts = _arg(n, degree_at, "parts", 1) or 1
+    groups = _arg(n, groups_at, "groups", None) if groups_at is not None else None
+    if groups:
+        parts *= groups[-1]          # Ulysses degree x ring size: every rank
+    causal = bool(_arg(n, causal_at, "is_causal", False)) if causal_at is not None \
+        else False
+    frac = 0.5 if causal or program else 1.0
+    # a rank's share of [B, H, S, S] scores: its S/P queries of every head against
+    # every key (Ulysses: H/P heads over the whole sequence, the same count)
+    return 4.0 * b * h * s * k.shape[-2] * parts * d * frac
+
+
+def projection_flops(n: torch.fx.Node) -> float:
+    """Forward FLOPs of the output projection fused into a Ulysses attention call
+    (``spdsl.lower.project``): 0 where none is."""
+    project = n.kwargs.get("project")
+    out = n.meta.get("val")
+    if not project or not isinstance(out, torch.Tensor):
+        return 0.0
+    wt = project[0].meta.get("val")
+    return 2.0 * out.numel() * wt.shape[0] if isinstance(wt, torch.Tensor) else 0.0

@@ -11,7 +11,9 @@ call                        overlaps with
 ==========================  ===============================================================
 Ulysses, G head groups      group i + 1's q/k/v exchange with group i's attention, group
                             i's output exchange with group i + 1's attention (backward
-                            mirrors it); one group (the default): nothing
+                            mirrors it); the last group's output exchange with the other
+                            groups' shares of the output projection, where it is fused in
+                            (``spdsl.lower.project``); one group (the default): nothing
 gradient bucket             the rest of backward: started when its last gradient is known,
                             waited when backward ends (``SPDSL_GRAD_OVERLAP``; compiled
                             steps and ``SPDSL_GRAD_OVERLAP=0`` wait where it starts)
@@ -51,6 +53,7 @@ from spdsl.inspect.flops import (
     MATMUL_BWD,
     flops_of,
     is_attention,
+    projection_flops,
     ring_slowdown,
 )
 from spdsl.inspect.plan import Collective
@@ -101,11 +104,14 @@ class Timing:
         return self.exposed_s / self.step_s if self.step_s else 0.0
 
     def by_purpose(self) -> dict[str, tuple[float, float, str]]:
-        """purpose -> (seconds, exposed seconds, what hid the rest)."""
+        """purpose -> (seconds, exposed seconds, what hid the rest: each thing once, in the
+        order first met, joined by "and")."""
         out: dict[str, tuple[float, float, str]] = {}
         for t in self.transfers:
             s, e, b = out.get(t.collective.purpose, (0.0, 0.0, ""))
-            out[t.collective.purpose] = (s + t.seconds, e + t.exposed, b or t.behind)
+            if t.behind and t.behind not in b.split(" and "):
+                b = f"{b} and {t.behind}" if b else t.behind
+            out[t.collective.purpose] = (s + t.seconds, e + t.exposed, b)
         return out
 
     def summary(self) -> str:
@@ -285,8 +291,12 @@ class _Sim:
     def _attention(self, node: torch.fx.Node, calls: list[Collective], flops: float,
                    factor: float, phase: str, size) -> None:
         """Ulysses (its head groups pipelined) or a ring: ``calls`` in the order the op
-        issues them (forward) or receives the gradients (backward)."""
-        work = flops * factor
+        issues them (forward) or receives the gradients (backward). An output projection
+        fused in (``spdsl.lower.project``) runs a group's share at a time: forward, group
+        i - 1's share while group i's output is in flight; backward, the shares' gradients
+        first, each group's output gradient sent as its share's is known."""
+        proj = projection_flops(node) * (MATMUL_BWD if phase == "backward" else 1.0)
+        work = (flops - projection_flops(node)) * factor
         at = [i for i, c in enumerate(calls) if c.kind == "send_recv"]
         if at:
             ring = calls[at[0]:at[-1] + 1]
@@ -304,14 +314,21 @@ class _Sim:
             return
         g = max(1, len(calls) // 2)
         if g == 1:          # one exchange in, attention, one out: nothing overlaps
+            if phase == "backward":
+                self._work(proj, "matmul")
             for c in calls[:1]:
                 self._sync(c, size(c), phase)
             self._work(work, "attention")
             for c in calls[1:]:
                 self._sync(c, size(c), phase)
+            if phase != "backward":
+                self._work(proj, "matmul")
             return
         ins, outs = _in_out(calls)
         behind = "head-group attention"
+        if proj and phase == "backward":       # the output gradients come out of the shares
+            self._attention_back_projected(ins, outs, work, proj, size, phase)
+            return
         pending = [self._issue(ins[0], size(ins[0]), phase)]
         back = []
         for i in range(g):
@@ -320,7 +337,36 @@ class _Sim:
             self._wait([pending[i]], [ins[i]], behind)
             self._work(work / g, "attention")
             back.append(self._issue(outs[i], size(outs[i]), phase))
+            if proj and i:
+                self._wait([back[i - 1]], [outs[i - 1]], behind)
+                self._work(proj / g, "matmul")
+        if proj:
+            self._wait([back[-1]], [outs[-1]], "the output projection")
+            self._work(proj / g, "matmul")
+            return
         self._wait(back, outs, behind)
+
+    def _attention_back_projected(self, ins, outs, work, proj, size, phase) -> None:
+        """Backward of pipelined Ulysses with the output projection fused in, in autograd's
+        order: two shares' gradients (each sending its group's output gradient), then for
+        each group its attention backward and q/k/v gradients out, and the next share's."""
+        g = len(ins)
+        pending, back = [], []
+
+        def share(j: int) -> None:
+            self._work(proj / g, "matmul")
+            pending.append(self._issue(ins[j], size(ins[j]), phase))
+        share(0)
+        if g > 1:
+            share(1)
+        for i in range(g):
+            self._wait([pending[i]], [ins[i]], "the output projection" if i == 0
+                       else "head-group attention")
+            self._work(work / g, "attention")
+            back.append(self._issue(outs[i], size(outs[i]), phase))
+            if i + 2 < g:
+                share(i + 2)
+        self._wait(back, outs, "head-group attention")
 
 
 def _units(events: list) -> list[list]:

@@ -212,9 +212,12 @@ def _ulysses(node, grad, q, k, v, out, parts: int, group: str,
     rep = kv_repeat(hq, hk, parts)
     back = _back(grad, q, k, v)
     groups = ops.head_groups(hq, hk, parts) if pipelined else [None]
+    # the attention's own output: with the output projection fused in (spdsl.lower.project)
+    # the node's value is the projection's
+    att = nbytes(out.meta["attention_val"]) if "attention_val" in out.meta else nbytes(out)
     if len(groups) == 1:
         qkv = nbytes(q) + (nbytes(k) + nbytes(v)) * rep
-        o = nbytes(out)
+        o = att
         kv = ((k, f" repeated x{rep}"), (v, f" repeated x{rep}")) if rep > 1 else (k, v)
         return [Call("all_to_all", group, qkv, qkv if back else 0, "ulysses", (q, *kv)),
                 Call("all_to_all", group, o, o if back else 0, "ulysses", (node,))]
@@ -233,7 +236,7 @@ def _ulysses(node, grad, q, k, v, out, parts: int, group: str,
             kvtag = f"{rk} kv {_heads(g.k, g.nk)}"
             values += [(k, kvtag), (v, kvtag)]
         ins.append(Call("all_to_all", group, b, b if back else 0, "ulysses", tuple(values)))
-        o = nbytes(out) * g.nq // n
+        o = att * g.nq // n
         outs.append(Call("all_to_all", group, o, o if back else 0, "ulysses",
                          ((node, f" group {i + 1} of {len(groups)}"),)))
     # in the order they are issued: group 0's input, then each group's output after the

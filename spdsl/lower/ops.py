@@ -73,7 +73,8 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                       scale: float | None, enable_gqa: bool, parts: int, rank: int,
                       group: str, kernel: bool = False, written_out: bool = False,
                       compute_dtype: torch.dtype | None = None,
-                      out_dtype: torch.dtype | None = None) -> torch.Tensor:
+                      out_dtype: torch.dtype | None = None,
+                      project: tuple | None = None) -> torch.Tensor:
     """Local ``[B, H, S/P, D]`` q, k, v -> attention over the whole sequence for ``H/P`` heads
     -> local ``[B, H, S/P, D]`` output. One all-to-all in (q, k, v fused), one out, per head
     group (:func:`head_groups`: pipelined, each group's exchanges in flight while another
@@ -81,11 +82,15 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     ``kernel``: spdsl's flash attention instead of SDPA (set by ``spdsl.lower.kernels``).
     ``compute_dtype``/``out_dtype``: q, k, v arrive before the user's upcast and are cast
     after the exchange; the output is cast down before the exchange back
-    (``spdsl.propagate.eager_attention.uncast_attention``)."""
+    (``spdsl.propagate.eager_attention.uncast_attention``).
+    ``project``: ``(wt, bias)``, the output projection fused in (``spdsl.lower.project``):
+    the result is ``out.transpose(1, 2).reshape(B * S/P, H * D) @ wt (+ bias)``, each head
+    group's share projected as soon as its output is back (:func:`project_heads`)."""
     if parts == 1:
-        return local_attention(q, k, v, mask, dropout_p, is_causal, scale, enable_gqa,
-                               kernel=kernel, written_out=written_out,
-                               compute_dtype=compute_dtype, out_dtype=out_dtype)
+        o = local_attention(q, k, v, mask, dropout_p, is_causal, scale, enable_gqa,
+                            kernel=kernel, written_out=written_out,
+                            compute_dtype=compute_dtype, out_dtype=out_dtype)
+        return o if project is None else project_heads(None, o, project, 1, 0, q.shape[1])
     hq = q.shape[1]
     n = hq // parts
     if mask is not None and mask.dim() >= 3 and mask.shape[-3] == hq and hq > 1:
@@ -98,7 +103,7 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                                qh.shape[1] != kh.shape[1], kernel=kernel,
                                written_out=written_out, compute_dtype=compute_dtype,
                                out_dtype=out_dtype)
-    return _pipelined(q, k, v, parts, group, attend)
+    return _pipelined(q, k, v, parts, group, attend, project)
 
 
 _SEQ, _HEADS = (2, 1), (1, 1)          # (dim, outer) of [B, H, S, D] split on S, on H
@@ -126,15 +131,37 @@ def _heads(x: torch.Tensor, parts: int, first: int, count: int) -> torch.Tensor:
         b, parts * count, s, d)
 
 
-def _pipelined(q, k, v, parts: int, group: str, attend) -> torch.Tensor:
+def project_heads(y: torch.Tensor | None, o: torch.Tensor, project: tuple, parts: int,
+                  first: int, per_rank: int) -> torch.Tensor:
+    """``y`` plus one head group's share of the output projection: ``o`` is the group's
+    output back on the sequence split, ``[B, P * nq, S/P, D]`` with each source rank's
+    ``nq`` heads (from its local head ``first`` of ``per_rank``) together; ``project`` is
+    ``(wt, bias)``, ``wt`` the ``[H * D, D_model]`` operand of the model's ``mm`` (rows
+    head-major), its rows of those heads taken. ``y`` None: the first share, with the bias."""
+    wt, bias = project
+    b, hh, s, d = o.shape
+    x = o.transpose(1, 2).reshape(b * s, hh * d)
+    w = wt.view(parts, per_rank, d, wt.shape[-1]).narrow(1, first, hh // parts).reshape(
+        hh * d, wt.shape[-1])
+    if y is not None:
+        return torch.addmm(y, x, w)
+    return torch.mm(x, w) if bias is None else torch.addmm(bias, x, w)
+
+
+def _pipelined(q, k, v, parts: int, group: str, attend, project=None) -> torch.Tensor:
     """Ulysses over head groups: issue group 0's exchange, then for each group issue the
     next one's, wait for its own, attend (``attend(group, qh, kh, vh)``) and issue its output
-    back; wait for the outputs last. One group: today's single exchange each way."""
+    back; wait for the outputs last. One group: today's single exchange each way.
+    ``project`` (``ulysses_attention``'s): the output projection, group i - 1's share
+    computed while group i's output is in flight, the last group's behind nothing but the
+    others' shares."""
     k, v = _repeat_kv(q, k, v, parts)
     groups = head_groups(q.shape[1], k.shape[1], parts)
+    n = q.shape[1] // parts
     if len(groups) == 1:
         qh, kh, vh = all_to_all_many([q, k, v], [_SEQ] * 3, [_HEADS] * 3, parts, group)
-        return all_to_all(attend(groups[0], qh, kh, vh), _HEADS, _SEQ, parts, group)
+        o = all_to_all(attend(groups[0], qh, kh, vh), _HEADS, _SEQ, parts, group)
+        return o if project is None else project_heads(None, o, project, parts, 0, n)
 
     def issue(g: HeadGroup):
         xs = [_heads(q, parts, g.q, g.nq)]
@@ -142,7 +169,7 @@ def _pipelined(q, k, v, parts: int, group: str, attend) -> torch.Tensor:
             xs += [_heads(k, parts, g.k, g.nk), _heads(v, parts, g.k, g.nk)]
         return all_to_all_many_start(xs, [_SEQ] * len(xs), [_HEADS] * len(xs), parts, group)
 
-    pending, kv, outs = [issue(groups[0])], [], []
+    pending, kv, outs, y = [issue(groups[0])], [], [], None
     for i, g in enumerate(groups):
         if i + 1 < len(groups):
             pending.append(issue(groups[i + 1]))
@@ -152,6 +179,11 @@ def _pipelined(q, k, v, parts: int, group: str, attend) -> torch.Tensor:
         kh, vh = _kv_heads(kv, g.read, g.n_read)
         o = attend(g, got[0], kh, vh)
         outs.append(all_to_all_many_start([o], [_HEADS], [_SEQ], parts, group))
+        if project is not None and i:       # group i - 1's output, back during this attention
+            p = groups[i - 1]
+            y = project_heads(y, outs[i - 1].wait()[0], project, parts, p.q, n)
+    if project is not None:
+        return project_heads(y, outs[-1].wait()[0], project, parts, groups[-1].q, n)
     back = [p.wait()[0] for p in outs]      # [B, P * nq, S/P, D] each, source rank outer
     b, _, s, d = back[0].shape
     return torch.stack([o.reshape(b, parts, -1, s, d) for o in back], dim=2).reshape(
@@ -211,12 +243,13 @@ def ulysses_flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, score_mod, b
 def ulysses_attention_fn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, leaves: list,
                          program: str, is_causal: bool, scale: float | None, parts: int,
                          rank: int, group: str, compute_dtype: torch.dtype | None = None,
-                         out_dtype: torch.dtype | None = None) -> torch.Tensor:
+                         out_dtype: torch.dtype | None = None,
+                         project: tuple | None = None) -> torch.Tensor:
     """``ulysses_attention`` for a mask given as a program of per-token ``leaves``
     (``spdsl.propagate.masks``): the rank's heads over the whole sequence, a block of queries
     at a time (``spdsl.kernels.masked_attn``), pipelined by head groups as
     ``ulysses_attention``; per-head leaves (ALiBi slopes) are cut to the rank's heads (and to
-    each group's)."""
+    each group's). ``project``: the output projection fused in, as ``ulysses_attention``'s."""
     hq = q.shape[1]
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
 
@@ -227,12 +260,14 @@ def ulysses_attention_fn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, leav
         return o.to(out_dtype) if out_dtype is not None else o
 
     if parts == 1:
-        return attend(None, q, k, v)
+        o = attend(None, q, k, v)
+        return o if project is None else project_heads(None, o, project, 1, 0, hq)
     n = hq // parts
     heads = [hq > 1 and t.shape[1] == hq for t in leaves]
     leaves = [t.narrow(1, rank * n, n) if h else t for t, h in zip(leaves, heads)]
     return _pipelined(q, k, v, parts, group, lambda g, qh, kh, vh: attend(
-        g, qh, kh, vh, [t.narrow(1, g.q, g.nq) if h else t for t, h in zip(leaves, heads)]))
+        g, qh, kh, vh, [t.narrow(1, g.q, g.nq) if h else t for t, h in zip(leaves, heads)]),
+        project)
 
 
 def local_attention(q, k, v, mask=None, dropout_p=0.0, is_causal=False, scale=None,

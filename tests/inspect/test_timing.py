@@ -12,6 +12,7 @@ import spdsl
 import spdsl.collectives as C
 import spdsl.lower.graph as G
 import spdsl.lower.ops as O
+import spdsl.pipeline as PR
 from spdsl.inspect.flops import ATTENTION_BWD
 from spdsl.models.llama import Llama, LlamaConfig
 from spdsl.propagate.attention_choice import Links
@@ -97,28 +98,56 @@ def test_one_exchange_each_way_hides_nothing(monkeypatch):
             assert x.exposed == pytest.approx(x.seconds) and x.behind == ""
 
 
-def test_head_groups_hide_all_but_the_first_and_last_exchange(monkeypatch):
+def _ulysses_by_pass(t) -> list[list]:
+    """Each attention's four Ulysses transfers of one pass (two head groups), in order."""
+    uly = [x for x in t.transfers if x.collective.purpose == "ulysses"]
+    return [uly[i:i + 4] for i in range(0, len(uly), 4)]
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["unfused", "projection_fused"])
+def test_head_groups_hide_all_but_the_first_and_last_exchange(monkeypatch, fused):
     links = Links(1e9, 1e8, 1e11, 1e-5, 8)
     monkeypatch.setattr(O, "ULYSSES_GROUPS", 1)
     one = _plan(_h8(), 1024, remat="none")[2].timing(links)
     monkeypatch.setattr(O, "ULYSSES_GROUPS", 2)
+    if not fused:
+        monkeypatch.setattr(PR, "fuse_output_projection", lambda *a: 0)
     _, _, plan = _plan(_h8(), 1024, remat="none")
     two = plan.timing(links)
     _consistent(two)
-    uly = [x for x in two.transfers if x.collective.purpose == "ulysses"]
-    assert len(uly) == 2 * len([x for x in one.transfers if x.collective.purpose == "ulysses"])
-    # at 100 GFLOP/s a group's attention (one head over 1,024 tokens) outlasts the exchange beside it: of each attention's
-    # four transfers per pass only the first (group 1's in) and the last (group 2's out)
-    # are waited for
-    for i in range(0, len(uly), 4):
-        first, second, third, last = uly[i:i + 4]
-        assert first.exposed == pytest.approx(first.seconds)
+    passes = _ulysses_by_pass(two)
+    assert 4 * len(passes) == 2 * len(
+        [x for x in one.transfers if x.collective.purpose == "ulysses"])
+    # at 100 GFLOP/s a group's attention (one head over 1,024 tokens) outlasts the exchange
+    # beside it: of each attention's four transfers per pass only the first (group 1's in)
+    # and the last (group 2's out) are waited for. With the output projection fused in, one
+    # group's share of it (2 x 256 tokens x 64 x 64 / 2 groups) runs before the wait for the
+    # last forward exchange, and two shares' gradients (twice the work each) before the
+    # first backward one
+    share = 2 * (1024 // P) * 64 * 64 / 2 / links.flops_per_s if fused else 0.0
+    for first, second, third, last in passes:
         assert second.exposed == 0.0 and third.exposed == 0.0
         assert second.behind == third.behind == "head-group attention"
-        assert last.exposed == pytest.approx(last.seconds)
+        if first.phase == "forward":
+            assert first.exposed == pytest.approx(first.seconds)
+            assert last.exposed == pytest.approx(last.seconds - share)
+        else:
+            assert first.exposed == pytest.approx(first.seconds - 2 * share)
+            assert last.exposed == pytest.approx(last.seconds)
+    assert {p[0].phase for p in passes} == {"forward", "backward"}
     u1, u2 = one.by_purpose()["ulysses"], two.by_purpose()["ulysses"]
     assert u2[1] < 0.6 * u1[1]          # exposed: about half of one exchange each way
     assert two.step_s < one.step_s
+
+
+def test_the_fused_projection_counts_its_flops_as_matmuls(monkeypatch):
+    monkeypatch.setattr(O, "ULYSSES_GROUPS", 2)
+    fused = _plan(_h8(), 1024, remat="none")[2].timing(LINKS)
+    monkeypatch.setattr(PR, "fuse_output_projection", lambda *a: 0)
+    plain = _plan(_h8(), 1024, remat="none")[2].timing(LINKS)
+    assert fused.flops == pytest.approx(plain.flops, rel=1e-12)
+    assert fused.compute_s == pytest.approx(plain.compute_s)
+    assert fused.exposed_s < plain.exposed_s
 
 
 def test_gradient_buckets_hide_behind_the_rest_of_backward(monkeypatch):

@@ -3,8 +3,10 @@ itself (one process), and on 2 and 4 gloo ranks (one launch each): the op with g
 the op without (output bitwise, gradients to fp32 rounding), the exchanges are in flight
 while another group attends (the order of issues, waits and attention, forward and backward),
 the tiny Llama with more heads trains to single-device parity with groups on, eager and
-compiled (compiled gradients equal eager ones), and the plan lists one all-to-all per group
-each way, call for call against the process group.
+compiled (compiled gradients equal eager ones), the output projection fused into the pipelined
+attention (``spdsl.lower.project``) equals the attention followed by the projection and runs
+its shares as the groups' outputs arrive, and the plan lists one all-to-all per group each
+way, call for call against the process group.
 """
 
 from __future__ import annotations
@@ -83,6 +85,39 @@ def _op(world: int, rank: int, group: str, hq: int, hk: int, groups: int, mask: 
                             for a, b in zip(res[1][1:], res[0][1:]))}
 
 
+def _project(world: int, rank: int, group: str, hq: int, hk: int, groups: int, bias: bool,
+             dtype: torch.dtype) -> dict:
+    """ulysses_attention with the output projection fused in (``project=``) against the
+    attention followed by the projection as the model writes it: output and every gradient
+    (q, k, v, the weight, the bias)."""
+    from spdsl.lower import ops
+    g = torch.Generator().manual_seed(rank + 3 * hq)
+    s, d, dm = 8, 16, 24
+    q = torch.randn(2, hq, s, d, generator=g, dtype=dtype)
+    k, v = (torch.randn(2, hk, s, d, generator=g, dtype=dtype) for _ in range(2))
+    wt = torch.randn(hq * d, dm, generator=g, dtype=dtype)
+    b = torch.randn(dm, generator=g, dtype=dtype)
+    w = torch.randn(2 * s, dm, generator=g, dtype=dtype)
+    ops.ULYSSES_GROUPS = groups
+    res = []
+    for fused in (False, True):
+        xs = [t.clone().requires_grad_() for t in (q, k, v, wt, b)]
+        bb = xs[4] if bias else None
+        args = (*xs[:3], None, 0.0, True, None, hq != hk, world, rank, group)
+        if fused:
+            y = ops.ulysses_attention(*args, project=(xs[3], bb))
+        else:
+            flat = ops.ulysses_attention(*args).transpose(1, 2).reshape(2 * s, hq * d)
+            y = flat @ xs[3] if bb is None else torch.addmm(bb, flat, xs[3])
+        (y * w).sum().backward()
+        res.append([y.detach()] + [x.grad for x in xs if x.grad is not None])
+    ops.ULYSSES_GROUPS = 2
+    assert len(res[0]) == len(res[1]) == 5 + bias
+    return {"groups": len(head_groups(hq, hk, world, groups)),
+            "err": max(((a - b).abs().max() / b.abs().max()).item()
+                       for a, b in zip(res[1], res[0]))}
+
+
 class _Order(torch.utils._python_dispatch.TorchDispatchMode):
     """The sequence of collective issues, waits and attention ops (forward and backward)."""
 
@@ -98,6 +133,8 @@ class _Order(torch.utils._python_dispatch.TorchDispatchMode):
             self.seen.append("wait")
         elif "scaled_dot_product" in name:
             self.seen.append("attn_bwd" if "backward" in name else "attn")
+        elif name in ("aten::mm", "aten::addmm"):
+            self.seen.append("mm")
         return func(*args, **(kwargs or {}))
 
 
@@ -106,11 +143,14 @@ def _order(world: int, rank: int, group: str) -> dict:
     q = torch.randn(1, 2 * world, 8, 16, requires_grad=True)
     k = torch.randn(1, world, 8, 16, requires_grad=True)
     v = torch.randn(1, world, 8, 16, requires_grad=True)
+    wt = torch.randn(2 * world * 16, 8, requires_grad=True)
     out = {}
-    for n in (1, 2):
-        ops.ULYSSES_GROUPS = n
+    for n in (1, 2, "projected"):
+        ops.ULYSSES_GROUPS = 2 if n == "projected" else n
+        project = {"project": (wt, None)} if n == "projected" else {}
         with _Order() as fwd:
-            o = ops.ulysses_attention(q, k, v, None, 0.0, True, None, True, world, rank, group)
+            o = ops.ulysses_attention(q, k, v, None, 0.0, True, None, True, world, rank, group,
+                                      **project)
         with _Order() as bwd:
             o.sum().backward()
         out[n] = (fwd.seen, bwd.seen)
@@ -136,6 +176,8 @@ def _llama(world: int, groups: int, compile: bool = False) -> dict:
     loss.backward()
     out = _errs(model, ref, loss, loss_ref)
     out["grads"] = [p.grad.clone() for p in model.parameters()]
+    lowered = next(iter(step._cache.values())).step.lowered      # the output projection fused
+    out["fused"] = sum(1 for n in lowered.graph.nodes if n.kwargs.get("project") is not None)
     if not compile:
         out["ran"], out["planned"] = ran_and_planned(step, model, (ids, ids))
     ops.ULYSSES_GROUPS = 2
@@ -150,6 +192,12 @@ def _run_rank(rank: int, world: int) -> dict:
     for hq, hk, groups, mask in ((2 * world, world, 2, False), (4 * world, world, 4, False),
                                  (4 * world, 2 * world, 4, True), (8, 2, 2, False)):
         out["op"][(hq, hk, groups, mask)] = _op(world, rank, group, hq, hk, groups, mask)
+    out["project"] = {
+        (hq, hk, groups, bias, str(dtype)): _project(world, rank, group, hq, hk, groups, bias,
+                                                     dtype)
+        for hq, hk, groups, bias in ((2 * world, world, 2, False), (4 * world, world, 4, True),
+                                     (8, 2, 2, True))
+        for dtype in (torch.float64, torch.float32)}
     out["order"] = _order(world, rank, group)
     out["llama_g1"] = _llama(world, 1)
     out["llama_g2"] = _llama(world, 2)
@@ -177,6 +225,18 @@ def test_groups_give_the_same_attention(results):
 
 @pytest.mark.multirank
 @pytest.mark.slow
+def test_the_fused_output_projection_is_the_projection(results):
+    # the same sums in another order: float64 to its rounding, fp32 to its
+    world, per_rank = results
+    for r, res in enumerate(per_rank):
+        for key, got in res["project"].items():
+            assert got["groups"] > 1, f"sp{world} {key}: not pipelined"
+            bound = 1e-12 if key[-1] == "torch.float64" else 1e-6
+            assert got["err"] <= bound, f"sp{world} rank {r} {key}: {got['err']:.2e}"
+
+
+@pytest.mark.multirank
+@pytest.mark.slow
 def test_exchanges_in_flight_while_another_group_attends(results):
     _, per_rank = results
     fwd1, bwd1 = per_rank[0]["order"][1]
@@ -192,6 +252,15 @@ def test_exchanges_in_flight_while_another_group_attends(results):
     # group 0's attention backward, waited after it
     assert bwd == ["issue", "issue", "wait", "attn_bwd", "issue", "wait", "attn_bwd",
                    "issue", "wait", "wait"]
+    # the output projection fused in: group 0's share projected once group 1's output is
+    # issued, group 1's share last; backward, the output gradients leave as their shares'
+    # gradients are known, before any attention backward
+    fwd, bwd = per_rank[0]["order"]["projected"]
+    assert fwd == ["issue", "issue", "wait", "attn", "issue", "wait", "attn", "issue",
+                   "wait", "mm", "wait", "mm"]
+    assert bwd.index("issue") < max(i for i, x in enumerate(bwd) if x == "mm")
+    assert bwd.count("issue") == 4 and bwd.count("attn_bwd") == 2
+    assert max(i for i, x in enumerate(bwd) if x == "mm") < bwd.index("attn_bwd")
     for res in per_rank:
         assert res["order"] == per_rank[0]["order"]
 
@@ -207,6 +276,8 @@ def test_llama_parity_with_groups(results, name):
     for r, res in enumerate(per_rank):
         out = res[name]
         assert out["missing"] == [] and out["extra"] == [] and out["n_grads"] > 0
+        # groups on: the output projection runs inside each layer's attention
+        assert out["fused"] == (0 if name == "llama_g1" else 2), out["fused"]
         assert out["loss"] <= LOSS_RTOL, f"sp{world} rank {r}: loss {out['loss']:.2e}"
         assert out["grad"] <= GRAD_RTOL, f"sp{world} rank {r}: grad {out['grad']:.2e}"
         for a, b in zip(out["grads"], res["llama_g1"]["grads"]):     # groups on against off

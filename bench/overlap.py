@@ -9,7 +9,8 @@ exposed communication and step time, interleaved in one launch.
 
 Systems (same weights and batches; ``attention="ulysses"``, default remat): ``spdsl-g1``
 (``spdsl.lower.ops.ULYSSES_GROUPS = 1``: today's one exchange in, one out), ``spdsl-g2`` (2 head
-groups), and hand-written DeepSpeed-Ulysses (``bench/baselines/ulysses.py``) where deepspeed
+groups, the output projection fused into the attention: ``spdsl.lower.project``),
+``spdsl-g2-unfused`` (2 head groups, the projection after the attention), and hand-written DeepSpeed-Ulysses (``bench/baselines/ulysses.py``) where deepspeed
 imports. The model is the tiny Llama with 8 query and 4 kv heads (``tiny-h8``): at SP 4 a
 rank holds 2 query heads, so 2 groups are possible (the plain tiny Llama has 1 a rank).
 
@@ -72,15 +73,17 @@ def _exposed(prof) -> float:
 
 
 class _Spdsl:
-    def __init__(self, cfg: RunConfig, groups: int, grad_overlap: bool = True) -> None:
+    def __init__(self, cfg: RunConfig, groups: int, grad_overlap: bool = True,
+                 fuse: bool = True) -> None:
         from bench.baselines.spdsl_adapter import SpdslTrainer
-        self.groups, self.grad_overlap = groups, grad_overlap
+        self.groups, self.grad_overlap, self.fuse = groups, grad_overlap, fuse
         self.trainer = SpdslTrainer(cfg, False, attention="ulysses")
 
     def _modes(self) -> None:
         from spdsl import collectives
-        from spdsl.lower import ops
+        from spdsl.lower import ops, project
         ops.ULYSSES_GROUPS = self.groups
+        project.FUSE = self.fuse
         collectives.GRAD_OVERLAP = self.grad_overlap
 
     def step(self, ids, labels) -> float:
@@ -154,7 +157,8 @@ def main() -> None:
         systems = {"spdsl-sync": _Spdsl(cfg, 1, grad_overlap=False),
                    "spdsl-overlap": _Spdsl(cfg, 1, grad_overlap=True)}
     else:
-        systems = {"spdsl-g1": _Spdsl(cfg, 1), "spdsl-g2": _Spdsl(cfg, 2)}
+        systems = {"spdsl-g1": _Spdsl(cfg, 1), "spdsl-g2-unfused": _Spdsl(cfg, 2, fuse=False),
+                   "spdsl-g2": _Spdsl(cfg, 2)}
     try:
         from bench.baselines import ulysses
         systems["ulysses"] = _Plain(ulysses.build(cfg, False))

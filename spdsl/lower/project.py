@@ -16,11 +16,15 @@ exchange hides behind the others' shares (``spdsl.lower.ops.project_heads``). Ex
 the order of the fp32 sums (G matrix products added instead of one). The exchanges are the
 same ones; the plan lists them as before.
 
-Nothing is fused with one head group (the default: there is no pipeline to extend) or where
-anything else reads the attention's output, its transposed form or the flat activations.
+Nothing is fused with one head group (the default: there is no pipeline to extend), where
+anything else reads the attention's output, its transposed form or the flat activations, or
+with ``SPDSL_FUSE_PROJECTION=0``. Memory: each group's rows of the weight are a copy the
+product saves for backward (one copy of the weight per layer in all, in the planner's count).
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 
@@ -29,6 +33,9 @@ from spdsl.lower.shapes import fill_shapes
 
 aten = torch.ops.aten
 
+# ``SPDSL_FUSE_PROJECTION=0``: leave the projection where the model has it (read at each
+# program's build)
+FUSE = os.environ.get("SPDSL_FUSE_PROJECTION", "1") != "0"
 _ATTENTION = {ops.ulysses_attention: 8, ops.ulysses_attention_fn: 7}   # op -> index of parts
 _VIEWS = {aten.clone.default, aten.contiguous.default, aten.reshape.default, aten.view.default,
           aten._unsafe_view.default}
@@ -46,7 +53,7 @@ def fuse_output_projection(gm: torch.fx.GraphModule, state: list, inputs: list) 
     """
     sites = [n for n in gm.graph.nodes if n.op == "call_function" and n.target in _ATTENTION
              and n.kwargs.get("project") is None and n.args[_ATTENTION[n.target]] > 1]
-    if not sites or ops.ULYSSES_GROUPS < 2:
+    if not sites or ops.ULYSSES_GROUPS < 2 or not FUSE:
         return 0
     if any("val" not in n.meta for n in gm.graph.nodes if n.op == "call_function"):
         fill_shapes(gm, list(state) + list(inputs))

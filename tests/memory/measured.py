@@ -28,7 +28,12 @@ from spdsl.models.llama import Llama, LlamaConfig
 # (name, config, batch, global sequence length): 1024 tokens reach the CPU flash-attention
 # kernels' large blocks (q_len >= 768 after the all-to-all gathers the sequence)
 CASES = {"tiny_1024": (LlamaConfig.tiny(), 1, 1024), "tiny_2x256": (LlamaConfig.tiny(), 2, 256),
-         "small_512": (LlamaConfig.small(), 1, 512)}
+         "small_512": (LlamaConfig.small(), 1, 512),
+         "small_512_g2": (LlamaConfig.small(), 1, 512)}
+# Ulysses head groups a case runs with (``spdsl.lower.ops.ULYSSES_GROUPS``; else one): with
+# two, the output projection is fused into the attention (``spdsl.lower.project``) and its
+# weight's slices are saved for backward
+GROUPS = {"small_512_g2": 2}
 MODES = ("none", "auto", "full")
 # what each SP degree runs in the test, one launch each: (case, compiled); compiling costs
 # about a minute a case at SP 1 and 2 and several at SP 4 on two cores, so the test compiles
@@ -36,12 +41,21 @@ MODES = ("none", "auto", "full")
 PLAN = {1: [("tiny_1024", False), ("small_512", False), ("tiny_2x256", True)],
         2: [("tiny_1024", False), ("small_512", False), ("tiny_2x256", True),
             ("tiny_1024", True)],
-        4: [("tiny_1024", False), ("small_512", False)]}
+        4: [("tiny_1024", False), ("small_512", False), ("small_512_g2", False)]}
 BENCH = {w: [(case, compiled) for compiled in (False, True) for case in CASES]
          for w in (1, 2, 4)}
 
 
 def run_case(name: str, world: int, rank: int, modes=MODES, compile: bool = False) -> dict:
+    from spdsl.lower import ops
+    groups, ops.ULYSSES_GROUPS = ops.ULYSSES_GROUPS, GROUPS.get(name, 1)
+    try:
+        return _run_case(name, world, rank, modes, compile)
+    finally:
+        ops.ULYSSES_GROUPS = groups
+
+
+def _run_case(name: str, world: int, rank: int, modes, compile: bool) -> dict:
     cfg, batch, seq = CASES[name]
     gc.collect()       # the previous case's model lives on in reference cycles until collected
     torch.manual_seed(0)

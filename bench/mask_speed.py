@@ -1,16 +1,20 @@
-"""Step time of padded Hugging Face batches: spdsl with the fused CPU path for causal x
-key-side masks (``spdsl.kernels.masked_attn_keys``), spdsl on its block kernel
-(``masked_attn_keys.FUSED = False``), and ALST's Hugging Face integration, interleaved in one
-launch at SP 2.
+"""Step time of padded or packed Hugging Face batches: spdsl with the fused CPU path for causal x
+key-side masks and packed documents (``spdsl.kernels.masked_attn_keys``), spdsl on its block
+kernel (``masked_attn_keys.FUSED = False``), and ALST's Hugging Face integration, interleaved
+in one launch at SP 2.
 
     torchrun --standalone --nproc_per_node=2 bench/mask_speed.py --seqs 4096 8192 --steps 6 \\
         --out bench/results/mask_speed_sp2.json
+    torchrun --standalone --nproc_per_node=2 bench/mask_speed.py --case packed \\
+        --seqs 4096 8192 --steps 6 --out bench/results/mask_speed_packed_sp2.json
 
 The model and batches are ``bench/mask_measure.py``'s (a tiny HF Llama, 8 query / 2 kv heads,
-SDPA; ``padded``: the last quarter of the row ``attention_mask`` 0, labels -100), spdsl
-``sp_shard(seq=2, remat="full")``, ALST with HF gradient checkpointing (the same policy).
-ALST's adapter drops the 4-D mask and attends causally over the whole row: with right padding
-no kept token attends to a padded one, so its loss is the same. A step is forward, backward
+SDPA; ``padded``: the last quarter of the row ``attention_mask`` 0, labels -100; ``packed``:
+``position_ids`` restarting every 1,024 tokens), spdsl ``sp_shard(seq=2, remat="full")``, ALST
+with HF gradient checkpointing (the same policy). ALST's adapter drops the 4-D mask and attends
+causally over the whole row: with right padding no kept token attends to a padded one, so its
+loss is the same; packed, its tokens attend across documents, so its loss is not (the table
+gives the difference). A step is forward, backward
 and AdamW from a barrier, the slowest rank; the systems alternate step by step (A B C, C B A).
 """
 
@@ -62,6 +66,7 @@ def _step(system, batch) -> tuple[float, float]:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--case", choices=("padded", "packed"), default="padded")
     p.add_argument("--seqs", type=int, nargs="+", default=[4096, 8192])
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--steps", type=int, default=6)
@@ -72,9 +77,9 @@ def main() -> None:
     torch.set_num_threads(1)
     rows = []
     for seq in a.seqs:
-        systems = {"spdsl fused": _Fused(SpdslMaskTrainer("padded", True, world), True),
-                   "spdsl blocks": _Fused(SpdslMaskTrainer("padded", True, world), False),
-                   "alst": alst_trainer("padded", world, rank)}
+        systems = {"spdsl fused": _Fused(SpdslMaskTrainer(a.case, True, world), True),
+                   "spdsl blocks": _Fused(SpdslMaskTrainer(a.case, True, world), False),
+                   "alst": alst_trainer(a.case, world, rank)}
         names = list(systems)
         batches = [_tokens(seq, j) for j in range(a.warmup + a.steps)]
         times = {k: [] for k in names}
@@ -100,7 +105,8 @@ def main() -> None:
         rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], check=False,
                              capture_output=True, text=True, cwd=ROOT).stdout.strip()
         with open(a.out, "w") as f:
-            json.dump({"revision": rev, "world": world, "load": os.getloadavg(), "rows": rows},
+            json.dump({"revision": rev, "world": world, "case": a.case,
+                       "load": os.getloadavg(), "rows": rows},
                       f, indent=1)
     dist.destroy_process_group()
 

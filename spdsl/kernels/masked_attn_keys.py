@@ -13,15 +13,21 @@ gradients, as the block kernel's boolean masks do.
 
 ``SPDSL_MASK_FUSED=0`` (or ``FUSED = False`` here) sends every mask to the block kernel.
 
+Packed sequences (a term ``query_doc == key_doc`` of per-token ids, Hugging Face's mask for
+``position_ids`` that restart) run one kernel call per document over its own tokens, when the
+ids form runs (each id one stretch of the row): the scores between documents are never
+computed, ``sum L_i^2`` work instead of ``S^2``.
+
 Not taken here, to the block kernel: additive (float) programs (a row of ``finfo.min``
 entries averages every key, causal ones included, which ``is_causal`` would drop), masks
-that read query-side values other than positions (documents, windows, ALiBi), positions
+that read other query-side values than positions and documents (windows, ALiBi), positions
 that are not ``0..S-1`` on every batch row, GPU tensors (FlexAttention), a value head size
 other than the query's.
 """
 
 from __future__ import annotations
 
+import itertools
 import operator
 import os
 from dataclasses import dataclass
@@ -39,13 +45,20 @@ _CAUSAL = {aten.le.Tensor: (0, 1), aten.ge.Tensor: (1, 0), operator.le: (0, 1),
            operator.ge: (1, 0)}
 
 
+_EQ = {aten.eq.Tensor, operator.eq}
+
+
 @dataclass(frozen=True)
 class KeyMask:
     """``causal``: the triangle; ``bias``: the additive key row ``[B|1, H|1, 1, S_k]`` in the
-    query's dtype, or None (no key-side mask)."""
+    query's dtype, or None (no key-side mask); ``documents``: the mask keeps each token to
+    its own document, runs of equal ids (packed sequences): per batch row (one row: every
+    row alike) the documents' starts and the row's end, or ``()`` where only the program and
+    the shapes decided it (planning: one document as long as the row, the most scratch)."""
 
     causal: bool
     bias: torch.Tensor | None
+    documents: tuple | None = None
 
 
 def split(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, leaves: list, program_key: str,
@@ -73,15 +86,23 @@ def split(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, leaves: list, progr
     if not isinstance(out, torch.fx.Node):
         return None
     keys: list[torch.fx.Node] = []
+    docs = None
     for term in _conjuncts(out):
         if not _ancestors(term) & query_side:
             keys.append(term)
         elif _is_causal(term, value, query_side, s_q, s_k, values):
             causal = True
+        elif docs is None and s_q == s_k and \
+                (docs := _same_document(term, value, query_side, s_q)) is not None:
+            pass
         else:
             return None
     if causal and s_q != s_k:
         return None
+    if docs is not None:
+        docs = _runs(*docs, q.shape[0]) if values else ()
+        if docs is None:
+            return None
     keep = None
     for term in keys:
         t = _evaluate(term, value)
@@ -89,15 +110,66 @@ def split(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, leaves: list, progr
                 (t.dim() == 4 and t.shape[2] != 1) or t.dim() > 4:
             return None
         keep = t if keep is None else keep & t
+    if keep is not None and values and bool(keep.all()):
+        keep = None                     # every key kept (a constant True term): no row at all
     if keep is None:
-        return KeyMask(causal, None)
+        return KeyMask(causal, None, docs)
     keep = keep.reshape((1,) * (4 - keep.dim()) + tuple(keep.shape))
     if keep.shape[3] not in (1, s_k) or keep.shape[0] not in (1, q.shape[0]) or \
             keep.shape[1] not in (1, q.shape[1]):
         return None                                 # not a row the kernel can broadcast
     bias = torch.zeros(keep.shape, dtype=q.dtype, device=q.device).masked_fill_(
         keep.logical_not(), float("-inf"))
-    return KeyMask(causal, bias.expand(*bias.shape[:3], s_k))
+    return KeyMask(causal, bias.expand(*bias.shape[:3], s_k), docs)
+
+
+def _same_document(term: torch.fx.Node, value: dict, query_side: set, s: int):
+    """``query_id == key_id`` of two per-token leaves ``[B|1, 1, S, 1]`` and ``[B|1, 1, 1, S]``:
+    (the query's ids, the key's), else None."""
+    if term.op != "call_function" or term.target not in _EQ or len(term.args) != 2 or \
+            not all(isinstance(a, torch.fx.Node) and a.op == "placeholder" for a in term.args):
+        return None
+    a, b = term.args
+    qp, kp = (a, b) if a in query_side else (b, a)
+    if qp not in query_side or kp in query_side:
+        return None
+    qt, kt = value[qp], value[kp]
+    if qt.dim() != 4 or kt.dim() != 4 or qt.shape[1:] != (1, s, 1) or \
+            kt.shape[1:] != (1, 1, s) or qt.shape[0] != kt.shape[0]:
+        return None
+    return qt, kt
+
+
+def _runs(qt: torch.Tensor, kt: torch.Tensor, batch: int):
+    """Each batch row's documents as runs of equal ids: per row (one: every row alike) the
+    runs' starts and the row's end; None where the query's and the key's ids differ or an id
+    comes back after another (its tokens would see each other across the gap)."""
+    ids = kt[:, 0, 0, :]
+    if not torch.equal(qt[:, 0, :, 0], ids) or ids.shape[0] not in (1, batch):
+        return None
+    rows = []
+    for row in ids:
+        starts = (torch.nonzero(row[1:] != row[:-1]).flatten() + 1).tolist()
+        if len(starts) + 1 != row.unique().numel():
+            return None
+        rows.append((0, *starts, row.numel()))
+    return tuple(rows)
+
+
+def _spans(mask: KeyMask, batch: int, s: int):
+    """(batch rows, start, end) of each document, or of the whole row without documents."""
+    rows = mask.documents or ((0, s),)
+    for i, row in enumerate(rows):
+        take = slice(None) if len(rows) == 1 else slice(i, i + 1)
+        for s0, s1 in itertools.pairwise(row):
+            yield take, s0, s1
+
+
+def _bias(mask: KeyMask, take: slice, s0: int, s1: int):
+    if mask.bias is None:
+        return None
+    b = mask.bias if mask.bias.shape[0] == 1 else mask.bias[take]
+    return b[..., s0:s1]
 
 
 def _conjuncts(n: torch.fx.Node) -> list[torch.fx.Node]:
@@ -153,29 +225,61 @@ def _evaluate(term: torch.fx.Node, value: dict):
 
 def forward(q, k, v, mask: KeyMask, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Output and the block kernel's row statistics ``[B, H, S_q, 2]`` (max, sum), here
-    ``(log-sum-exp, 1)``: the same probabilities ``exp(s - max) / sum``."""
+    ``(log-sum-exp, 1)``: the same probabilities ``exp(s - max) / sum``. Documents: one call
+    of the kernel per document, over its own tokens (no score across two documents)."""
     h = q.shape[1]
-    out, lse = aten._scaled_dot_product_flash_attention_for_cpu(
-        q, _grouped(k, h), _grouped(v, h), 0.0, mask.causal, attn_mask=mask.bias,
-        scale=scale)[:2]
-    stats = lse.new_ones(*lse.shape, 2)
-    stats[..., 0] = lse
-    # the kernel's output is a [B, S, H, D] buffer seen as [B, H, S, D]: made contiguous, as
-    # the op's fake (and Inductor's plan of a compiled step) has it
-    return out.contiguous(), stats
+    k, v = _grouped(k, h), _grouped(v, h)
+    if mask.documents is None:
+        out, lse = aten._scaled_dot_product_flash_attention_for_cpu(
+            q, k, v, 0.0, mask.causal, attn_mask=mask.bias, scale=scale)[:2]
+        stats = lse.new_ones(*lse.shape, 2)
+        stats[..., 0] = lse
+        # the kernel's output is a [B, S, H, D] buffer seen as [B, H, S, D]: made contiguous,
+        # as the op's fake (and Inductor's plan of a compiled step) has it
+        return out.contiguous(), stats
+    b, _, s, _ = q.shape
+    out = q.new_empty(b, h, s, v.shape[-1])
+    stats = q.new_ones(b, h, s, 2, dtype=torch.promote_types(q.dtype, torch.float32))
+    for take, s0, s1 in _spans(mask, b, s):
+        o, lse = aten._scaled_dot_product_flash_attention_for_cpu(
+            q[take, :, s0:s1], k[take, :, s0:s1], v[take, :, s0:s1], 0.0, mask.causal,
+            attn_mask=_bias(mask, take, s0, s1), scale=scale)[:2]
+        out[take, :, s0:s1] = o
+        stats[take, :, s0:s1, 0] = lse
+        del o, lse
+    return out, stats
 
 
 def backward(dout, q, k, v, out, stats, mask: KeyMask, scale: float):
     """dq, dk, dv (k and v at their own heads: a group's gradients summed)."""
     b, h = q.shape[:2]
     hk = k.shape[1]
-    dq, dk, dv = aten._scaled_dot_product_flash_attention_for_cpu_backward(
-        dout, q, _grouped(k, h), _grouped(v, h), out, stats[..., 0].contiguous(), 0.0,
-        mask.causal, attn_mask=mask.bias, scale=scale)
+    if mask.documents is None:
+        dq, dk, dv = aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            dout, q, _grouped(k, h), _grouped(v, h), out, stats[..., 0].contiguous(), 0.0,
+            mask.causal, attn_mask=mask.bias, scale=scale)
+    else:
+        dq, dk, dv = _backward_documents(dout, q, _grouped(k, h), _grouped(v, h), out, stats,
+                                         mask, scale)
     if hk != h:
         dk = dk.reshape(b, hk, h // hk, *dk.shape[2:]).sum(2)
         dv = dv.reshape(b, hk, h // hk, *dv.shape[2:]).sum(2)
     return dq.contiguous(), dk.contiguous(), dv.contiguous()
+
+
+def _backward_documents(dout, q, k, v, out, stats, mask: KeyMask, scale: float):
+    """The kernel's backward per document (``k``, ``v`` at the query's heads)."""
+    b, _, s, _ = q.shape
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    for take, s0, s1 in _spans(mask, b, s):
+        part = (take, slice(None), slice(s0, s1))
+        g = aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            dout[part], q[part], k[part], v[part], out[part],
+            stats[take, :, s0:s1, 0].contiguous(), 0.0, mask.causal,
+            attn_mask=_bias(mask, take, s0, s1), scale=scale)
+        dq[part], dk[part], dv[part] = g
+        del g
+    return dq, dk, dv
 
 
 def workspace_bytes(q, k, v, mask: KeyMask, backward: bool = False) -> int:
@@ -183,7 +287,9 @@ def workspace_bytes(q, k, v, mask: KeyMask, backward: bool = False) -> int:
     heads (GQA) and, backward, their gradients before each group is summed; the fused
     kernel's tiles (``spdsl.kernels.cpu_flash``); its ``[B, S, H, D]`` results before they
     are made contiguous (a copy only with several heads); forward the log-sum-exp before it
-    goes into the statistics, backward its contiguous copy."""
+    goes into the statistics, backward its contiguous copy. Documents: each call's results
+    are copied into the op's own, so the kernel's buffers are always extra, counted for one
+    document as long as the row (the most there can be; the planner does not see the ids)."""
     b, h, s_q, d = q.shape
     size = q.element_size()
     row = mask.bias.shape[0] * mask.bias.shape[1] * mask.bias.shape[3] * \
@@ -192,11 +298,14 @@ def workspace_bytes(q, k, v, mask: KeyMask, backward: bool = False) -> int:
     kv_h = b * h * k.shape[2] * (k.shape[3] + v.shape[3]) * k.element_size()   # at H heads
     lse = b * h * s_q * torch.promote_types(q.dtype, torch.float32).itemsize
     q_bytes = b * h * s_q * d * size
-    copied = h > 1                     # a [B, S, H, D] buffer is [B, H, S, D]-contiguous at H=1
+    # a [B, S, H, D] buffer is [B, H, S, D]-contiguous at H=1; per document, always copied
+    copied = h > 1 or mask.documents is not None
     if not backward:
         return row + (kv_h if gqa else 0) + lse + (q_bytes if copied else 0) + \
             flash_cpu_forward((q, k), {})
     dout = torch.empty(b, h, s_q, d, device="meta", dtype=q.dtype)   # as autograd makes it
     grads = kv_h if gqa or copied else 0            # dk, dv at H heads, or before the copy
+    if mask.documents is not None and gqa:
+        grads += kv_h                   # the kernel's per document, and the op's at H heads
     return row + (kv_h if gqa else 0) + grads + lse + (q_bytes if copied else 0) + \
         flash_cpu_backward((dout, q, k), {})

@@ -30,6 +30,8 @@ def _masks(b, h, s):
     valid[-1, -s // 3:] = False                                     # right padding
     valid[0, :3] = False          # and left: rows that keep no key (an additive mask: all)
     doc = torch.tensor([0] * (s // 3) + [1] * (s - s // 3 - 2) + [2] * 2).view(1, 1, 1, s)
+    rows = torch.stack([(torch.arange(s) >= s // 2).long(),                 # 2 documents
+                        (torch.arange(s) // 5).long()])[-b:].view(b, 1, 1, s)  # of 5 tokens
     slopes = torch.linspace(-0.5, -0.1, h).view(1, h, 1, 1)
     minf = torch.finfo(torch.float32).min
     return {
@@ -37,6 +39,10 @@ def _masks(b, h, s):
         "padding+causal": (lambda qi, ki, kv: (ki <= qi) & kv, [qp, kp, valid.view(b, 1, 1, s)],
                            False),
         "documents": (lambda dq, dk: dq == dk, [doc.transpose(-1, -2), doc], True),
+        # each batch row its own documents (HF: position_ids restarting), padding besides
+        "documents+padding": (lambda qi, ki, dq, dk, kv: (ki <= qi) & (dq == dk) & kv,
+                              [qp, kp, rows.transpose(-1, -2), rows, valid.view(b, 1, 1, s)],
+                              False),
         "window": (lambda qi, ki: (ki <= qi) & (qi - ki < 5), [qp, kp], False),
         "alibi": (lambda sl, qi, ki: sl * (qi - ki).abs(), [slopes, qp, kp], True),
         "hf_additive": (lambda qi, ki, kv: torch.where((ki <= qi) & kv, 0.0, minf),
@@ -103,10 +109,12 @@ def test_working_memory_is_bounded_by_the_block(monkeypatch):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind", ["padding+causal", "hf_additive"])
+@pytest.mark.parametrize("kind", ["padding+causal", "hf_additive", "documents",
+                                  "documents+padding"])
 def test_planned_scratch_against_the_allocator(kind):
     """``workspace_bytes`` (what the memory planner adds for the kernel) against the bytes the
-    allocator hands out beyond the op's inputs and outputs: never below, at most 15% above."""
+    allocator hands out beyond the op's inputs and outputs: never below, at most 15% above
+    (documents: planned as one as long as the row, here the longest is 2/3 and 1/2 of it)."""
     from spdsl.memory.measure import measure_step
     torch.manual_seed(0)
     b, h, hk, s, d = 1, 4, 1, 2048, 8
@@ -132,12 +140,14 @@ def _traced(fn, leaves):
     return make_fx(fn)(*leaves)
 
 
-@pytest.mark.parametrize("name", ["padding", "padding+causal", "causal"])
+@pytest.mark.parametrize("name", ["padding", "padding+causal", "causal", "documents",
+                                  "documents+padding"])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 def test_fused_path_for_causal_and_key_masks(name, dtype, monkeypatch):
-    """Causal x a key-side boolean row runs on ATen's fused kernel (``masked_attn_keys``):
-    forward and every gradient equal to the dense computation and to the block kernel,
-    left-padding rows (keeping no key) zero, GQA."""
+    """Causal x a key-side boolean row, and packed documents (one kernel call each), run on
+    ATen's fused kernel (``masked_attn_keys``): forward and every gradient equal to the
+    dense computation and to the block kernel, left-padding rows (keeping no key) zero,
+    GQA."""
     torch.manual_seed(0)
     b, h, hk, s, d = 2, 4, 2, 37, 8
     masks = _masks(b, h, s)
@@ -146,7 +156,12 @@ def test_fused_path_for_causal_and_key_masks(name, dtype, monkeypatch):
     q = torch.randn(b, h, s, d, dtype=dtype, requires_grad=True)
     k = torch.randn(b, hk, s, d, dtype=dtype, requires_grad=True)
     v = torch.randn(b, hk, s, d, dtype=dtype, requires_grad=True)
-    assert K.split(q, k, v, leaves, key, causal) is not None
+    fused = K.split(q, k, v, leaves, key, causal)
+    assert fused is not None and (fused.documents is not None) == name.startswith("documents")
+    if name == "documents":         # one row of ids, every batch row alike
+        assert fused.documents == ((0, s // 3, s - 2, s),)
+    if name == "documents+padding":
+        assert fused.documents == ((0, s // 2, s), tuple(range(0, s, 5)) + (s,))
     out = M.masked_attn(q, k, v, mask_fn=key or None, leaves=leaves, causal=causal, scale=0.3)
     g = torch.randn_like(out)
     grads = torch.autograd.grad(out, (q, k, v), g)
@@ -163,13 +178,29 @@ def test_fused_path_for_causal_and_key_masks(name, dtype, monkeypatch):
         assert out[0, :, :3].abs().max() == 0 and grads[0][0, :, :3].abs().max() == 0
 
 
-@pytest.mark.parametrize("name", ["documents", "window", "alibi", "hf_additive"])
+@pytest.mark.parametrize("name", ["window", "alibi", "hf_additive"])
 def test_other_masks_stay_on_the_block_kernel(name):
     b, h, s = 2, 4, 19
     fn, leaves, causal = _masks(b, h, s)[name]
     key = M.register_mask_program(_traced(fn, leaves))
     q = torch.randn(b, h, s, 8)
     assert K.split(q, q, q, leaves, key, causal) is None
+
+
+def test_documents_that_are_not_runs_stay_on_the_block_kernel():
+    """An id that comes back after another (its tokens see each other across the gap), or
+    query ids other than the key's: not block-diagonal, the block kernel's."""
+    b, h, s = 1, 2, 12
+    fn, leaves, causal = _masks(b, h, s)["documents"]
+    key = M.register_mask_program(_traced(fn, leaves))
+    q = torch.randn(b, h, s, 8)
+    assert K.split(q, q, q, leaves, key, causal).documents == ((0, 4, 10, 12),)
+    back = torch.tensor([0] * 4 + [1] * 4 + [0] * 4).view(1, 1, 1, s)
+    assert K.split(q, q, q, [back.transpose(-1, -2), back], key, causal) is None
+    other = leaves[1].roll(1, -1)
+    assert K.split(q, q, q, [leaves[0], other], key, causal) is None
+    # on fake tensors (the planner) the program and the shapes decide: by documents
+    assert K.split(q, q, q, leaves, key, causal, values=False).documents == ()
 
 
 def test_positions_not_from_zero_stay_on_the_block_kernel():

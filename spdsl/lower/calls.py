@@ -214,7 +214,8 @@ def _ulysses(node, grad, q, k, v, out, parts: int, group: str,
     groups = ops.head_groups(hq, hk, parts) if pipelined else [None]
     # the attention's own output: with the output projection fused in (spdsl.lower.project)
     # the node's value is the projection's
-    att = nbytes(out.meta["attention_val"]) if "attention_val" in out.meta else nbytes(out)
+    fused = isinstance(out, torch.fx.Node) and "attention_val" in out.meta
+    att = nbytes(out.meta["attention_val"]) if fused else nbytes(out)
     if len(groups) == 1:
         qkv = nbytes(q) + (nbytes(k) + nbytes(v)) * rep
         o = att

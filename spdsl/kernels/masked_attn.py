@@ -86,12 +86,16 @@ def workspace_bytes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, leaves: l
     """The op's peak scratch beyond its inputs and outputs, for the memory planner (checked
     against the allocator in tests/kernels/test_masked_attn.py), on the route it takes: the
     fused CPU kernel's (``masked_attn_keys.workspace_bytes``, decided by the program and the
-    shapes) or the block kernel's (:func:`block_workspace_bytes`)."""
+    shapes) or the block kernel's (:func:`block_workspace_bytes`); an additive mask the fused
+    kernel takes unless a row keeps no key, which the values decide: the larger of the two."""
     from spdsl.kernels import masked_attn_keys as keys
     fused = keys.split(q, k, v, leaves, program, causal, values=False)
-    if fused is not None:
-        return keys.workspace_bytes(q, k, v, fused, backward)
-    return block_workspace_bytes(q, k, v, leaves, program, causal, backward)
+    blocks = block_workspace_bytes(q, k, v, leaves, program, causal, backward)
+    if fused is None:
+        return blocks
+    if fused.additive:      # a batch with rows keeping no key runs on the blocks: the larger
+        return max(blocks, keys.workspace_bytes(q, k, v, fused, backward))
+    return keys.workspace_bytes(q, k, v, fused, backward)
 
 
 def block_workspace_bytes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, leaves: list = (),

@@ -18,8 +18,11 @@ Packed sequences (a term ``query_doc == key_doc`` of per-token ids, Hugging Face
 ids form runs (each id one stretch of the row): the scores between documents are never
 computed, ``sum L_i^2`` work instead of ``S^2``.
 
-Not taken here, to the block kernel: additive (float) programs (a row of ``finfo.min``
-entries averages every key, causal ones included, which ``is_causal`` would drop), masks
+Hugging Face's additive (eager) masks, ``where(keep, 0, finfo.min)``, are ``keep`` on every row
+that keeps a key; a row that keeps none (left padding) averages every key, causal ones
+included, which the fused kernel cannot give: batches with such rows run on the block kernel.
+
+Not taken here, to the block kernel: other additive (float) programs, masks
 that read other query-side values than positions and documents (windows, ALiBi), positions
 that are not ``0..S-1`` on every batch row, GPU tensors (FlexAttention), a value head size
 other than the query's.
@@ -59,6 +62,12 @@ class KeyMask:
     causal: bool
     bias: torch.Tensor | None
     documents: tuple | None = None
+    additive: bool = False
+
+
+# an additive program's "masked" value: at or below it, exp(value + score - row max) is 0 in
+# fp32 for any score gap under 65,000, exactly what leaving the key out gives (fp16's min)
+_MASKED = float(torch.finfo(torch.float16).min)
 
 
 def split(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, leaves: list, program_key: str,
@@ -85,6 +94,11 @@ def split(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, leaves: list, progr
     out = next(n for n in graph.nodes if n.op == "output").args[0]
     if not isinstance(out, torch.fx.Node):
         return None
+    additive = _additive(out, value, values)
+    if additive is not None:
+        out = additive
+    elif out.meta.get("val") is not None and out.meta["val"].dtype != torch.bool:
+        return None
     keys: list[torch.fx.Node] = []
     docs = None
     for term in _conjuncts(out):
@@ -110,17 +124,52 @@ def split(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, leaves: list, progr
                 (t.dim() == 4 and t.shape[2] != 1) or t.dim() > 4:
             return None
         keep = t if keep is None else keep & t
+    if additive is not None and values and _rows_keeping_nothing(keep, causal, docs, s_k):
+        return None             # an additive mask averages every key there: the block kernel's
     if keep is not None and values and bool(keep.all()):
         keep = None                     # every key kept (a constant True term): no row at all
     if keep is None:
-        return KeyMask(causal, None, docs)
+        return KeyMask(causal, None, docs, additive is not None)
     keep = keep.reshape((1,) * (4 - keep.dim()) + tuple(keep.shape))
     if keep.shape[3] not in (1, s_k) or keep.shape[0] not in (1, q.shape[0]) or \
             keep.shape[1] not in (1, q.shape[1]):
         return None                                 # not a row the kernel can broadcast
     bias = torch.zeros(keep.shape, dtype=q.dtype, device=q.device).masked_fill_(
         keep.logical_not(), float("-inf"))
-    return KeyMask(causal, bias.expand(*bias.shape[:3], s_k), docs)
+    return KeyMask(causal, bias.expand(*bias.shape[:3], s_k), docs, additive is not None)
+
+
+def _additive(out: torch.fx.Node, value: dict, values: bool) -> torch.fx.Node | None:
+    """``where(keep, 0, masked)`` (Hugging Face's eager mask) with constant leaves, 0 and a
+    value at or below :data:`_MASKED`: the boolean ``keep``, else None. The same as ``keep``
+    on every row that keeps a key (see :func:`_rows_keeping_nothing` for the others)."""
+    if out.op != "call_function" or out.target is not aten.where.self or len(out.args) != 3:
+        return None
+    cond, zero, masked = out.args
+    if not all(isinstance(a, torch.fx.Node) and a.op == "placeholder" for a in (zero, masked)):
+        return None
+    z, m = value[zero], value[masked]
+    if z.numel() != 1 or m.numel() != 1 or not z.is_floating_point():
+        return None
+    if values and not (float(z) == 0.0 and float(m) <= _MASKED):
+        return None
+    return cond if isinstance(cond, torch.fx.Node) else None
+
+
+def _rows_keeping_nothing(keep, causal: bool, docs, s: int) -> bool:
+    """Whether a query row keeps no key: a causal row keeps its own key unless the key row
+    drops it, so rows keep nothing exactly where a document (the row) starts with a dropped
+    key; without causality, where a document keeps no key at all."""
+    if keep is None:
+        return False
+    rows = keep.expand(*keep.shape[:3], s)[:, :, 0, :]          # [B | 1, H | 1, S_k]
+    for take, s0, s1 in _spans(KeyMask(causal, None, docs or None), s):
+        piece = rows if rows.shape[0] == 1 else rows[take]
+        if causal and not bool(piece[..., s0].all()):
+            return True
+        if not causal and not bool(piece[..., s0:s1].any(-1).all()):
+            return True
+    return False
 
 
 def _same_document(term: torch.fx.Node, value: dict, query_side: set, s: int):
@@ -156,7 +205,7 @@ def _runs(qt: torch.Tensor, kt: torch.Tensor, batch: int):
     return tuple(rows)
 
 
-def _spans(mask: KeyMask, batch: int, s: int):
+def _spans(mask: KeyMask, s: int):
     """(batch rows, start, end) of each document, or of the whole row without documents."""
     rows = mask.documents or ((0, s),)
     for i, row in enumerate(rows):
@@ -240,7 +289,7 @@ def forward(q, k, v, mask: KeyMask, scale: float) -> tuple[torch.Tensor, torch.T
     b, _, s, _ = q.shape
     out = q.new_empty(b, h, s, v.shape[-1])
     stats = q.new_ones(b, h, s, 2, dtype=torch.promote_types(q.dtype, torch.float32))
-    for take, s0, s1 in _spans(mask, b, s):
+    for take, s0, s1 in _spans(mask, s):
         o, lse = aten._scaled_dot_product_flash_attention_for_cpu(
             q[take, :, s0:s1], k[take, :, s0:s1], v[take, :, s0:s1], 0.0, mask.causal,
             attn_mask=_bias(mask, take, s0, s1), scale=scale)[:2]
@@ -269,9 +318,9 @@ def backward(dout, q, k, v, out, stats, mask: KeyMask, scale: float):
 
 def _backward_documents(dout, q, k, v, out, stats, mask: KeyMask, scale: float):
     """The kernel's backward per document (``k``, ``v`` at the query's heads)."""
-    b, _, s, _ = q.shape
+    s = q.shape[2]
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    for take, s0, s1 in _spans(mask, b, s):
+    for take, s0, s1 in _spans(mask, s):
         part = (take, slice(None), slice(s0, s1))
         g = aten._scaled_dot_product_flash_attention_for_cpu_backward(
             dout[part], q[part], k[part], v[part], out[part],

@@ -33,6 +33,9 @@ def _masks(b, h, s):
     rows = torch.stack([(torch.arange(s) >= s // 2).long(),                 # 2 documents
                         (torch.arange(s) // 5).long()])[-b:].view(b, 1, 1, s)  # of 5 tokens
     slopes = torch.linspace(-0.5, -0.1, h).view(1, h, 1, 1)
+    right = valid.clone()
+    right[0, :3] = True                                             # no left padding
+    zero, low = torch.zeros(1, 1, 1, 1), torch.full((1, 1, 1, 1), torch.finfo(torch.float32).min)
     minf = torch.finfo(torch.float32).min
     return {
         "padding": (lambda kv: kv, [valid.view(b, 1, 1, s)], False),
@@ -47,6 +50,15 @@ def _masks(b, h, s):
         "alibi": (lambda sl, qi, ki: sl * (qi - ki).abs(), [slopes, qp, kp], True),
         "hf_additive": (lambda qi, ki, kv: torch.where((ki <= qi) & kv, 0.0, minf),
                         [qp, kp, valid.view(b, 1, 1, s)], False),
+        # Hugging Face's eager masks, their 0 and finfo.min as leaves: right padding only
+        # (every row keeps a key), a plain batch, a packed one
+        "hf_additive_right": (lambda qi, ki, kv, z, m: torch.where((ki <= qi) & kv, z, m),
+                              [qp, kp, right.view(b, 1, 1, s), zero, low], False),
+        "hf_eager_plain": (lambda ki, qi, z, m: torch.where(ki <= qi, z, m),
+                           [kp, qp, zero, low], False),
+        "hf_eager_packed": (lambda qi, ki, dq, dk, z, m: torch.where((ki <= qi) & (dq == dk), z,
+                                                                     m),
+                            [qp, kp, rows.transpose(-1, -2), rows, zero, low], False),
     }
 
 
@@ -141,7 +153,8 @@ def _traced(fn, leaves):
 
 
 @pytest.mark.parametrize("name", ["padding", "padding+causal", "causal", "documents",
-                                  "documents+padding"])
+                                  "documents+padding", "hf_additive_right", "hf_eager_plain",
+                                  "hf_eager_packed"])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 def test_fused_path_for_causal_and_key_masks(name, dtype, monkeypatch):
     """Causal x a key-side boolean row, and packed documents (one kernel call each), run on
@@ -157,7 +170,9 @@ def test_fused_path_for_causal_and_key_masks(name, dtype, monkeypatch):
     k = torch.randn(b, hk, s, d, dtype=dtype, requires_grad=True)
     v = torch.randn(b, hk, s, d, dtype=dtype, requires_grad=True)
     fused = K.split(q, k, v, leaves, key, causal)
-    assert fused is not None and (fused.documents is not None) == name.startswith("documents")
+    assert fused is not None
+    assert (fused.documents is not None) == ("documents" in name or "packed" in name)
+    assert fused.additive == name.startswith("hf_")
     if name == "documents":         # one row of ids, every batch row alike
         assert fused.documents == ((0, s // 3, s - 2, s),)
     if name == "documents+padding":
@@ -201,6 +216,31 @@ def test_documents_that_are_not_runs_stay_on_the_block_kernel():
     assert K.split(q, q, q, [leaves[0], other], key, causal) is None
     # on fake tensors (the planner) the program and the shapes decide: by documents
     assert K.split(q, q, q, leaves, key, causal, values=False).documents == ()
+
+
+def test_additive_rows_keeping_no_key_stay_on_the_block_kernel():
+    """An additive mask's row that keeps no key (left padding) averages every key, causal ones
+    included: that batch runs on the block kernel; the same program on a batch without such
+    rows on the fused one; masked values above fp16's min, or a kept value other than 0, are
+    not a mask the kernel can take."""
+    b, h, s = 2, 4, 19
+    masks = _masks(b, h, s)
+    fn, leaves, causal = masks["hf_additive_right"]
+    key = M.register_mask_program(_traced(fn, leaves))
+    q = torch.randn(b, h, s, 8)
+    assert K.split(q, q, q, leaves, key, causal) is not None
+    left = masks["padding+causal"][1][2]                        # rows 0-2 of batch 0: nothing
+    assert K.split(q, q, q, [leaves[0], leaves[1], left, *leaves[3:]], key, causal) is None
+    assert K.split(q, q, q, [*leaves[:4], torch.full((1, 1, 1, 1), -1e3)], key, causal) is None
+    assert K.split(q, q, q, [*leaves[:3], torch.ones(1, 1, 1, 1), leaves[4]], key,
+                   causal) is None
+    # the planner: by the program, and the larger scratch of the two routes
+    fused = K.split(q, q, q, leaves, key, causal, values=False)
+    assert fused.additive
+    for backward in (False, True):
+        assert M.workspace_bytes(q, q, q, leaves, key, causal, backward) == max(
+            K.workspace_bytes(q, q, q, fused, backward),
+            M.block_workspace_bytes(q, q, q, leaves, key, causal, backward))
 
 
 def test_positions_not_from_zero_stay_on_the_block_kernel():

@@ -158,7 +158,7 @@ def _order(world: int, rank: int, group: str) -> dict:
     return out
 
 
-def _llama(world: int, groups: int, compile: bool = False) -> dict:
+def _llama(world: int, groups: int, compile: bool = False, remat: str = "fit") -> dict:
     import spdsl
     from spdsl.lower import ops
     from spdsl.models.llama import Llama, LlamaConfig
@@ -171,7 +171,7 @@ def _llama(world: int, groups: int, compile: bool = False) -> dict:
     ids = torch.randint(0, cfg.vocab_size, (2, 32), generator=torch.Generator().manual_seed(1))
     loss_ref = ref(ids, ids)
     loss_ref.backward()
-    step = spdsl.sp_shard(seq=world, compile=compile)(model)
+    step = spdsl.sp_shard(seq=world, compile=compile, remat=remat)(model)
     loss = step(ids, ids)
     loss.backward()
     out = _errs(model, ref, loss, loss_ref)
@@ -201,6 +201,7 @@ def _run_rank(rank: int, world: int) -> dict:
     out["order"] = _order(world, rank, group)
     out["llama_g1"] = _llama(world, 1)
     out["llama_g2"] = _llama(world, 2)
+    out["llama_g2_full"] = _llama(world, 2, remat="full")      # the fused op recomputed
     if world == 2:
         out["llama_g2_compiled"] = _llama(world, 2, compile=True)
     return out
@@ -268,7 +269,8 @@ def test_exchanges_in_flight_while_another_group_attends(results):
 @pytest.mark.multirank
 @pytest.mark.slow
 @pytest.mark.compile
-@pytest.mark.parametrize("name", ["llama_g1", "llama_g2", "llama_g2_compiled"])
+@pytest.mark.parametrize("name", ["llama_g1", "llama_g2", "llama_g2_full",
+                                  "llama_g2_compiled"])
 def test_llama_parity_with_groups(results, name):
     world, per_rank = results
     if name not in per_rank[0]:
@@ -289,7 +291,7 @@ def test_llama_parity_with_groups(results, name):
 def test_plan_lists_one_exchange_per_group(results):
     from tests.parity.test_parity import plan_vs_run
     _, per_rank = results
-    for name, per_layer in (("llama_g1", 2), ("llama_g2", 4)):
+    for name, per_layer in (("llama_g1", 2), ("llama_g2", 4), ("llama_g2_full", 4)):
         for r, res in enumerate(per_rank):
             out = res[name]
             ulysses = [p for p in out["planned"] if p[1] == "ulysses"]

@@ -8,7 +8,8 @@ are back: :func:`fuse_output_projection` finds, in a rank's lowered program, a p
 attention whose only use is the projection, written as ATen lowers ``o_proj(out.transpose(1,
 2).reshape(B, S, H * D))``::
 
-    ulysses_attention -> transpose(1, 2) -> [clone | contiguous | reshape | view]* -> mm / addmm
+    ulysses_attention -> [views back to B, H, S, D]* -> transpose(1, 2) | permute(0, 2, 1, 3)
+        -> [clone | contiguous | reshape | view]* -> mm / addmm
 
 and gives the attention node the projection's operands (``project=(wt, bias)``). The op then
 projects group ``i - 1``'s output while group ``i``'s is in flight, and the last group's
@@ -82,31 +83,39 @@ def fuse_output_projection(gm: torch.fx.GraphModule, state: list, inputs: list) 
 
 def _projection(node: torch.fx.Node):
     """(the ``mm``/``addmm`` node, the view chain from the attention to it, its ``[H * D,
-    D_model]`` operand, its bias or None) where ``node``'s output reaches nothing else."""
+    D_model]`` operand, its bias or None) where ``node``'s output reaches nothing else: views
+    back to the attention's ``[B, H, S, D]`` (eager attention's batched matmul), the swap of
+    heads and sequence, views to ``[B * S, H * D]``."""
     b, h, s, d = node.meta["val"].shape
-    x, chain = node, []
-    while True:
-        if len(x.users) != 1:
-            return None
+    x, chain, swapped = node, [], False
+    while len(x.users) == 1:
         (user,) = x.users
-        if not chain:
-            if user.target is not aten.transpose.int or sorted(a % 4 for a in user.args[1:3]) != [1, 2]:
-                return None
+        if not swapped and _swaps(user) and tuple(x.meta["val"].shape) == (b, h, s, d):
+            swapped = True
         elif user.target not in _VIEWS:
             break
         chain.append(user)
         x = user
-    if tuple(x.meta["val"].shape) != (b * s, h * d) or user.kwargs.get("beta", 1) != 1 \
-            or user.kwargs.get("alpha", 1) != 1:
+    else:
+        return None
+    if not swapped or tuple(x.meta["val"].shape) != (b * s, h * d) or \
+            user.kwargs.get("beta", 1) != 1 or user.kwargs.get("alpha", 1) != 1:
         return None
     if user.target is aten.mm.default and user.args[0] is x:
         wt, bias = user.args[1], None
     elif user.target is aten.addmm.default and user.args[1] is x:
         wt, bias = user.args[2], user.args[0]
-        if tuple(bias.meta["val"].shape) not in ((wt.meta["val"].shape[-1],),):
+        if tuple(bias.meta["val"].shape) != (wt.meta["val"].shape[-1],):
             return None
     else:
         return None
     if wt.meta["val"].dim() != 2 or wt.meta["val"].shape[0] != h * d:
         return None
     return user, chain, wt, bias
+
+
+def _swaps(n: torch.fx.Node) -> bool:
+    """``transpose(1, 2)`` or ``permute(0, 2, 1, 3)`` of a 4-D value."""
+    if n.target is aten.transpose.int:
+        return sorted(a % 4 for a in n.args[1:3]) == [1, 2]
+    return n.target is aten.permute.default and [a % 4 for a in n.args[1]] == [0, 2, 1, 3]

@@ -1,10 +1,11 @@
 """The output projection fused into Ulysses attention pipelined by head groups
 (``spdsl.lower.project``), in the program the pipeline builds for a rank (one process, a fake
 process group): where it is fused (each layer's attention, Hugging Face's ``o_proj`` as an
-``mm`` and GPT-2's ``c_proj`` as an ``addmm`` with its bias), where it is not (one head group;
-the attention's output read by anything else), and that the plan lists the same exchanges.
-That the fused op equals the attention and the projection, and the run equals single-device
-PyTorch, is checked on gloo ranks in ``tests/lower/test_overlap.py``."""
+``mm`` and GPT-2's ``c_proj`` as an ``addmm`` with its bias, SDPA and eager attention), where
+it is not (one head group; the attention's output read by anything else), and that the plan
+lists the same exchanges. That the fused op equals the attention and the projection, and the
+run equals single-device PyTorch, is checked on gloo ranks in ``tests/lower/test_overlap.py``
+(and the Hugging Face matrix runs with ``SPDSL_ULYSSES_GROUPS=2``)."""
 
 from __future__ import annotations
 
@@ -116,14 +117,17 @@ def test_fusion_is_idempotent(monkeypatch):
     assert fuse_output_projection(gm, [], []) == 0
 
 
-@pytest.mark.parametrize("family,has_bias", [("llama", False), ("qwen2", False),
-                                             ("gpt2", True)])
-def test_hugging_face_projections_fused(monkeypatch, family, has_bias):
+@pytest.mark.parametrize("family,attn,has_bias", [
+    ("llama", "sdpa", False), ("qwen2", "sdpa", False), ("gpt2", "sdpa", True),
+    ("falcon", "sdpa", False),          # permute(0, 2, 1, 3), not transpose
+    ("llama", "eager", False),          # a batched matmul's [B * H, S, D] viewed back first
+    ("gptj", "eager", False)])
+def test_hugging_face_projections_fused(monkeypatch, family, attn, has_bias):
     pytest.importorskip("transformers")
     from tests.hf.cases import inputs, loss_fn
     from tests.hf.families import build
     monkeypatch.setattr(O, "ULYSSES_GROUPS", 2)
-    model = build(family)
+    model = build(family, attn=attn)
     names, xs = inputs("plain")
     nodes = _attention_nodes(_lowered(loss_fn(model, names), xs, 2))
     assert nodes and all(n.kwargs.get("project") for n in nodes), family

@@ -295,8 +295,9 @@ class _Sim:
         fused in (``spdsl.lower.project``) runs a group's share at a time: forward, group
         i - 1's share while group i's output is in flight; backward, the shares' gradients
         first, each group's output gradient sent as its share's is known."""
-        proj = projection_flops(node) * (MATMUL_BWD if phase == "backward" else 1.0)
-        work = (flops - projection_flops(node)) * factor
+        pf = projection_flops(node)
+        proj = pf * (MATMUL_BWD if phase == "backward" else 1.0)
+        work = (flops - pf) * factor
         at = [i for i, c in enumerate(calls) if c.kind == "send_recv"]
         if at:
             ring = calls[at[0]:at[-1] + 1]

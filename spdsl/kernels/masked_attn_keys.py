@@ -97,8 +97,6 @@ def split(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, leaves: list, progr
     additive = _additive(out, value, values)
     if additive is not None:
         out = additive
-    elif out.meta.get("val") is not None and out.meta["val"].dtype != torch.bool:
-        return None
     keys: list[torch.fx.Node] = []
     docs = None
     for term in _conjuncts(out):
@@ -106,9 +104,8 @@ def split(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, leaves: list, progr
             keys.append(term)
         elif _is_causal(term, value, query_side, s_q, s_k, values):
             causal = True
-        elif docs is None and s_q == s_k and \
-                (docs := _same_document(term, value, query_side, s_q)) is not None:
-            pass
+        elif docs is None and s_q == s_k and _same_document(term, value, query_side, s_q):
+            docs = _same_document(term, value, query_side, s_q)
         else:
             return None
     if causal and s_q != s_k:
@@ -163,7 +160,7 @@ def _rows_keeping_nothing(keep, causal: bool, docs, s: int) -> bool:
     if keep is None:
         return False
     rows = keep.expand(*keep.shape[:3], s)[:, :, 0, :]          # [B | 1, H | 1, S_k]
-    for take, s0, s1 in _spans(KeyMask(causal, None, docs or None), s):
+    for take, s0, s1 in _spans(docs or None, s):
         piece = rows if rows.shape[0] == 1 else rows[take]
         if causal and not bool(piece[..., s0].all()):
             return True
@@ -205,9 +202,10 @@ def _runs(qt: torch.Tensor, kt: torch.Tensor, batch: int):
     return tuple(rows)
 
 
-def _spans(mask: KeyMask, s: int):
-    """(batch rows, start, end) of each document, or of the whole row without documents."""
-    rows = mask.documents or ((0, s),)
+def _spans(documents: tuple | None, s: int):
+    """(batch rows, start, end) of each document (``KeyMask.documents``), or of the whole row
+    without them."""
+    rows = documents or ((0, s),)
     for i, row in enumerate(rows):
         take = slice(None) if len(rows) == 1 else slice(i, i + 1)
         for s0, s1 in itertools.pairwise(row):
@@ -289,7 +287,7 @@ def forward(q, k, v, mask: KeyMask, scale: float) -> tuple[torch.Tensor, torch.T
     b, _, s, _ = q.shape
     out = q.new_empty(b, h, s, v.shape[-1])
     stats = q.new_ones(b, h, s, 2, dtype=torch.promote_types(q.dtype, torch.float32))
-    for take, s0, s1 in _spans(mask, s):
+    for take, s0, s1 in _spans(mask.documents, s):
         o, lse = aten._scaled_dot_product_flash_attention_for_cpu(
             q[take, :, s0:s1], k[take, :, s0:s1], v[take, :, s0:s1], 0.0, mask.causal,
             attn_mask=_bias(mask, take, s0, s1), scale=scale)[:2]
@@ -303,13 +301,13 @@ def backward(dout, q, k, v, out, stats, mask: KeyMask, scale: float):
     """dq, dk, dv (k and v at their own heads: a group's gradients summed)."""
     b, h = q.shape[:2]
     hk = k.shape[1]
+    kg, vg = _grouped(k, h), _grouped(v, h)
     if mask.documents is None:
         dq, dk, dv = aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            dout, q, _grouped(k, h), _grouped(v, h), out, stats[..., 0].contiguous(), 0.0,
-            mask.causal, attn_mask=mask.bias, scale=scale)
+            dout, q, kg, vg, out, stats[..., 0].contiguous(), 0.0, mask.causal,
+            attn_mask=mask.bias, scale=scale)
     else:
-        dq, dk, dv = _backward_documents(dout, q, _grouped(k, h), _grouped(v, h), out, stats,
-                                         mask, scale)
+        dq, dk, dv = _backward_documents(dout, q, kg, vg, out, stats, mask, scale)
     if hk != h:
         dk = dk.reshape(b, hk, h // hk, *dk.shape[2:]).sum(2)
         dv = dv.reshape(b, hk, h // hk, *dv.shape[2:]).sum(2)
@@ -320,7 +318,7 @@ def _backward_documents(dout, q, k, v, out, stats, mask: KeyMask, scale: float):
     """The kernel's backward per document (``k``, ``v`` at the query's heads)."""
     s = q.shape[2]
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    for take, s0, s1 in _spans(mask, s):
+    for take, s0, s1 in _spans(mask.documents, s):
         part = (take, slice(None), slice(s0, s1))
         g = aten._scaled_dot_product_flash_attention_for_cpu_backward(
             dout[part], q[part], k[part], v[part], out[part],

@@ -12,7 +12,8 @@ num_key_value_heads=2)``, fp32, SDPA (eager attention for the ``eager`` batch); 
 use_cache=False).loss``; AdamW; batch 1. Batches: ``padded`` (right padding: the last quarter
 of the row has ``attention_mask`` 0 and labels -100), ``packed`` (``position_ids`` restarting
 every 1,024 tokens, label -100 at each document's first token), ``eager`` (a plain batch,
-eager attention), ``plain`` (SDPA, no mask: the reference). "off" is spdsl with
+eager attention), ``plain`` (SDPA, no mask: the reference), ``window`` (a plain batch, Mistral
+of the same widths, ``sliding_window=1024``). "off" is spdsl with
 ``SPDSL_MASK_FUNCTIONS=0`` (the dense ``[B, 1, S, S]`` mask, written-out ``[S, S]`` scores),
 set around the trace.
 
@@ -58,16 +59,20 @@ import torch.distributed as dist
 MIB = 1024.0 ** 2
 GIB = 1024.0 ** 3
 DOC = 1024                                     # packed: tokens per document
-CASES = ("padded", "packed", "eager", "plain")
+WINDOW = 1024                                  # window: Mistral's sliding window, tokens
+CASES = ("padded", "packed", "eager", "plain", "window")
 OUT = os.path.join(ROOT, "bench", "results", "mask_measure_sp2.json")
 
 
-def hf_llama(attn: str, seed: int = 0) -> torch.nn.Module:
-    """The brief's Llama, the same initial weights for every system and in every process."""
+def hf_llama(attn: str, seed: int = 0, window: int | None = None) -> torch.nn.Module:
+    """The brief's Llama, the same initial weights for every system and in every process;
+    ``window``: Mistral of the same widths, whose layers attend over that sliding window."""
     import transformers
+    extra = {"sliding_window": window} if window else {}
     cfg = transformers.AutoConfig.for_model(
-        "llama", vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=1 << 20)
+        "mistral" if window else "llama", vocab_size=256, hidden_size=64,
+        intermediate_size=128, num_hidden_layers=2, num_attention_heads=8,
+        num_key_value_heads=2, max_position_embeddings=1 << 20, **extra)
     cfg._attn_implementation = attn
     torch.manual_seed(seed)
     return transformers.AutoModelForCausalLM.from_config(cfg).float().train()
@@ -120,7 +125,8 @@ class SpdslMaskTrainer:
                  lr: float = 1e-3) -> None:
         import spdsl
         self.case, self.functions = case, functions
-        self.llama = hf_llama("eager" if case == "eager" else "sdpa", seed)
+        self.llama = hf_llama("eager" if case == "eager" else "sdpa", seed,
+                              WINDOW if case == "window" else None)
         self.fn = spdsl.sp_shard(seq=world, remat="full")(loss_of(self.llama, case))
         self.opt = torch.optim.AdamW(self.llama.parameters(), lr=lr)
 
@@ -167,7 +173,8 @@ def alst_trainer(case: str, world: int, rank: int, seed: int = 0, checkpoint: bo
 
     deepspeed.comm.init_distributed(dist_backend="gloo")
     cfg = RunConfig(model="tiny", batch=1, world=world, rank=rank, seed=seed, lr=1e-3)
-    return ALSTMaskTrainer(cfg, checkpoint, llama=hf_llama("sdpa", seed))
+    return ALSTMaskTrainer(cfg, checkpoint,
+                           llama=hf_llama("sdpa", seed, WINDOW if case == "window" else None))
 
 
 def _gather(values: list[float]) -> list[list[float]]:

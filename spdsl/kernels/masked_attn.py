@@ -87,13 +87,14 @@ def workspace_bytes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, leaves: l
     against the allocator in tests/kernels/test_masked_attn.py), on the route it takes: the
     fused CPU kernel's (``masked_attn_keys.workspace_bytes``, decided by the program and the
     shapes) or the block kernel's (:func:`block_workspace_bytes`); an additive mask the fused
-    kernel takes unless a row keeps no key, which the values decide: the larger of the two."""
+    kernel takes unless a row keeps no key, and a window whose width is a value (narrow ones
+    stay on the blocks), which the values decide: the larger of the two."""
     from spdsl.kernels import masked_attn_keys as keys
     fused = keys.split(q, k, v, leaves, program, causal, values=False)
     blocks = block_workspace_bytes(q, k, v, leaves, program, causal, backward)
     if fused is None:
         return blocks
-    if fused.additive:      # a batch with rows keeping no key runs on the blocks: the larger
+    if fused.additive or fused.window == 0:     # the values may send it to the blocks
         return max(blocks, keys.workspace_bytes(q, k, v, fused, backward))
     return keys.workspace_bytes(q, k, v, fused, backward)
 

@@ -22,10 +22,19 @@ Hugging Face's additive (eager) masks, ``where(keep, 0, finfo.min)``, are ``keep
 that keeps a key; a row that keeps none (left padding) averages every key, causal ones
 included, which the fused kernel cannot give: batches with such rows run on the block kernel.
 
+Sliding windows (``key_pos > query_pos - W`` beside the triangle, Hugging Face's
+``sliding_window`` masks, or ``query_pos - key_pos < W``) run as blocks of ``W - 1`` query rows,
+each two causal kernel calls: the block against its own keys (the triangle), and against the
+``W - 1`` keys before it, where the window keeps key ``t`` for row ``r`` when ``t >= r``: the
+triangle again once both are read backwards (``flip``). The two partial softmaxes merge by
+their log-sum-exp, and backward runs the kernel's backward on each with the merged output and
+log-sum-exp: ``S * W`` work and scratch of one block, no mask tensor. Windows under
+:data:`MIN_WINDOW` keys (many tiny calls) stay on the block kernel.
+
 Not taken here, to the block kernel: other additive (float) programs, masks
-that read other query-side values than positions and documents (windows, ALiBi), positions
-that are not ``0..S-1`` on every batch row, GPU tensors (FlexAttention), a value head size
-other than the query's.
+that read other query-side values than positions, documents and a window's start (ALiBi),
+positions that are not ``0..S-1`` on every batch row, GPU tensors (FlexAttention), a value
+head size other than the query's.
 """
 
 from __future__ import annotations
@@ -49,6 +58,15 @@ _CAUSAL = {aten.le.Tensor: (0, 1), aten.ge.Tensor: (1, 0), operator.le: (0, 1),
 
 
 _EQ = {aten.eq.Tensor, operator.eq}
+# window's start: (key argument's index, keys from the start on (>=) or after it (>))
+_START = {aten.gt.Tensor: (0, False), operator.gt: (0, False), aten.ge.Tensor: (0, True),
+          operator.ge: (0, True), aten.lt.Tensor: (1, False), operator.lt: (1, False),
+          aten.le.Tensor: (1, True), operator.le: (1, True)}
+# query_pos - key_pos below (<) or at most (<=) a constant
+_WIDTH = {aten.lt.Scalar: False, aten.lt.Tensor: False, operator.lt: False,
+          aten.le.Scalar: True, aten.le.Tensor: True, operator.le: True}
+_SUB = {aten.sub.Tensor, operator.sub}
+MIN_WINDOW = 17
 
 
 @dataclass(frozen=True)
@@ -57,12 +75,16 @@ class KeyMask:
     query's dtype, or None (no key-side mask); ``documents``: the mask keeps each token to
     its own document, runs of equal ids (packed sequences): per batch row (one row: every
     row alike) the documents' starts and the row's end, or ``()`` where only the program and
-    the shapes decided it (planning: one document as long as the row, the most scratch)."""
+    the shapes decided it (planning: one document as long as the row, the most scratch);
+    ``additive``: the program was Hugging Face's eager ``where(keep, 0, min)``; ``window``:
+    with the triangle, row ``i`` keeps keys ``i - window + 1 .. i`` only (0 where the
+    planner decided without the values: its size unknown)."""
 
     causal: bool
     bias: torch.Tensor | None
     documents: tuple | None = None
     additive: bool = False
+    window: int | None = None
 
 
 # an additive program's "masked" value: at or below it, exp(value + score - row max) is 0 in
@@ -98,7 +120,7 @@ def split(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, leaves: list, progr
     if additive is not None:
         out = additive
     keys: list[torch.fx.Node] = []
-    docs = None
+    docs = window = None
     for term in _conjuncts(out):
         if not _ancestors(term) & query_side:
             keys.append(term)
@@ -106,10 +128,20 @@ def split(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, leaves: list, progr
             causal = True
         elif docs is None and s_q == s_k and _same_document(term, value, query_side, s_q):
             docs = _same_document(term, value, query_side, s_q)
+        elif window is None and (w := _window(term, value, query_side, s_q, s_k,
+                                              values)) is not None:
+            window = w
         else:
             return None
     if causal and s_q != s_k:
         return None
+    if window is not None:
+        if not causal or docs is not None:
+            return None
+        if values and window >= s_q:
+            window = None                           # every row's window reaches key 0
+        elif values and window < MIN_WINDOW:
+            return None
     if docs is not None:
         docs = _runs(*docs, q.shape[0]) if values else ()
         if docs is None:
@@ -121,19 +153,21 @@ def split(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, leaves: list, progr
                 (t.dim() == 4 and t.shape[2] != 1) or t.dim() > 4:
             return None
         keep = t if keep is None else keep & t
-    if additive is not None and values and _rows_keeping_nothing(keep, causal, docs, s_k):
+    if additive is not None and values and _rows_keeping_nothing(keep, causal, docs, s_k,
+                                                                 window):
         return None             # an additive mask averages every key there: the block kernel's
     if keep is not None and values and bool(keep.all()):
         keep = None                     # every key kept (a constant True term): no row at all
     if keep is None:
-        return KeyMask(causal, None, docs, additive is not None)
+        return KeyMask(causal, None, docs, additive is not None, window)
     keep = keep.reshape((1,) * (4 - keep.dim()) + tuple(keep.shape))
     if keep.shape[3] not in (1, s_k) or keep.shape[0] not in (1, q.shape[0]) or \
             keep.shape[1] not in (1, q.shape[1]):
         return None                                 # not a row the kernel can broadcast
     bias = torch.zeros(keep.shape, dtype=q.dtype, device=q.device).masked_fill_(
         keep.logical_not(), float("-inf"))
-    return KeyMask(causal, bias.expand(*bias.shape[:3], s_k), docs, additive is not None)
+    return KeyMask(causal, bias.expand(*bias.shape[:3], s_k), docs, additive is not None,
+                   window)
 
 
 def _additive(out: torch.fx.Node, value: dict, values: bool) -> torch.fx.Node | None:
@@ -153,13 +187,18 @@ def _additive(out: torch.fx.Node, value: dict, values: bool) -> torch.fx.Node | 
     return cond if isinstance(cond, torch.fx.Node) else None
 
 
-def _rows_keeping_nothing(keep, causal: bool, docs, s: int) -> bool:
+def _rows_keeping_nothing(keep, causal: bool, docs, s: int, window: int | None = None) -> bool:
     """Whether a query row keeps no key: a causal row keeps its own key unless the key row
     drops it, so rows keep nothing exactly where a document (the row) starts with a dropped
-    key; without causality, where a document keeps no key at all."""
+    key; without causality, where a document keeps no key at all; with a window, where one
+    of the row's windows keeps none."""
     if keep is None:
         return False
     rows = keep.expand(*keep.shape[:3], s)[:, :, 0, :]          # [B | 1, H | 1, S_k]
+    if window:            # row i keeps keys max(0, i - window + 1) .. i
+        counts = torch.nn.functional.pad(rows.to(torch.int64).cumsum(-1), (1, 0))
+        before = torch.nn.functional.pad(counts[..., :s - window + 1], (window - 1, 0))
+        return bool((counts[..., 1:] == before[..., :s]).any())
     for take, s0, s1 in _spans(docs or None, s):
         piece = rows if rows.shape[0] == 1 else rows[take]
         if causal and not bool(piece[..., s0].all()):
@@ -257,6 +296,66 @@ def _is_causal(term: torch.fx.Node, value: dict, query_side: set, s_q: int, s_k:
         bool((qt[:, 0, :, 0] == torch.arange(s_q, device=qt.device)).all())
 
 
+def _window(term: torch.fx.Node, value: dict, query_side: set, s_q: int, s_k: int,
+            values: bool) -> int | None:
+    """The window's width ``W`` (row ``i`` keeps keys after ``i - W``) of a term
+    ``key_pos > start`` (``>=``, or the other way round) with ``start`` a query-side leaf
+    ``query_pos - W`` (Hugging Face's sliding-window overlay), or ``query_pos - key_pos < W``
+    (``<=``) with a constant ``W``; positions ``0..S-1``. 0 without the values (the planner);
+    None for any other term."""
+    if term.op != "call_function" or len(term.args) != 2:
+        return None
+    if term.target in _START and all(isinstance(a, torch.fx.Node) and a.op == "placeholder"
+                                     for a in term.args):
+        ki, inclusive = _START[term.target]
+        kp, start = term.args[ki], term.args[1 - ki]
+        if kp in query_side or start not in query_side:
+            return None
+        kt, st = value[kp], value[start]
+        if not _key_positions(kt, s_k) or st.dim() != 4 or st.shape[1:] != (1, s_q, 1):
+            return None
+        if not values:
+            return 0
+        width = torch.arange(s_q, device=st.device) - st[:, 0, :, 0] + int(inclusive)
+        if not _positions(kt[:, 0, 0, :], s_k) or not bool((width == width[0, 0]).all()):
+            return None
+        return int(width[0, 0])
+    if term.target not in _WIDTH:
+        return None
+    diff, bound = term.args
+    if not (isinstance(diff, torch.fx.Node) and diff.op == "call_function" and
+            diff.target in _SUB and len(diff.args) == 2 and
+            all(isinstance(a, torch.fx.Node) and a.op == "placeholder" for a in diff.args)):
+        return None
+    qp, kp = diff.args
+    if qp not in query_side or kp in query_side:
+        return None
+    if isinstance(bound, torch.fx.Node):
+        if bound.op != "placeholder" or value[bound].numel() != 1:
+            return None
+        bound = value[bound]
+    kt, qt = value[kp], value[qp]
+    if not _key_positions(kt, s_k) or qt.dim() != 4 or qt.shape[1:] != (1, s_q, 1):
+        return None
+    if values and not (_positions(kt[:, 0, 0, :], s_k) and _positions(qt[:, 0, :, 0], s_q)):
+        return None
+    if isinstance(bound, torch.Tensor) and not values:
+        return 0                                    # a leaf: its value unknown to the planner
+    bound = float(bound)
+    if bound != int(bound):
+        return None
+    return int(bound) + int(_WIDTH[term.target])
+
+
+def _key_positions(kt: torch.Tensor, s_k: int) -> bool:
+    return kt.dim() == 4 and kt.shape[1:3] == (1, 1) and kt.shape[3] == s_k
+
+
+def _positions(t: torch.Tensor, s: int) -> bool:
+    """Every row ``0..s-1``."""
+    return bool((t == torch.arange(s, device=t.device)).all())
+
+
 def _evaluate(term: torch.fx.Node, value: dict):
     """The key-side term's value: its ancestors run on the leaves (all key-side, small)."""
     order = {n: i for i, n in enumerate(term.graph.nodes)}
@@ -276,6 +375,8 @@ def forward(q, k, v, mask: KeyMask, scale: float) -> tuple[torch.Tensor, torch.T
     of the kernel per document, over its own tokens (no score across two documents)."""
     h = q.shape[1]
     k, v = _grouped(k, h), _grouped(v, h)
+    if mask.window:
+        return _forward_window(q, k, v, mask, scale)
     if mask.documents is None:
         out, lse = aten._scaled_dot_product_flash_attention_for_cpu(
             q, k, v, 0.0, mask.causal, attn_mask=mask.bias, scale=scale)[:2]
@@ -302,7 +403,9 @@ def backward(dout, q, k, v, out, stats, mask: KeyMask, scale: float):
     b, h = q.shape[:2]
     hk = k.shape[1]
     kg, vg = _grouped(k, h), _grouped(v, h)
-    if mask.documents is None:
+    if mask.window:
+        dq, dk, dv = _backward_window(dout, q, kg, vg, out, stats, mask, scale)
+    elif mask.documents is None:
         dq, dk, dv = aten._scaled_dot_product_flash_attention_for_cpu_backward(
             dout, q, kg, vg, out, stats[..., 0].contiguous(), 0.0, mask.causal,
             attn_mask=mask.bias, scale=scale)
@@ -329,6 +432,152 @@ def _backward_documents(dout, q, k, v, out, stats, mask: KeyMask, scale: float):
     return dq, dk, dv
 
 
+def _window_blocks(s: int, window: int):
+    """(first row, end, first key before the block) of the query blocks of ``window - 1``
+    rows, laid from the end: only the first block (key 0 on) is shorter, and has no keys
+    before it."""
+    n = window - 1
+    ends = range(s % n or n, s + 1, n)
+    for a, e in zip((0, *ends), ends):
+        yield a, e, max(0, a - n)
+
+
+def _pieces(q, k, v, bias, a: int, e: int, c: int):
+    """A block's two causal calls' operands: (q, k, v, key row, read backwards): its own keys,
+    then (``a > 0``) the keys ``c .. a - 1`` before it, both sides reversed: row ``r`` keeps
+    key ``t`` there when ``t >= r``, which reversed is the triangle (top-left aligned: the
+    first block's fewer keys before it included)."""
+    row = None if bias is None else bias[..., a:e]
+    yield q[:, :, a:e], k[:, :, a:e], v[:, :, a:e], row, False
+    if a > 0:
+        row = None if bias is None else bias[..., c:a].flip(-1)
+        yield q[:, :, a:e].flip(-2), k[:, :, c:a].flip(-2), v[:, :, c:a].flip(-2), row, True
+
+
+def _running_keep(bias):
+    """How many keys the key row keeps before each key, ``[B | 1, H | 1, S_k + 1]``; None
+    without a row."""
+    if bias is None:
+        return None
+    return torch.nn.functional.pad((bias[:, :, 0, :] == 0).to(torch.int64).cumsum(-1), (1, 0))
+
+
+def _empty_rows(counts, a: int, e: int, backwards: bool):
+    """Rows of the block ``a .. e - 1`` that keep no key in one of its calls,
+    ``[B | 1, H | 1, e - a, 1]`` (``counts``: :func:`_running_keep`); None without a key row.
+    Row ``a + r`` sees keys ``a .. a + r`` in the first call, ``a - n + r .. a - 1`` in the
+    second (``n = e - a``; none before key 0)."""
+    if counts is None:
+        return None
+    if backwards:
+        n = e - a
+        before = counts[..., max(0, a - n):a]
+        before = torch.nn.functional.pad(before, (n - before.shape[-1], 0))
+        kept = counts[..., a:a + 1] - before
+    else:
+        kept = counts[..., a + 1:e + 1] - counts[..., a:a + 1]
+    return (kept == 0).unsqueeze(-1)
+
+
+def _forward_window(q, k, v, mask: KeyMask, scale: float):
+    """A sliding window, two causal calls a block (:func:`_pieces`) merged by log-sum-exp
+    (``k``, ``v`` at the query's heads). Rows that keep nothing: zeros and log-sum-exp 0, as
+    the kernel gives them."""
+    b, h, s, _ = q.shape
+    out = q.new_empty(b, h, s, v.shape[-1])
+    stats = q.new_ones(b, h, s, 2, dtype=torch.promote_types(q.dtype, torch.float32))
+    counts = _running_keep(mask.bias)
+    for a, e, c in _window_blocks(s, mask.window):
+        parts = []
+        for qp, kp, vp, bp, backwards in _pieces(q, k, v, mask.bias, a, e, c):
+            o, lse = aten._scaled_dot_product_flash_attention_for_cpu(
+                qp, kp, vp, 0.0, True, attn_mask=bp, scale=scale)[:2]
+            del qp, kp, vp, bp
+            if backwards:
+                o, lse = o.flip(-2), lse.flip(-1)
+            parts.append((o, lse.unsqueeze(-1), backwards))
+            del o, lse
+        if len(parts) == 1:                 # the first block: its own keys only
+            out[:, :, a:e], stats[:, :, a:e, 0:1] = parts[0][:2]
+            continue
+        (o1, l1, _), (o2, l2, _) = parts
+        del parts
+        for lse, backwards in ((l1, False), (l2, True)):   # a call's empty row: no weight
+            empty = _empty_rows(counts, a, e, backwards)
+            if empty is not None:
+                lse.masked_fill_(empty, float("-inf"))
+        lse = torch.logaddexp(l1, l2)
+        nothing = torch.isneginf(lse)
+        lse.masked_fill_(nothing, 0.0)
+        w1 = (l1 - lse).exp_().masked_fill_(nothing, 0.0)
+        w2 = (l2 - lse).exp_().masked_fill_(nothing, 0.0)
+        del l1, l2
+        out[:, :, a:e] = o1 * w1.to(o1.dtype)
+        out[:, :, a:e].addcmul_(o2, w2.to(o2.dtype))
+        stats[:, :, a:e, 0:1] = lse
+        del o1, o2, w1, w2, lse
+    return out, stats
+
+
+def _backward_window(dout, q, k, v, out, stats, mask: KeyMask, scale: float):
+    """The kernel's backward on each block's two calls with the merged output and log-sum-exp:
+    the softmax's gradient of each call is its share of the whole row's."""
+    s = q.shape[2]
+    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    for a, e, c in _window_blocks(s, mask.window):
+        lse = stats[:, :, a:e, 0]
+        for qp, kp, vp, bp, backwards in _pieces(q, k, v, mask.bias, a, e, c):
+            do, o, lp = dout[:, :, a:e], out[:, :, a:e], lse
+            if backwards:
+                do, o, lp = do.flip(-2), o.flip(-2), lp.flip(-1)
+            g = aten._scaled_dot_product_flash_attention_for_cpu_backward(
+                do, qp, kp, vp, o, lp.contiguous(), 0.0, True, attn_mask=bp, scale=scale)
+            del do, o, lp, qp, kp, vp, bp
+            if backwards:
+                dq[:, :, a:e] += g[0].flip(-2)
+                dk[:, :, c:a] += g[1].flip(-2)
+                dv[:, :, c:a] += g[2].flip(-2)
+            else:
+                dq[:, :, a:e] += g[0]
+                dk[:, :, a:e] += g[1]
+                dv[:, :, a:e] += g[2]
+            del g
+    return dq, dk, dv
+
+
+def _window_bytes(q, mask: KeyMask, backward: bool) -> int:
+    """A sliding window's scratch at its largest block: ``n = window - 1`` query rows and
+    ``min(n, S - n)`` keys before them (the planner, not seeing the width: both as long as the
+    row). Forward: the first call's output held through the second, whose q, k and v are
+    reversed copies, then the merge (weights, a product, the key row's running counts);
+    backward: the reversed output, its gradient, q, k and v, and the kernel's gradients of
+    the block, besides its tiles."""
+    b, h, s, d = q.shape
+    n = min(s, mask.window - 1) if mask.window else s
+    m = min(n, s - n) if mask.window else s
+    size, rows, rows_b = b * h * d * q.element_size(), b * h, 0
+    qb, kb = size * n, size * m
+    lse = rows * n * torch.promote_types(q.dtype, torch.float32).itemsize
+    q_piece = torch.empty(b, h, n, d, device="meta", dtype=q.dtype)
+    k_piece = torch.empty(b, h, m, d, device="meta", dtype=q.dtype)
+    flipped_row = counts = making = 0
+    if mask.bias is not None:
+        rows_b = mask.bias.shape[0] * mask.bias.shape[1]
+        flipped_row = rows_b * m * mask.bias.element_size()
+        counts = rows_b * (s + 1) * 8                   # _running_keep, held through the loop
+        making = rows_b * s * 17                        # its kept flags, int64 copy, cumsum
+    if not backward:
+        call = 3 * qb + 2 * kb + 2 * lse + flipped_row + \
+            flash_cpu_forward((q_piece, k_piece), {})
+        # _empty_rows: a slice's padded copy, a difference, a comparison
+        merge = 3 * qb + 5 * lse + rows * n + (25 * n * rows_b if counts else 0)
+        return max(making, counts + max(call, merge))
+    own = 3 * qb + lse + flash_cpu_backward((q_piece, q_piece, q_piece), {})
+    before = 4 * qb + 4 * kb + lse + flipped_row + \
+        flash_cpu_backward((q_piece, q_piece, k_piece), {})
+    return max(own, before)
+
+
 def workspace_bytes(q, k, v, mask: KeyMask, backward: bool = False) -> int:
     """Scratch beyond the op's inputs and outputs: the key row; k and v repeated to the query
     heads (GQA) and, backward, their gradients before each group is summed; the fused
@@ -343,6 +592,9 @@ def workspace_bytes(q, k, v, mask: KeyMask, backward: bool = False) -> int:
         mask.bias.element_size() if mask.bias is not None else 0
     gqa = k.shape[1] != h
     kv_h = b * h * k.shape[2] * (k.shape[3] + v.shape[3]) * k.element_size()   # at H heads
+    if mask.window is not None:
+        return row + (2 if gqa and backward else 1 if gqa else 0) * kv_h + \
+            _window_bytes(q, mask, backward)
     lse = b * h * s_q * torch.promote_types(q.dtype, torch.float32).itemsize
     q_bytes = b * h * s_q * d * size
     # a [B, S, H, D] buffer is [B, H, S, D]-contiguous at H=1; per document, always copied

@@ -3,6 +3,8 @@ and every gradient, boolean and additive masks, GQA, blocks smaller than the seq
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 
@@ -47,6 +49,14 @@ def _masks(b, h, s):
                               [qp, kp, rows.transpose(-1, -2), rows, valid.view(b, 1, 1, s)],
                               False),
         "window": (lambda qi, ki: (ki <= qi) & (qi - ki < 5), [qp, kp], False),
+        # windows of about half the row (wide enough for the fused kernel at 37 tokens):
+        # written as a difference with a constant, and as Hugging Face's overlay (the
+        # window's start a per-query value, a constant True term), with padding
+        "sliding": (lambda qi, ki, kv: (ki <= qi) & (qi - ki < s // 2 + 1) & kv,
+                    [qp, kp, valid.view(b, 1, 1, s)], False),
+        "hf_sliding": (lambda t, ki, lo, qi, kv: t & (ki > lo) & (ki <= qi) & kv,
+                       [torch.ones(1, 1, 1, 1, dtype=torch.bool), kp, qp - (s // 2 + 1), qp,
+                        right.view(b, 1, 1, s)], False),
         "alibi": (lambda sl, qi, ki: sl * (qi - ki).abs(), [slopes, qp, kp], True),
         "hf_additive": (lambda qi, ki, kv: torch.where((ki <= qi) & kv, 0.0, minf),
                         [qp, kp, valid.view(b, 1, 1, s)], False),
@@ -63,7 +73,7 @@ def _masks(b, h, s):
 
 
 @pytest.mark.parametrize("name", ["padding", "padding+causal", "documents", "window", "alibi",
-                                  "hf_additive"])
+                                  "hf_additive", "sliding"])
 @pytest.mark.parametrize("block", [None, 4])
 def test_forward_and_every_gradient(name, block, monkeypatch):
     torch.manual_seed(0)
@@ -122,15 +132,23 @@ def test_working_memory_is_bounded_by_the_block(monkeypatch):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", ["padding+causal", "hf_additive", "documents",
-                                  "documents+padding"])
+                                  "documents+padding", "sliding", "sliding_uneven"])
 def test_planned_scratch_against_the_allocator(kind):
     """``workspace_bytes`` (what the memory planner adds for the kernel) against the bytes the
     allocator hands out beyond the op's inputs and outputs: never below, at most 15% above
-    (documents: planned as one as long as the row, here the longest is 2/3 and 1/2 of it)."""
+    (documents: planned as one as long as the row, here the longest is 2/3 and 1/2 of it;
+    windows: two blocks of half the row, and a block of 1,799 rows after one of 249)."""
     from spdsl.memory.measure import measure_step
     torch.manual_seed(0)
     b, h, hk, s, d = 1, 4, 1, 2048, 8
-    fn, leaves, causal = _masks(b, h, s)[kind]
+    if kind == "sliding_uneven":
+        qp, kp = torch.arange(s).view(1, 1, s, 1), torch.arange(s).view(1, 1, 1, s)
+        valid = torch.ones(1, 1, 1, s, dtype=torch.bool)
+        valid[..., :3] = False
+        fn, leaves, causal = (lambda qi, ki, kv: (ki <= qi) & (qi - ki < 1800) & kv,
+                              [qp, kp, valid], False)
+    else:
+        fn, leaves, causal = _masks(b, h, s)[kind]
     key = M.register_mask_program(fn)
     q, k, v = torch.randn(b, h, s, d), torch.randn(b, hk, s, d), torch.randn(b, hk, s, d)
     out, stats = torch.ops.spdsl.masked_attn(q, k, v, leaves, key, causal, 0.3)
@@ -191,6 +209,73 @@ def test_fused_path_for_causal_and_key_masks(name, dtype, monkeypatch):
         assert_close(x, z, rtol=rtol, atol=atol, name=f"{name} {n} vs blocks")
     if name == "padding+causal":    # rows 0-2 of batch 0 keep no key: zeros, no gradient
         assert out[0, :, :3].abs().max() == 0 and grads[0][0, :, :3].abs().max() == 0
+
+
+@pytest.mark.parametrize("name", ["sliding", "hf_sliding"])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_fused_path_for_sliding_windows(name, dtype, monkeypatch):
+    """A sliding window (half the row here) runs as blocks of two causal calls of the fused
+    kernel, the keys before a block read backwards: forward and every gradient equal to the
+    dense computation and to the block kernel, rows whose window keeps no key (left padding)
+    zero, GQA; the width read from the constant, or from the window's start; a window as
+    long as the row is the plain triangle."""
+    torch.manual_seed(0)
+    b, h, hk, s, d = 2, 4, 2, 37, 8
+    fn, leaves, causal = _masks(b, h, s)[name]
+    key = M.register_mask_program(_traced(fn, leaves))
+    q = torch.randn(b, h, s, d, dtype=dtype, requires_grad=True)
+    k = torch.randn(b, hk, s, d, dtype=dtype, requires_grad=True)
+    v = torch.randn(b, hk, s, d, dtype=dtype, requires_grad=True)
+    fused = K.split(q, k, v, leaves, key, causal)
+    assert fused is not None and fused.window == s // 2 + 1 and fused.causal
+    # the planner: the constant is in the program, a window's start is a value
+    assert K.split(q, k, v, leaves, key, causal, values=False).window == \
+        (s // 2 + 1 if name == "sliding" else 0)
+    out = M.masked_attn(q, k, v, mask_fn=key, leaves=leaves, causal=causal, scale=0.3)
+    g = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), g)
+    ref = _dense(q, k, v, fn(*leaves), causal, 0.3)
+    refs = torch.autograd.grad(ref, (q, k, v), g)
+    monkeypatch.setattr(K, "split", lambda *a, **kw: None)           # the block kernel
+    blk = M.masked_attn(q, k, v, mask_fn=key, leaves=leaves, causal=causal, scale=0.3)
+    blks = torch.autograd.grad(blk, (q, k, v), g)
+    rtol, atol = TOL[dtype]
+    for x, y, z, n in zip((out, *grads), (ref, *refs), (blk, *blks), ["out", "dq", "dk", "dv"]):
+        assert_close(x, y, rtol=rtol, atol=atol, name=f"{name} {n} vs dense")
+        assert_close(x, z, rtol=rtol, atol=atol, name=f"{name} {n} vs blocks")
+    if name == "sliding":           # rows 0-2 of batch 0 keep no key: zeros, no gradient
+        assert out[0, :, :3].abs().max() == 0 and grads[0][0, :, :3].abs().max() == 0
+
+
+def test_window_widths_and_rows_keeping_nothing():
+    """Every block of the window's split, and which rows of a padded batch keep no key in
+    their window: a row whose whole window is padding, not only the row's first keys; an
+    eager (additive) window with such rows runs on the block kernel. A window too narrow for
+    calls of a worthwhile size, or without the triangle, stays on the block kernel too."""
+    s = 40
+    for w in (17, 20, 39, 40):
+        blocks = list(K._window_blocks(s, w))
+        assert blocks[0][0] == 0 and blocks[-1][1] == s
+        assert all(e0 == a1 for (_, e0, _), (a1, _, _) in itertools.pairwise(blocks))
+        assert all(e - a == w - 1 for a, e, _ in blocks[1:])
+        assert all(c == max(0, a - (w - 1)) for a, _, c in blocks)
+    qp, kp = torch.arange(s).view(1, 1, s, 1), torch.arange(s).view(1, 1, 1, s)
+    zero, low = torch.zeros(1, 1, 1, 1), torch.full((1, 1, 1, 1), torch.finfo(torch.float32).min)
+    eager = lambda qi, ki, kv, z, m: torch.where((ki <= qi) & (qi - ki < 20) & kv, z, m)
+    keep = torch.ones(1, 1, 1, s, dtype=torch.bool)
+    hole = keep.clone()
+    hole[..., 5:26] = False                     # rows 24, 25 see 20 padded keys only
+    key = M.register_mask_program(_traced(eager, [qp, kp, keep, zero, low]))
+    q = torch.randn(1, 2, s, 8)
+    assert K.split(q, q, q, [qp, kp, keep, zero, low], key, False).window == 20
+    assert K.split(q, q, q, [qp, kp, hole, zero, low], key, False) is None
+    short = hole.clone()
+    short[..., 6] = True                        # 5..25 less key 6: every window keeps one
+    assert K.split(q, q, q, [qp, kp, short, zero, low], key, False).window == 20
+    for fn in (lambda qi, ki: (ki <= qi) & (qi - ki < 9),         # narrow
+               lambda qi, ki: qi - ki < 20):                        # no triangle
+        key = M.register_mask_program(_traced(fn, [qp, kp]))
+        assert K.split(q, q, q, [qp, kp], key, False) is None
 
 
 @pytest.mark.parametrize("name", ["window", "alibi", "hf_additive"])

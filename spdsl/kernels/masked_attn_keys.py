@@ -39,6 +39,7 @@ head size other than the query's.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import operator
 import os
@@ -547,14 +548,20 @@ def _backward_window(dout, q, k, v, out, stats, mask: KeyMask, scale: float):
 
 def _window_bytes(q, mask: KeyMask, backward: bool) -> int:
     """A sliding window's scratch at its largest block: ``n = window - 1`` query rows and
-    ``min(n, S - n)`` keys before them (the planner, not seeing the width: both as long as the
-    row). Forward: the first call's output held through the second, whose q, k and v are
-    reversed copies, then the merge (weights, a product, the key row's running counts);
-    backward: the reversed output, its gradient, q, k and v, and the kernel's gradients of
-    the block, besides its tiles."""
+    ``min(n, S - n)`` keys before them. Forward: the first call's output held through the
+    second, whose q, k and v are reversed copies, then the merge (weights, a product, the key
+    row's running counts); backward: the reversed output, its gradient, q, k and v, and the
+    kernel's gradients of the block, besides its tiles. The planner, not seeing the width
+    (``window == 0``): the most over every width. Up to half the row (``m = n``) it grows
+    with ``n``; beyond, ``m = S - n`` shrinks as ``n`` grows, the copies' sum grows or stays,
+    the kernel's tiles stay until ``m`` is under their 512 keys, then the two change linearly:
+    the most is at ``n = S / 2``, ``S - 512`` or ``S - 1``."""
     b, h, s, d = q.shape
-    n = min(s, mask.window - 1) if mask.window else s
-    m = min(n, s - n) if mask.window else s
+    if not mask.window:
+        return max(_window_bytes(q, dataclasses.replace(mask, window=n + 1), backward)
+                   for n in {s // 2, s - 512, s - 1} if n >= 1)
+    n = min(s - 1, mask.window - 1)
+    m = min(n, s - n)
     size, rows, rows_b = b * h * d * q.element_size(), b * h, 0
     qb, kb = size * n, size * m
     lse = rows * n * torch.promote_types(q.dtype, torch.float32).itemsize

@@ -278,6 +278,20 @@ def test_window_widths_and_rows_keeping_nothing():
         assert K.split(q, q, q, [qp, kp], key, False) is None
 
 
+@pytest.mark.parametrize("s", [700, 2048])
+def test_window_scratch_unknown_width_is_the_most_of_any(s):
+    """The planner, which does not see a window's width (Hugging Face's is a value), counts
+    the largest scratch of any width: checked against every width, with and without a key
+    row."""
+    q = torch.empty(1, 4, s, 8, device="meta")
+    row = torch.zeros(1, 1, 1, s, device="meta")
+    for bias in (None, row):
+        for backward in (False, True):
+            most = max(K._window_bytes(q, K.KeyMask(True, bias, window=w), backward)
+                       for w in range(2, s + 1))
+            assert K._window_bytes(q, K.KeyMask(True, bias, window=0), backward) == most
+
+
 @pytest.mark.parametrize("name", ["window", "alibi", "hf_additive"])
 def test_other_masks_stay_on_the_block_kernel(name):
     b, h, s = 2, 4, 19

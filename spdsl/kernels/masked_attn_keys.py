@@ -513,10 +513,10 @@ def _forward_window(q, k, v, mask: KeyMask, scale: float):
         w1 = (l1 - lse).exp_().masked_fill_(nothing, 0.0)
         w2 = (l2 - lse).exp_().masked_fill_(nothing, 0.0)
         del l1, l2
-        out[:, :, a:e] = o1 * w1.to(o1.dtype)
-        out[:, :, a:e].addcmul_(o2, w2.to(o2.dtype))
+        merged = o1.to(w1.dtype) * w1                    # in fp32 for bf16 / fp16 inputs
+        out[:, :, a:e] = merged.addcmul_(o2.to(w2.dtype), w2)
         stats[:, :, a:e, 0:1] = lse
-        del o1, o2, w1, w2, lse
+        del o1, o2, w1, w2, lse, merged
     return out, stats
 
 
@@ -549,8 +549,8 @@ def _backward_window(dout, q, k, v, out, stats, mask: KeyMask, scale: float):
 def _window_bytes(q, mask: KeyMask, backward: bool) -> int:
     """A sliding window's scratch at its largest block: ``n = window - 1`` query rows and
     ``min(n, S - n)`` keys before them. Forward: the first call's output held through the
-    second, whose q, k and v are reversed copies, then the merge (weights, a product, the key
-    row's running counts); backward: the reversed output, its gradient, q, k and v, and the
+    second, whose q, k and v are reversed copies, then the merge (weights, a product in fp32
+    at least, the key row's running counts); backward: the reversed output, its gradient, q, k and v, and the
     kernel's gradients of the block, besides its tiles. The planner, not seeing the width
     (``window == 0``): the most over every width. Up to half the row (``m = n``) it grows
     with ``n``; beyond, ``m = S - n`` shrinks as ``n`` grows, the copies' sum grows or stays,
@@ -577,7 +577,9 @@ def _window_bytes(q, mask: KeyMask, backward: bool) -> int:
         call = 3 * qb + 2 * kb + 2 * lse + flipped_row + \
             flash_cpu_forward((q_piece, k_piece), {})
         # _empty_rows: a slice's padded copy, a difference, a comparison
-        merge = 3 * qb + 5 * lse + rows * n + (25 * n * rows_b if counts else 0)
+        wide = qb * torch.promote_types(q.dtype, torch.float32).itemsize // q.element_size()
+        merge = 2 * qb + (qb if wide == qb else 2 * wide) + 5 * lse + rows * n + \
+            (25 * n * rows_b if counts else 0)
         return max(making, counts + max(call, merge))
     own = 3 * qb + lse + flash_cpu_backward((q_piece, q_piece, q_piece), {})
     before = 4 * qb + 4 * kb + lse + flipped_row + \

@@ -278,6 +278,25 @@ def test_window_widths_and_rows_keeping_nothing():
         assert K.split(q, q, q, [qp, kp], key, False) is None
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_window_in_reduced_precision(dtype):
+    """bf16 / fp16: the two calls' halves merged in fp32, so the windowed output is as close to
+    the float64 computation as one SDPA call with the dense mask."""
+    torch.manual_seed(0)
+    s, w = 300, 100
+    qp, kp = torch.arange(s).view(1, 1, s, 1), torch.arange(s).view(1, 1, 1, s)
+    fn = lambda qi, ki: (ki <= qi) & (qi - ki < w)
+    key = M.register_mask_program(_traced(fn, [qp, kp]))
+    q, k, v = (torch.randn(1, 4, s, 16) for _ in range(3))
+    ref = _dense(q.double(), k.double(), v.double(), fn(qp, kp), False, 0.25)
+    x = [t.to(dtype) for t in (q, k, v)]
+    assert K.split(*x, [qp, kp], key, False).window == w
+    out = M.masked_attn(*x, mask_fn=key, leaves=[qp, kp], causal=False, scale=0.25)
+    one = torch.nn.functional.scaled_dot_product_attention(*x, attn_mask=fn(qp, kp), scale=0.25)
+    assert out.dtype == dtype
+    assert (out.double() - ref).abs().max() <= 1.5 * (one.double() - ref).abs().max()
+
+
 @pytest.mark.parametrize("s", [700, 2048])
 def test_window_scratch_unknown_width_is_the_most_of_any(s):
     """The planner, which does not see a window's width (Hugging Face's is a value), counts

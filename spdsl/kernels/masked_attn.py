@@ -86,15 +86,16 @@ def workspace_bytes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, leaves: l
     """The op's peak scratch beyond its inputs and outputs, for the memory planner (checked
     against the allocator in tests/kernels/test_masked_attn.py), on the route it takes: the
     fused CPU kernel's (``masked_attn_keys.workspace_bytes``, decided by the program and the
-    shapes) or the block kernel's (:func:`block_workspace_bytes`); an additive mask the fused
-    kernel takes unless a row keeps no key, and a window whose width is a value (narrow ones
-    stay on the blocks), which the values decide: the larger of the two."""
+    shapes) or the block kernel's (:func:`block_workspace_bytes`); where the values decide
+    between the two, the larger: a window whose width is a value (narrow ones stay on the
+    blocks), an fp16 additive mask (its rows that keep no key run fused only while no score
+    moves fp16's min)."""
     from spdsl.kernels import masked_attn_keys as keys
     fused = keys.split(q, k, v, leaves, program, causal, values=False)
     blocks = block_workspace_bytes(q, k, v, leaves, program, causal, backward)
     if fused is None:
         return blocks
-    if fused.additive or fused.window == 0:     # the values may send it to the blocks
+    if (fused.additive and q.dtype == torch.float16) or fused.window == 0:
         return max(blocks, keys.workspace_bytes(q, k, v, fused, backward))
     return keys.workspace_bytes(q, k, v, fused, backward)
 
@@ -307,7 +308,7 @@ def _forward(q, k, v, leaves, program_key, causal, scale):
     row statistics ``[B, H, S_q, 2]``: max and sum of ``exp(s - max)``, kept apart (a row of
     ``finfo.min`` entries would absorb ``log(sum)`` into a log-sum-exp)."""
     from spdsl.kernels import masked_attn_keys as keys
-    fused = keys.split(q, k, v, leaves, program_key, causal)
+    fused = keys.split(q, k, v, leaves, program_key, causal, scale=scale)
     if fused is not None:        # causal x a key-side row: ATen's fused kernel takes it whole
         return keys.forward(q, k, v, fused, scale)
     program = mask_program(program_key) if program_key else None
@@ -332,7 +333,7 @@ def _forward(q, k, v, leaves, program_key, causal, scale):
 
 def _backward(dout, q, k, v, out, stats, leaves, program_key, causal, scale):
     from spdsl.kernels import masked_attn_keys as keys
-    fused = keys.split(q, k, v, leaves, program_key, causal)
+    fused = keys.split(q, k, v, leaves, program_key, causal, scale=scale)
     if fused is not None:
         return keys.backward(dout, q, k, v, out, stats, fused, scale)
     program = mask_program(program_key) if program_key else None

@@ -19,8 +19,12 @@ ids form runs (each id one stretch of the row): the scores between documents are
 computed, ``sum L_i^2`` work instead of ``S^2``.
 
 Hugging Face's additive (eager) masks, ``where(keep, 0, finfo.min)``, are ``keep`` on every row
-that keeps a key; a row that keeps none (left padding) averages every key, causal ones
-included, which the fused kernel cannot give: batches with such rows run on the block kernel.
+that keeps a key. A row that keeps none (left padding) has every score plus ``finfo.min``
+equal to ``finfo.min`` (when the scores are under a quarter of the floats' spacing there,
+checked from the largest norms of q and k), so it averages every value, causal ones
+included: the kernel leaves those rows zero and they are added in closed form, forward (the
+mean of the values) and backward (sums through ``[D, D]`` products); where the scores could
+move the masked value (fp16's min), such a batch runs on the block kernel.
 
 Sliding windows (``key_pos > query_pos - W`` beside the triangle, Hugging Face's
 ``sliding_window`` masks, or ``query_pos - key_pos < W``) run as blocks of ``W - 1`` query rows,
@@ -79,13 +83,16 @@ class KeyMask:
     the shapes decided it (planning: one document as long as the row, the most scratch);
     ``additive``: the program was Hugging Face's eager ``where(keep, 0, min)``; ``window``:
     with the triangle, row ``i`` keeps keys ``i - window + 1 .. i`` only (0 where the
-    planner decided without the values: its size unknown)."""
+    planner decided without the values: its size unknown); ``averaged``: an additive mask's
+    query rows that keep no key ``[B | 1, H | 1, S_q, 1]``, which average every value (their
+    scores all the masked value), or None."""
 
     causal: bool
     bias: torch.Tensor | None
     documents: tuple | None = None
     additive: bool = False
     window: int | None = None
+    averaged: torch.Tensor | None = None
 
 
 # an additive program's "masked" value: at or below it, exp(value + score - row max) is 0 in
@@ -94,11 +101,12 @@ _MASKED = float(torch.finfo(torch.float16).min)
 
 
 def split(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, leaves: list, program_key: str,
-          causal: bool, values: bool = True) -> KeyMask | None:
+          causal: bool, values: bool = True, scale: float | None = None) -> KeyMask | None:
     """The mask as a causal flag and a key row, or None where the fused kernel cannot take
     it (see the module docstring). ``values=False``: decide by the program and the shapes
     only, not by the positions' values (the memory planner, on fake tensors: positions that
-    turn out not to be ``0..S-1`` run the block kernel instead)."""
+    turn out not to be ``0..S-1`` run the block kernel instead). ``scale``: the attention's,
+    for an additive mask's rows that keep no key (see :func:`_flat`)."""
     if not FUSED or q.device.type not in ("cpu", "meta") or v.shape[-1] != q.shape[-1]:
         return None
     s_q, s_k = q.shape[2], k.shape[2]
@@ -119,7 +127,7 @@ def split(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, leaves: list, progr
         return None
     additive = _additive(out, value, values)
     if additive is not None:
-        out = additive
+        masked, out = value[out.args[2]], additive
     keys: list[torch.fx.Node] = []
     docs = window = None
     for term in _conjuncts(out):
@@ -154,9 +162,6 @@ def split(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, leaves: list, progr
                 (t.dim() == 4 and t.shape[2] != 1) or t.dim() > 4:
             return None
         keep = t if keep is None else keep & t
-    if additive is not None and values and _rows_keeping_nothing(keep, causal, docs, s_k,
-                                                                 window):
-        return None             # an additive mask averages every key there: the block kernel's
     if keep is not None and values and bool(keep.all()):
         keep = None                     # every key kept (a constant True term): no row at all
     if keep is None:
@@ -165,10 +170,15 @@ def split(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, leaves: list, progr
     if keep.shape[3] not in (1, s_k) or keep.shape[0] not in (1, q.shape[0]) or \
             keep.shape[1] not in (1, q.shape[1]):
         return None                                 # not a row the kernel can broadcast
+    averaged = None
+    if additive is not None and values:
+        averaged = _rows_keeping_nothing(keep, causal, docs, s_k, window)
+        if averaged is not None and not _flat(q, k, float(masked), scale):
+            return None                 # their scores are not all the masked value: blocks
     bias = torch.zeros(keep.shape, dtype=q.dtype, device=q.device).masked_fill_(
         keep.logical_not(), float("-inf"))
     return KeyMask(causal, bias.expand(*bias.shape[:3], s_k), docs, additive is not None,
-                   window)
+                   window, averaged)
 
 
 def _additive(out: torch.fx.Node, value: dict, values: bool) -> torch.fx.Node | None:
@@ -188,25 +198,43 @@ def _additive(out: torch.fx.Node, value: dict, values: bool) -> torch.fx.Node | 
     return cond if isinstance(cond, torch.fx.Node) else None
 
 
-def _rows_keeping_nothing(keep, causal: bool, docs, s: int, window: int | None = None) -> bool:
-    """Whether a query row keeps no key: a causal row keeps its own key unless the key row
-    drops it, so rows keep nothing exactly where a document (the row) starts with a dropped
-    key; without causality, where a document keeps no key at all; with a window, where one
-    of the row's windows keeps none."""
-    if keep is None:
-        return False
+def _rows_keeping_nothing(keep, causal: bool, docs, s: int, window: int | None = None):
+    """Query rows that keep no key, ``[B | 1, H | 1, S, 1]``, or None where each keeps one
+    (``keep``: the key row ``[B | 1, H | 1, 1, S | 1]``). Row ``i`` sees keys from its
+    document's start (0 without documents; with a window, ``i - window + 1``) up to ``i``
+    (causal) or its document's end."""
     rows = keep.expand(*keep.shape[:3], s)[:, :, 0, :]          # [B | 1, H | 1, S_k]
-    if window:            # row i keeps keys max(0, i - window + 1) .. i
-        counts = torch.nn.functional.pad(rows.to(torch.int64).cumsum(-1), (1, 0))
-        before = torch.nn.functional.pad(counts[..., :s - window + 1], (window - 1, 0))
-        return bool((counts[..., 1:] == before[..., :s]).any())
-    for take, s0, s1 in _spans(docs or None, s):
-        piece = rows if rows.shape[0] == 1 else rows[take]
-        if causal and not bool(piece[..., s0].all()):
-            return True
-        if not causal and not bool(piece[..., s0:s1].any(-1).all()):
-            return True
-    return False
+    counts = torch.nn.functional.pad(rows.to(torch.int64).cumsum(-1), (1, 0))
+    i = torch.arange(s, device=rows.device)
+    bounds = docs or ((0, s),)
+    lo = torch.stack([torch.repeat_interleave(torch.tensor(r[:-1], device=rows.device),
+                                              torch.tensor(r).diff().to(rows.device))
+                      for r in bounds])                                  # [1 | B, S]
+    hi = torch.stack([torch.repeat_interleave(torch.tensor(r[1:], device=rows.device),
+                                              torch.tensor(r).diff().to(rows.device))
+                      for r in bounds])
+    if causal:
+        hi = (i + 1).expand_as(hi)
+    if window:
+        lo = torch.maximum(lo, i - window + 1)
+    b, h = max(counts.shape[0], lo.shape[0]), counts.shape[1]
+    counts = counts.expand(b, h, s + 1)
+    kept = counts.gather(-1, hi[:, None].expand(b, h, s)) - \
+        counts.gather(-1, lo[:, None].expand(b, h, s))
+    empty = kept == 0
+    return empty.unsqueeze(-1) if bool(empty.any()) else None
+
+
+def _flat(q: torch.Tensor, k: torch.Tensor, masked: float, scale: float | None) -> bool:
+    """Whether every score plus the masked value is the masked value in q's dtype: each
+    ``|q . k| * scale`` under a quarter of the spacing of floats there (bounded by the largest
+    norms), so a row that keeps no key has all its scores equal and averages every value."""
+    m = torch.tensor(masked, dtype=q.dtype)
+    spacing = float((torch.nextafter(m, torch.zeros_like(m)) - m).abs())
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    largest = float(q.detach().double().norm(dim=-1).max()) * \
+        float(k.detach().double().norm(dim=-1).max())
+    return largest * abs(scale) < spacing / 4
 
 
 def _same_document(term: torch.fx.Node, value: dict, query_side: set, s: int):
@@ -376,6 +404,14 @@ def forward(q, k, v, mask: KeyMask, scale: float) -> tuple[torch.Tensor, torch.T
     of the kernel per document, over its own tokens (no score across two documents)."""
     h = q.shape[1]
     k, v = _grouped(k, h), _grouped(v, h)
+    out, stats = _forward(q, k, v, mask, scale)
+    if mask.averaged is not None:          # rows keeping no key (zeros so far): every value's mean
+        out.addcmul_(mask.averaged.to(out.dtype), v.mean(2, keepdim=True))
+    return out, stats
+
+
+def _forward(q, k, v, mask: KeyMask, scale: float):
+    h = q.shape[1]
     if mask.window:
         return _forward_window(q, k, v, mask, scale)
     if mask.documents is None:
@@ -412,10 +448,30 @@ def backward(dout, q, k, v, out, stats, mask: KeyMask, scale: float):
             attn_mask=mask.bias, scale=scale)
     else:
         dq, dk, dv = _backward_documents(dout, q, kg, vg, out, stats, mask, scale)
+    if mask.averaged is not None:
+        _averaged_backward(dout, q, kg, vg, out, mask.averaged, scale, dq, dk, dv)
     if hk != h:
         dk = dk.reshape(b, hk, h // hk, *dk.shape[2:]).sum(2)
         dv = dv.reshape(b, hk, h // hk, *dv.shape[2:]).sum(2)
     return dq.contiguous(), dk.contiguous(), dv.contiguous()
+
+
+def _averaged_backward(dout, q, k, v, out, rows, scale: float, dq, dk, dv) -> None:
+    """Adds the gradients of the rows that average every value (``rows``; the kernel gave
+    them none): all their scores equal, ``P = 1 / S``, so with ``delta_i = dO_i . out_i`` the
+    score gradient is ``(dO_i . v_j - delta_i) / S`` and the sums over keys and rows are
+    products with ``[D, D]`` matrices: ``dq_i = scale / S (dO_i V^T K - delta_i sum_j k_j)``,
+    ``dk_j = scale / S (Q^T dO v_j - sum_i delta_i q_i)``, ``dv_j = sum_i dO_i / S``."""
+    s = k.shape[2]
+    do = dout * rows.to(dout.dtype)                      # the rows' output gradients, others 0
+    delta = (do * out).sum(-1, keepdim=True)
+    dv.add_(do.sum(2, keepdim=True), alpha=1 / s)
+    f = scale / s
+    dq.add_(torch.matmul(do, torch.matmul(v.transpose(-2, -1), k)).sub_(
+        delta * k.sum(2, keepdim=True)), alpha=f)
+    a = torch.matmul(q.transpose(-2, -1), do)           # sum_i q_i dO_i^T
+    dk.add_(torch.matmul(v, a.transpose(-2, -1)).sub_(torch.matmul(delta.transpose(-2, -1), q)),
+            alpha=f)
 
 
 def _backward_documents(dout, q, k, v, out, stats, mask: KeyMask, scale: float):
@@ -608,12 +664,18 @@ def workspace_bytes(q, k, v, mask: KeyMask, backward: bool = False) -> int:
     q_bytes = b * h * s_q * d * size
     # a [B, S, H, D] buffer is [B, H, S, D]-contiguous at H=1; per document, always copied
     copied = h > 1 or mask.documents is not None
+    # an additive mask's rows that keep no key, averaged after the kernel: forward their flags
+    # and the values' mean; backward the rows' output gradients and two products at a time
+    rows_b = (mask.bias.shape[0] * mask.bias.shape[1] if mask.bias is not None else 1)
     if not backward:
+        averaged = rows_b * s_q * size + b * h * d * size if mask.additive else 0
         return row + (kv_h if gqa else 0) + lse + (q_bytes if copied else 0) + \
-            flash_cpu_forward((q, k), {})
+            flash_cpu_forward((q, k), {}) + averaged
     dout = torch.empty(b, h, s_q, d, device="meta", dtype=q.dtype)   # as autograd makes it
     grads = kv_h if gqa or copied else 0            # dk, dv at H heads, or before the copy
     if mask.documents is not None and gqa:
         grads += kv_h                   # the kernel's per document, and the op's at H heads
-    return row + (kv_h if gqa else 0) + grads + lse + (q_bytes if copied else 0) + \
-        flash_cpu_backward((dout, q, k), {})
+    held = row + (kv_h if gqa else 0) + grads
+    kernel = lse + (q_bytes if copied else 0) + flash_cpu_backward((dout, q, k), {})
+    averaged = 3 * q_bytes + b * h * s_q * size if mask.additive else 0
+    return held + max(kernel, averaged)

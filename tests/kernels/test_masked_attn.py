@@ -69,6 +69,15 @@ def _masks(b, h, s):
         "hf_eager_packed": (lambda qi, ki, dq, dk, z, m: torch.where((ki <= qi) & (dq == dk), z,
                                                                      m),
                             [qp, kp, rows.transpose(-1, -2), rows, zero, low], False),
+        # left padding: rows 0-2 of batch 0 keep no key, so average every value
+        "hf_eager_left": (lambda qi, ki, kv, z, m: torch.where((ki <= qi) & kv, z, m),
+                          [qp, kp, valid.view(b, 1, 1, s), zero, low], False),
+        "hf_eager_packed_left": (lambda qi, ki, dq, dk, kv, z, m: torch.where(
+            (ki <= qi) & (dq == dk) & kv, z, m),
+            [qp, kp, rows.transpose(-1, -2), rows, valid.view(b, 1, 1, s), zero, low], False),
+        "hf_eager_window_left": (lambda qi, ki, kv, z, m: torch.where(
+            (ki <= qi) & (qi - ki < s // 2 + 1) & kv, z, m),
+            [qp, kp, valid.view(b, 1, 1, s), zero, low], False),
     }
 
 
@@ -132,7 +141,8 @@ def test_working_memory_is_bounded_by_the_block(monkeypatch):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", ["padding+causal", "hf_additive", "documents",
-                                  "documents+padding", "sliding", "sliding_uneven"])
+                                  "documents+padding", "sliding", "sliding_uneven",
+                                  "hf_eager_left"])
 def test_planned_scratch_against_the_allocator(kind):
     """``workspace_bytes`` (what the memory planner adds for the kernel) against the bytes the
     allocator hands out beyond the op's inputs and outputs: never below, at most 15% above
@@ -172,13 +182,14 @@ def _traced(fn, leaves):
 
 @pytest.mark.parametrize("name", ["padding", "padding+causal", "causal", "documents",
                                   "documents+padding", "hf_additive_right", "hf_eager_plain",
-                                  "hf_eager_packed"])
+                                  "hf_eager_packed", "hf_eager_left", "hf_eager_packed_left",
+                                  "hf_eager_window_left"])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 def test_fused_path_for_causal_and_key_masks(name, dtype, monkeypatch):
     """Causal x a key-side boolean row, and packed documents (one kernel call each), run on
     ATen's fused kernel (``masked_attn_keys``): forward and every gradient equal to the
-    dense computation and to the block kernel, left-padding rows (keeping no key) zero,
-    GQA."""
+    dense computation and to the block kernel, left-padding rows (keeping no key) zero, or
+    with an additive mask the mean of every value (their gradients in closed form), GQA."""
     torch.manual_seed(0)
     b, h, hk, s, d = 2, 4, 2, 37, 8
     masks = _masks(b, h, s)
@@ -191,6 +202,12 @@ def test_fused_path_for_causal_and_key_masks(name, dtype, monkeypatch):
     assert fused is not None
     assert (fused.documents is not None) == ("documents" in name or "packed" in name)
     assert fused.additive == name.startswith("hf_")
+    assert (fused.averaged is not None) == name.endswith("_left")
+    if fused.averaged is not None:          # the rows where the dense mask keeps no key
+        dense = fn(*leaves)
+        nothing = ~(dense == 0).expand(b, 1, s, s).any(-1, keepdim=True)
+        assert torch.equal(fused.averaged.expand(b, 1, s, 1), nothing)
+        assert nothing[0, 0, :3].all()
     if name == "documents":         # one row of ids, every batch row alike
         assert fused.documents == ((0, s // 3, s - 2, s),)
     if name == "documents+padding":
@@ -209,6 +226,9 @@ def test_fused_path_for_causal_and_key_masks(name, dtype, monkeypatch):
         assert_close(x, z, rtol=rtol, atol=atol, name=f"{name} {n} vs blocks")
     if name == "padding+causal":    # rows 0-2 of batch 0 keep no key: zeros, no gradient
         assert out[0, :, :3].abs().max() == 0 and grads[0][0, :, :3].abs().max() == 0
+    if name.endswith("_left"):       # additive: those rows are every value's mean
+        mean = M._grouped(v, h)[0].mean(1, keepdim=True).expand(h, 3, d)
+        assert_close(out[0, :, :3], mean, rtol=rtol, atol=atol, name=f"{name} averaged rows")
 
 
 @pytest.mark.parametrize("name", ["sliding", "hf_sliding"])
@@ -249,9 +269,9 @@ def test_fused_path_for_sliding_windows(name, dtype, monkeypatch):
 
 def test_window_widths_and_rows_keeping_nothing():
     """Every block of the window's split, and which rows of a padded batch keep no key in
-    their window: a row whose whole window is padding, not only the row's first keys; an
-    eager (additive) window with such rows runs on the block kernel. A window too narrow for
-    calls of a worthwhile size, or without the triangle, stays on the block kernel too."""
+    their window: a row whose whole window is padding, not only the row's first keys (an
+    eager window averages every value there). A window too narrow for calls of a worthwhile
+    size, or without the triangle, stays on the block kernel."""
     s = 40
     for w in (17, 20, 39, 40):
         blocks = list(K._window_blocks(s, w))
@@ -268,10 +288,12 @@ def test_window_widths_and_rows_keeping_nothing():
     key = M.register_mask_program(_traced(eager, [qp, kp, keep, zero, low]))
     q = torch.randn(1, 2, s, 8)
     assert K.split(q, q, q, [qp, kp, keep, zero, low], key, False).window == 20
-    assert K.split(q, q, q, [qp, kp, hole, zero, low], key, False) is None
+    holed = K.split(q, q, q, [qp, kp, hole, zero, low], key, False)
+    assert holed.window == 20
+    assert holed.averaged.flatten().nonzero().flatten().tolist() == [24, 25]
     short = hole.clone()
     short[..., 6] = True                        # 5..25 less key 6: every window keeps one
-    assert K.split(q, q, q, [qp, kp, short, zero, low], key, False).window == 20
+    assert K.split(q, q, q, [qp, kp, short, zero, low], key, False).averaged is None
     for fn in (lambda qi, ki: (ki <= qi) & (qi - ki < 9),         # narrow
                lambda qi, ki: qi - ki < 20):                        # no triangle
         key = M.register_mask_program(_traced(fn, [qp, kp]))
@@ -336,29 +358,39 @@ def test_documents_that_are_not_runs_stay_on_the_block_kernel():
     assert K.split(q, q, q, leaves, key, causal, values=False).documents == ()
 
 
-def test_additive_rows_keeping_no_key_stay_on_the_block_kernel():
+def test_additive_rows_keeping_no_key():
     """An additive mask's row that keeps no key (left padding) averages every key, causal ones
-    included: that batch runs on the block kernel; the same program on a batch without such
-    rows on the fused one; masked values above fp16's min, or a kept value other than 0, are
-    not a mask the kernel can take."""
+    included, when every score plus the masked value is the masked value: on the fused kernel
+    with those rows in closed form; where scores could move it (fp16's min, scores near its
+    spacing), on the block kernel. Masked values above fp16's min, or a kept value other than
+    0, are not a mask the kernel can take."""
     b, h, s = 2, 4, 19
     masks = _masks(b, h, s)
     fn, leaves, causal = masks["hf_additive_right"]
     key = M.register_mask_program(_traced(fn, leaves))
     q = torch.randn(b, h, s, 8)
-    assert K.split(q, q, q, leaves, key, causal) is not None
+    assert K.split(q, q, q, leaves, key, causal).averaged is None
     left = masks["padding+causal"][1][2]                        # rows 0-2 of batch 0: nothing
-    assert K.split(q, q, q, [leaves[0], leaves[1], left, *leaves[3:]], key, causal) is None
+    with_left = [leaves[0], leaves[1], left, *leaves[3:]]
+    assert K.split(q, q, q, with_left, key, causal, scale=0.3).averaged is not None
+    assert K.split(q * 1e16, q * 1e16, q, with_left, key, causal, scale=0.3) is None
+    fp16_min = [*with_left[:4], torch.full((1, 1, 1, 1), torch.finfo(torch.float16).min)]
+    half = q.half()
+    assert K.split(half * 4, half * 4, half, fp16_min, key, causal, scale=0.3) is None
+    assert K.split(half / 8, half / 8, half, fp16_min, key, causal, scale=0.3) is not None
     assert K.split(q, q, q, [*leaves[:4], torch.full((1, 1, 1, 1), -1e3)], key, causal) is None
     assert K.split(q, q, q, [*leaves[:3], torch.ones(1, 1, 1, 1), leaves[4]], key,
                    causal) is None
-    # the planner: by the program, and the larger scratch of the two routes
+    # the planner: by the program; in fp16, where the scores decide the route, the larger
+    # scratch of the two, else the fused kernel's
     fused = K.split(q, q, q, leaves, key, causal, values=False)
     assert fused.additive
     for backward in (False, True):
-        assert M.workspace_bytes(q, q, q, leaves, key, causal, backward) == max(
-            K.workspace_bytes(q, q, q, fused, backward),
-            M.block_workspace_bytes(q, q, q, leaves, key, causal, backward))
+        assert M.workspace_bytes(q, q, q, leaves, key, causal, backward) == \
+            K.workspace_bytes(q, q, q, fused, backward)
+        assert M.workspace_bytes(half, half, half, leaves, key, causal, backward) == max(
+            K.workspace_bytes(half, half, half, fused, backward),
+            M.block_workspace_bytes(half, half, half, leaves, key, causal, backward))
 
 
 def test_positions_not_from_zero_stay_on_the_block_kernel():

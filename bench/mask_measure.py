@@ -13,7 +13,8 @@ use_cache=False).loss``; AdamW; batch 1. Batches: ``padded`` (right padding: the
 of the row has ``attention_mask`` 0 and labels -100), ``packed`` (``position_ids`` restarting
 every 1,024 tokens, label -100 at each document's first token), ``eager`` (a plain batch,
 eager attention), ``plain`` (SDPA, no mask: the reference), ``window`` (a plain batch, Mistral
-of the same widths, ``sliding_window=1024``). "off" is spdsl with
+of the same widths, ``sliding_window=1024``), ``eager_left`` (eager attention, left padding:
+the first quarter of the row masked, labels -100). "off" is spdsl with
 ``SPDSL_MASK_FUNCTIONS=0`` (the dense ``[B, 1, S, S]`` mask, written-out ``[S, S]`` scores),
 set around the trace.
 
@@ -60,7 +61,7 @@ MIB = 1024.0 ** 2
 GIB = 1024.0 ** 3
 DOC = 1024                                     # packed: tokens per document
 WINDOW = 1024                                  # window: Mistral's sliding window, tokens
-CASES = ("padded", "packed", "eager", "plain", "window")
+CASES = ("padded", "packed", "eager", "plain", "window", "eager_left")
 OUT = os.path.join(ROOT, "bench", "results", "mask_measure_sp2.json")
 
 
@@ -86,6 +87,11 @@ def case_batch(case: str, ids: torch.Tensor, labels: torch.Tensor) -> tuple:
         mask[:, -seq // 4:] = 0
         labels[:, -seq // 4:] = -100
         return ids, labels, mask
+    if case == "eager_left":
+        mask = torch.ones_like(ids)
+        mask[:, :seq // 4] = 0
+        labels[:, :seq // 4] = -100
+        return ids, labels, mask
     if case == "packed":
         pos = torch.arange(seq).remainder(DOC).unsqueeze(0).expand_as(ids).contiguous()
         labels[pos == 0] = -100
@@ -94,7 +100,7 @@ def case_batch(case: str, ids: torch.Tensor, labels: torch.Tensor) -> tuple:
 
 
 def loss_of(model: torch.nn.Module, case: str):
-    if case == "padded":
+    if case in ("padded", "eager_left"):
         return lambda ids, labels, extra: model(input_ids=ids, labels=labels,
                                                 attention_mask=extra, use_cache=False).loss
     if case == "packed":
@@ -125,7 +131,7 @@ class SpdslMaskTrainer:
                  lr: float = 1e-3) -> None:
         import spdsl
         self.case, self.functions = case, functions
-        self.llama = hf_llama("eager" if case == "eager" else "sdpa", seed,
+        self.llama = hf_llama("eager" if case.startswith("eager") else "sdpa", seed,
                               WINDOW if case == "window" else None)
         self.fn = spdsl.sp_shard(seq=world, remat="full")(loss_of(self.llama, case))
         self.opt = torch.optim.AdamW(self.llama.parameters(), lr=lr)

@@ -12,11 +12,13 @@ The model and batches are ``bench/mask_measure.py``'s (a tiny HF Llama, 8 query 
 SDPA; ``padded``: the last quarter of the row ``attention_mask`` 0, labels -100; ``packed``:
 ``position_ids`` restarting every 1,024 tokens; ``eager``: a plain batch, the model in eager
 attention, whose mask is additive; ``window``: a plain batch, Mistral of the same widths with a
-sliding window of 1,024 tokens), spdsl ``sp_shard(seq=2, remat="full")``, ALST
+sliding window of 1,024 tokens; ``eager_left``: eager attention, the first quarter of the row
+padding, labels -100 there), spdsl ``sp_shard(seq=2, remat="full")``, ALST
 with HF gradient checkpointing (the same policy). ALST's adapter drops the 4-D mask and attends
 causally over the whole row: with right padding no kept token attends to a padded one, so its
-loss is the same; packed, its tokens attend across documents, and with a window, to every
-earlier token, so its loss is not (the table gives the difference). A step is forward, backward
+loss is the same; packed, its tokens attend across documents, with a window, to every
+earlier token, and with left padding, to the padding, so its loss is not (the table gives the
+difference). A step is forward, backward
 and AdamW from a barrier, the slowest rank; the systems alternate step by step (A B C, C B A).
 """
 
@@ -68,7 +70,8 @@ def _step(system, batch) -> tuple[float, float]:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--case", choices=("padded", "packed", "eager", "window"), default="padded")
+    p.add_argument("--case", choices=("padded", "packed", "eager", "window", "eager_left"),
+                   default="padded")
     p.add_argument("--seqs", type=int, nargs="+", default=[4096, 8192])
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--steps", type=int, default=6)

@@ -141,11 +141,50 @@ def project_heads(y: torch.Tensor | None, o: torch.Tensor, project: tuple, parts
     wt, bias = project
     b, hh, s, d = o.shape
     x = o.transpose(1, 2).reshape(b * s, hh * d)
-    w = wt.view(parts, per_rank, d, wt.shape[-1]).narrow(1, first, hh // parts).reshape(
-        hh * d, wt.shape[-1])
-    if y is not None:
-        return torch.addmm(y, x, w)
-    return torch.mm(x, w) if bias is None else torch.addmm(bias, x, w)
+    if parts == 1 or hh // parts == per_rank:           # every row: the operand itself
+        if y is not None:
+            return torch.addmm(y, x, wt)
+        return torch.mm(x, wt) if bias is None else torch.addmm(bias, x, wt)
+    return _Share.apply(y, x, wt, bias, (parts, per_rank, first, hh // parts, d))
+
+
+def _share_rows(wt: torch.Tensor, parts: int, per_rank: int, first: int, count: int,
+                d: int) -> torch.Tensor:
+    """The rows of ``wt`` ``[H * D, D_model]`` (head-major) of local heads ``first ..
+    first + count - 1`` on every rank: a copy (the rows are not one stretch)."""
+    return wt.view(parts, per_rank, d, wt.shape[-1]).narrow(1, first, count).reshape(
+        parts * count * d, wt.shape[-1])
+
+
+class _Share(torch.autograd.Function):
+    """A head group's share of the fused output projection, ``y + x @ rows(wt)`` (the first
+    share: ``x @ rows(wt) + bias``). It keeps ``x`` and ``wt`` itself (the model's operand,
+    held anyway), not the rows' copy, and takes the rows again in backward: the groups'
+    copies would add up to one more weight per layer kept from forward to backward."""
+
+    @staticmethod
+    def forward(ctx, y, x, wt, bias, where):
+        ctx.save_for_backward(x, wt)
+        ctx.where, ctx.has_y = where, y is not None
+        ctx.has_bias = bias is not None and y is None       # added by the first share only
+        w = _share_rows(wt, *where)
+        if y is not None:
+            return torch.addmm(y, x, w)
+        return torch.mm(x, w) if bias is None else torch.addmm(bias, x, w)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, wt = ctx.saved_tensors
+        parts, per_rank, first, count, d = ctx.where
+        dx = dwt = None
+        if ctx.needs_input_grad[1]:
+            dx = torch.mm(dy, _share_rows(wt, *ctx.where).t())
+        if ctx.needs_input_grad[2]:
+            dwt = wt.new_zeros(wt.shape)
+            dwt.view(parts, per_rank, d, wt.shape[-1]).narrow(1, first, count).copy_(
+                torch.mm(x.t(), dy).view(parts, count, d, wt.shape[-1]))
+        dbias = dy.sum(0) if ctx.has_bias and ctx.needs_input_grad[3] else None
+        return dy if ctx.has_y else None, dx, dwt, dbias, None
 
 
 def _pipelined(q, k, v, parts: int, group: str, attend, project=None) -> torch.Tensor:

@@ -19,8 +19,9 @@ same ones; the plan lists them as before.
 
 Nothing is fused with one head group (the default: there is no pipeline to extend), where
 anything else reads the attention's output, its transposed form or the flat activations, or
-with ``SPDSL_FUSE_PROJECTION=0``. Memory: each group's rows of the weight are a copy the
-product saves for backward (one copy of the weight per layer in all, in the planner's count).
+with ``SPDSL_FUSE_PROJECTION=0``. Memory: each group's share keeps its input and the
+model's weight operand (held anyway), not its copy of the group's rows of the weight, which
+backward takes again (``spdsl.lower.ops._Share``): the same bytes as the unfused projection.
 """
 
 from __future__ import annotations

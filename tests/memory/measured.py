@@ -32,7 +32,8 @@ CASES = {"tiny_1024": (LlamaConfig.tiny(), 1, 1024), "tiny_2x256": (LlamaConfig.
          "tiny_h8_512_g2": (LlamaConfig.tiny().replace(n_heads=8, n_kv_heads=4), 1, 512)}
 # Ulysses head groups a case runs with (``spdsl.lower.ops.ULYSSES_GROUPS``; else one): with
 # two (the tiny Llama with 8 heads: 2 a rank at SP 4), the output projection is fused into the
-# attention (``spdsl.lower.project``) and its weight's slices are saved for backward
+# attention (``spdsl.lower.project``); each group's share keeps the weight operand, not a
+# copy of its rows (planned = measured, and equal to one group's in "none" and "full")
 GROUPS = {"tiny_h8_512_g2": 2}
 MODES = ("none", "auto", "full")
 # what each SP degree runs in the test, one launch each: (case, compiled); compiling costs

@@ -180,6 +180,24 @@ def _traced(fn, leaves):
     return make_fx(fn)(*leaves)
 
 
+def _fused_against_dense_and_blocks(q, k, v, fn, leaves, key, causal, name, monkeypatch):
+    """The op's output and gradients (q, k, v) on the route it takes, checked against the
+    dense computation and the block kernel (``split`` patched to None after)."""
+    out = M.masked_attn(q, k, v, mask_fn=key or None, leaves=leaves, causal=causal, scale=0.3)
+    g = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), g)
+    ref = _dense(q, k, v, fn(*leaves) if fn is not None else None, causal, 0.3)
+    refs = torch.autograd.grad(ref, (q, k, v), g)
+    monkeypatch.setattr(K, "split", lambda *a, **kw: None)           # the block kernel
+    blk = M.masked_attn(q, k, v, mask_fn=key or None, leaves=leaves, causal=causal, scale=0.3)
+    blks = torch.autograd.grad(blk, (q, k, v), g)
+    rtol, atol = TOL[q.dtype]
+    for x, y, z, n in zip((out, *grads), (ref, *refs), (blk, *blks), ["out", "dq", "dk", "dv"]):
+        assert_close(x, y, rtol=rtol, atol=atol, name=f"{name} {n} vs dense")
+        assert_close(x, z, rtol=rtol, atol=atol, name=f"{name} {n} vs blocks")
+    return out, grads
+
+
 @pytest.mark.parametrize("name", ["padding", "padding+causal", "causal", "documents",
                                   "documents+padding", "hf_additive_right", "hf_eager_plain",
                                   "hf_eager_packed", "hf_eager_left", "hf_eager_packed_left",
@@ -212,18 +230,9 @@ def test_fused_path_for_causal_and_key_masks(name, dtype, monkeypatch):
         assert fused.documents == ((0, s // 3, s - 2, s),)
     if name == "documents+padding":
         assert fused.documents == ((0, s // 2, s), tuple(range(0, s, 5)) + (s,))
-    out = M.masked_attn(q, k, v, mask_fn=key or None, leaves=leaves, causal=causal, scale=0.3)
-    g = torch.randn_like(out)
-    grads = torch.autograd.grad(out, (q, k, v), g)
-    ref = _dense(q, k, v, fn(*leaves) if fn is not None else None, causal, 0.3)
-    refs = torch.autograd.grad(ref, (q, k, v), g)
-    monkeypatch.setattr(K, "split", lambda *a, **kw: None)           # the block kernel
-    blk = M.masked_attn(q, k, v, mask_fn=key or None, leaves=leaves, causal=causal, scale=0.3)
-    blks = torch.autograd.grad(blk, (q, k, v), g)
+    out, grads = _fused_against_dense_and_blocks(q, k, v, fn, leaves, key, causal, name,
+                                                 monkeypatch)
     rtol, atol = TOL[dtype]
-    for x, y, z, n in zip((out, *grads), (ref, *refs), (blk, *blks), ["out", "dq", "dk", "dv"]):
-        assert_close(x, y, rtol=rtol, atol=atol, name=f"{name} {n} vs dense")
-        assert_close(x, z, rtol=rtol, atol=atol, name=f"{name} {n} vs blocks")
     if name == "padding+causal":    # rows 0-2 of batch 0 keep no key: zeros, no gradient
         assert out[0, :, :3].abs().max() == 0 and grads[0][0, :, :3].abs().max() == 0
     if name.endswith("_left"):       # additive: those rows are every value's mean
@@ -237,8 +246,7 @@ def test_fused_path_for_sliding_windows(name, dtype, monkeypatch):
     """A sliding window (half the row here) runs as blocks of two causal calls of the fused
     kernel, the keys before a block read backwards: forward and every gradient equal to the
     dense computation and to the block kernel, rows whose window keeps no key (left padding)
-    zero, GQA; the width read from the constant, or from the window's start; a window as
-    long as the row is the plain triangle."""
+    zero, GQA; the width read from the constant, or from the window's start."""
     torch.manual_seed(0)
     b, h, hk, s, d = 2, 4, 2, 37, 8
     fn, leaves, causal = _masks(b, h, s)[name]
@@ -251,18 +259,8 @@ def test_fused_path_for_sliding_windows(name, dtype, monkeypatch):
     # the planner: the constant is in the program, a window's start is a value
     assert K.split(q, k, v, leaves, key, causal, values=False).window == \
         (s // 2 + 1 if name == "sliding" else 0)
-    out = M.masked_attn(q, k, v, mask_fn=key, leaves=leaves, causal=causal, scale=0.3)
-    g = torch.randn_like(out)
-    grads = torch.autograd.grad(out, (q, k, v), g)
-    ref = _dense(q, k, v, fn(*leaves), causal, 0.3)
-    refs = torch.autograd.grad(ref, (q, k, v), g)
-    monkeypatch.setattr(K, "split", lambda *a, **kw: None)           # the block kernel
-    blk = M.masked_attn(q, k, v, mask_fn=key, leaves=leaves, causal=causal, scale=0.3)
-    blks = torch.autograd.grad(blk, (q, k, v), g)
-    rtol, atol = TOL[dtype]
-    for x, y, z, n in zip((out, *grads), (ref, *refs), (blk, *blks), ["out", "dq", "dk", "dv"]):
-        assert_close(x, y, rtol=rtol, atol=atol, name=f"{name} {n} vs dense")
-        assert_close(x, z, rtol=rtol, atol=atol, name=f"{name} {n} vs blocks")
+    out, grads = _fused_against_dense_and_blocks(q, k, v, fn, leaves, key, causal, name,
+                                                 monkeypatch)
     if name == "sliding":           # rows 0-2 of batch 0 keep no key: zeros, no gradient
         assert out[0, :, :3].abs().max() == 0 and grads[0][0, :, :3].abs().max() == 0
 
@@ -298,6 +296,10 @@ def test_window_widths_and_rows_keeping_nothing():
                lambda qi, ki: qi - ki < 20):                        # no triangle
         key = M.register_mask_program(_traced(fn, [qp, kp]))
         assert K.split(q, q, q, [qp, kp], key, False) is None
+    # a window as long as the row: the plain triangle
+    key = M.register_mask_program(_traced(lambda qi, ki: (ki <= qi) & (qi - ki < s), [qp, kp]))
+    whole = K.split(q, q, q, [qp, kp], key, False)
+    assert whole.causal and whole.window is None and whole.bias is None
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

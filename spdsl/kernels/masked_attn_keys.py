@@ -232,8 +232,9 @@ def _flat(q: torch.Tensor, k: torch.Tensor, masked: float, scale: float | None) 
     m = torch.tensor(masked, dtype=q.dtype)
     spacing = float((torch.nextafter(m, torch.zeros_like(m)) - m).abs())
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    largest = float(q.detach().double().norm(dim=-1).max()) * \
-        float(k.detach().double().norm(dim=-1).max())
+    wide = torch.promote_types(q.dtype, torch.float32)
+    largest = float(torch.linalg.vector_norm(q.detach(), dim=-1, dtype=wide).max()) * \
+        float(torch.linalg.vector_norm(k.detach(), dim=-1, dtype=wide).max())
     return largest * abs(scale) < spacing / 4
 
 
@@ -606,12 +607,12 @@ def _window_bytes(q, mask: KeyMask, backward: bool) -> int:
     """A sliding window's scratch at its largest block: ``n = window - 1`` query rows and
     ``min(n, S - n)`` keys before them. Forward: the first call's output held through the
     second, whose q, k and v are reversed copies, then the merge (weights, a product in fp32
-    at least, the key row's running counts); backward: the reversed output, its gradient, q, k and v, and the
-    kernel's gradients of the block, besides its tiles. The planner, not seeing the width
-    (``window == 0``): the most over every width. Up to half the row (``m = n``) it grows
-    with ``n``; beyond, ``m = S - n`` shrinks as ``n`` grows, the copies' sum grows or stays,
-    the kernel's tiles stay until ``m`` is under their 512 keys, then the two change linearly:
-    the most is at ``n = S / 2``, ``S - 512`` or ``S - 1``."""
+    at least, the key row's running counts); backward: the reversed output, its gradient,
+    q, k and v, and the kernel's gradients of the block, besides its tiles. The planner,
+    not seeing the width (``window == 0``): the most over every width. Up to half the row
+    (``m = n``) it grows with ``n``; beyond, ``m = S - n`` shrinks as ``n`` grows, the
+    copies' sum grows or stays, the kernel's tiles stay until ``m`` is under their 512 keys,
+    then the two change linearly: the most is at ``n = S / 2``, ``S - 512`` or ``S - 1``."""
     b, h, s, d = q.shape
     if not mask.window:
         return max(_window_bytes(q, dataclasses.replace(mask, window=n + 1), backward)

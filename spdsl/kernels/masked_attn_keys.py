@@ -128,6 +128,7 @@ def split(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, leaves: list, progr
     additive = _additive(out, value, values)
     if additive is not None:
         masked, out = value[out.args[2]], additive
+    hard_causal = causal                    # the flag: keys after the query are left out
     keys: list[torch.fx.Node] = []
     docs = window = None
     for term in _conjuncts(out):
@@ -173,8 +174,10 @@ def split(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, leaves: list, progr
     averaged = None
     if additive is not None and values:
         averaged = _rows_keeping_nothing(keep, causal, docs, s_k, window)
-        if averaged is not None and not _flat(q, k, float(masked), scale):
-            return None                 # their scores are not all the masked value: blocks
+        # a row keeping no key averages every value the flag leaves in: all (the closed
+        # form's), or with the flag the keys up to the row (each row its own: the blocks')
+        if averaged is not None and (hard_causal or not _flat(q, k, float(masked), scale)):
+            return None
     bias = torch.zeros(keep.shape, dtype=q.dtype, device=q.device).masked_fill_(
         keep.logical_not(), float("-inf"))
     return KeyMask(causal, bias.expand(*bias.shape[:3], s_k), docs, additive is not None,

@@ -375,6 +375,9 @@ def test_additive_rows_keeping_no_key():
     left = masks["padding+causal"][1][2]                        # rows 0-2 of batch 0: nothing
     with_left = [leaves[0], leaves[1], left, *leaves[3:]]
     assert K.split(q, q, q, with_left, key, causal, scale=0.3).averaged is not None
+    # with the causal flag besides, such a row averages the keys up to it: the block kernel's
+    assert K.split(q, q, q, with_left, key, True, scale=0.3) is None
+    assert K.split(q, q, q, leaves, key, True, scale=0.3) is not None
     assert K.split(q * 1e16, q * 1e16, q, with_left, key, causal, scale=0.3) is None
     fp16_min = [*with_left[:4], torch.full((1, 1, 1, 1), torch.finfo(torch.float16).min)]
     half = q.half()

@@ -71,7 +71,7 @@ _START = {aten.gt.Tensor: (0, False), operator.gt: (0, False), aten.ge.Tensor: (
 _WIDTH = {aten.lt.Scalar: False, aten.lt.Tensor: False, operator.lt: False,
           aten.le.Scalar: True, aten.le.Tensor: True, operator.le: True}
 _SUB = {aten.sub.Tensor, operator.sub}
-MIN_WINDOW = 17
+MIN_WINDOW = 8
 
 
 @dataclass(frozen=True)

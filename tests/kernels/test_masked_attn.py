@@ -292,7 +292,7 @@ def test_window_widths_and_rows_keeping_nothing():
     short = hole.clone()
     short[..., 6] = True                        # 5..25 less key 6: every window keeps one
     assert K.split(q, q, q, [qp, kp, short, zero, low], key, False).averaged is None
-    for fn in (lambda qi, ki: (ki <= qi) & (qi - ki < 9),         # narrow
+    for fn in (lambda qi, ki: (ki <= qi) & (qi - ki < 5),         # narrow
                lambda qi, ki: qi - ki < 20):                        # no triangle
         key = M.register_mask_program(_traced(fn, [qp, kp]))
         assert K.split(q, q, q, [qp, kp], key, False) is None

@@ -148,9 +148,9 @@ def split(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, leaves: list, progr
     if window is not None:
         if not causal or docs is not None:
             return None
-        if values and window >= s_q:
-            window = None                           # every row's window reaches key 0
-        elif values and window < MIN_WINDOW:
+        if (values or window) and window >= s_q:    # the width known (a value, or in the
+            window = None                           # program): every row's reaches key 0
+        elif (values or window) and window < MIN_WINDOW:
             return None
     if docs is not None:
         docs = _runs(*docs, q.shape[0]) if values else ()

@@ -298,8 +298,9 @@ def test_window_widths_and_rows_keeping_nothing():
         assert K.split(q, q, q, [qp, kp], key, False) is None
     # a window as long as the row: the plain triangle
     key = M.register_mask_program(_traced(lambda qi, ki: (ki <= qi) & (qi - ki < s), [qp, kp]))
-    whole = K.split(q, q, q, [qp, kp], key, False)
-    assert whole.causal and whole.window is None and whole.bias is None
+    for values in (True, False):            # the planner reads the constant too
+        whole = K.split(q, q, q, [qp, kp], key, False, values=values)
+        assert whole.causal and whole.window is None and whole.bias is None
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

@@ -1,9 +1,10 @@
 """Masks as functions (``spdsl.propagate.masks``) on real runs: Hugging Face models on padded
-(right and left), packed and sliding-window batches in SDPA and eager attention, ALiBi in
-SDPA and written out, and a mask made with ``tril``: loss and every parameter gradient equal
-single-device PyTorch (fp32) at SP 2 and 4, and no value the rank's program makes, forward or
-backward, holds ``S^2 / P`` elements or more (every op's output is watched at the dispatcher;
-the kernel's own blocks are bounded by ``masked_attn.BLOCK_ELEMENTS``, set small here).
+(right and left), packed and sliding-window batches (one left-padded) in SDPA and eager
+attention, ALiBi in SDPA and written out, and a mask made with ``tril``: loss and every
+parameter gradient equal single-device PyTorch (fp32) at SP 2 and 4, and no value the rank's
+program makes, forward or backward, holds ``S^2 / P`` elements or more (every op's output is
+watched at the dispatcher; the kernel's own blocks are bounded by
+``masked_attn.BLOCK_ELEMENTS``, set small here).
 One launch of gloo ranks per degree."""
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ CASES = ["llama/sdpa/pad_right", "llama/sdpa/pad_left", "llama/sdpa/packed",
          "llama/eager/pad_right", "llama/eager/pad_left", "llama/eager/packed",
          "mistral/sdpa/window", "mistral/eager/window", "qwen2/sdpa/window",
          "qwen3/eager/window", "phi3/sdpa/window", "qwen2/sdpa/pad_right,remat=full",
+         "mistral/eager/window,remat=full", "mistral/eager/window_pad_left",
          "alibi/sdpa", "alibi/written_out", "gpt2like/tril"]
 
 
@@ -60,10 +62,13 @@ def _setup(name: str):
         ids = torch.randint(0, 256, (1, S), generator=torch.Generator().manual_seed(1))
         return model, lambda m: m, (ids, ids), remat
     data = data[0]
-    if data == "window":             # a window of 64 in a sequence of 1,024
+    if data.startswith("window"):     # a window of 64 in a sequence of 1,024
         extra = {"use_sliding_window": True, "max_window_layers": 0} \
             if family.startswith("qwen") else {}
         model = build(family, attn, sliding_window=64, **extra)
+        if data.endswith("pad_left"):   # eager: the padding's rows average every value
+            return model, lambda m: loss_fn(m, ("input_ids", "labels", "attention_mask")), \
+                padded(2, S, "left"), remat
         return model, lambda m: loss_fn(m, ("input_ids", "labels")), batch(2, S), remat
     if data == "packed":
         names, xs = ("input_ids", "labels", "position_ids"), packed(S, (200, 500, 324))

@@ -35,6 +35,9 @@ their log-sum-exp, and backward runs the kernel's backward on each with the merg
 log-sum-exp: ``S * W`` work and scratch of one block, no mask tensor. Windows under
 :data:`MIN_WINDOW` keys (many tiny calls) stay on the block kernel.
 
+A window over packed documents runs the window's blocks inside each document longer than it
+(the window counts from the row's index, the same inside a document), the others whole.
+
 Not taken here, to the block kernel: other additive (float) programs, masks
 that read other query-side values than positions, documents and a window's start (ALiBi),
 positions that are not ``0..S-1`` on every batch row, GPU tensors (FlexAttention), a value
@@ -146,7 +149,7 @@ def split(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, leaves: list, progr
     if causal and s_q != s_k:
         return None
     if window is not None:
-        if not causal or docs is not None:
+        if not causal:
             return None
         if (values or window) and window >= s_q:    # the width known (a value, or in the
             window = None                           # program): every row's reaches key 0
@@ -416,7 +419,7 @@ def forward(q, k, v, mask: KeyMask, scale: float) -> tuple[torch.Tensor, torch.T
 
 def _forward(q, k, v, mask: KeyMask, scale: float):
     h = q.shape[1]
-    if mask.window:
+    if mask.window and mask.documents is None:
         return _forward_window(q, k, v, mask, scale)
     if mask.documents is None:
         out, lse = aten._scaled_dot_product_flash_attention_for_cpu(
@@ -430,13 +433,24 @@ def _forward(q, k, v, mask: KeyMask, scale: float):
     out = q.new_empty(b, h, s, v.shape[-1])
     stats = q.new_ones(b, h, s, 2, dtype=torch.promote_types(q.dtype, torch.float32))
     for take, s0, s1 in _spans(mask.documents, s):
+        part = (take, slice(None), slice(s0, s1))
+        if mask.window and s1 - s0 > mask.window:       # a window inside the document
+            out[part], stats[part] = _forward_window(q[part], k[part], v[part],
+                                                     _in_document(mask, take, s0, s1), scale)
+            continue
         o, lse = aten._scaled_dot_product_flash_attention_for_cpu(
-            q[take, :, s0:s1], k[take, :, s0:s1], v[take, :, s0:s1], 0.0, mask.causal,
+            q[part], k[part], v[part], 0.0, mask.causal,
             attn_mask=_bias(mask, take, s0, s1), scale=scale)[:2]
-        out[take, :, s0:s1] = o
+        out[part] = o
         stats[take, :, s0:s1, 0] = lse
         del o, lse
     return out, stats
+
+
+def _in_document(mask: KeyMask, take: slice, s0: int, s1: int) -> KeyMask:
+    """The window's mask over one document's tokens (the window counts from the row's index,
+    the same inside a document)."""
+    return KeyMask(True, _bias(mask, take, s0, s1), window=mask.window)
 
 
 def backward(dout, q, k, v, out, stats, mask: KeyMask, scale: float):
@@ -444,7 +458,7 @@ def backward(dout, q, k, v, out, stats, mask: KeyMask, scale: float):
     b, h = q.shape[:2]
     hk = k.shape[1]
     kg, vg = _grouped(k, h), _grouped(v, h)
-    if mask.window:
+    if mask.window and mask.documents is None:
         dq, dk, dv = _backward_window(dout, q, kg, vg, out, stats, mask, scale)
     elif mask.documents is None:
         dq, dk, dv = aten._scaled_dot_product_flash_attention_for_cpu_backward(
@@ -484,10 +498,14 @@ def _backward_documents(dout, q, k, v, out, stats, mask: KeyMask, scale: float):
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     for take, s0, s1 in _spans(mask.documents, s):
         part = (take, slice(None), slice(s0, s1))
-        g = aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            dout[part], q[part], k[part], v[part], out[part],
-            stats[take, :, s0:s1, 0].contiguous(), 0.0, mask.causal,
-            attn_mask=_bias(mask, take, s0, s1), scale=scale)
+        if mask.window and s1 - s0 > mask.window:
+            g = _backward_window(dout[part], q[part], k[part], v[part], out[part], stats[part],
+                                 _in_document(mask, take, s0, s1), scale)
+        else:
+            g = aten._scaled_dot_product_flash_attention_for_cpu_backward(
+                dout[part], q[part], k[part], v[part], out[part],
+                stats[take, :, s0:s1, 0].contiguous(), 0.0, mask.causal,
+                attn_mask=_bias(mask, take, s0, s1), scale=scale)
         dq[part], dk[part], dv[part] = g
         del g
     return dq, dk, dv
@@ -661,11 +679,18 @@ def workspace_bytes(q, k, v, mask: KeyMask, backward: bool = False) -> int:
         mask.bias.element_size() if mask.bias is not None else 0
     gqa = k.shape[1] != h
     kv_h = b * h * k.shape[2] * (k.shape[3] + v.shape[3]) * k.element_size()   # at H heads
-    if mask.window is not None:
-        return row + (2 if gqa and backward else 1 if gqa else 0) * kv_h + \
-            _window_bytes(q, mask, backward)
     lse = b * h * s_q * torch.promote_types(q.dtype, torch.float32).itemsize
     q_bytes = b * h * s_q * d * size
+    if mask.window is not None:
+        windowed = row + (2 if gqa and backward else 1 if gqa else 0) * kv_h + \
+            _window_bytes(q, mask, backward)
+        if mask.documents is None:
+            return windowed
+        # per document: a windowed one's results copied into the op's (a document as long as
+        # the row: its output and statistics, backward its three gradients), or the plain call
+        copies = 3 * q_bytes if backward else q_bytes + 2 * lse
+        return max(windowed + copies,
+                   workspace_bytes(q, k, v, dataclasses.replace(mask, window=None), backward))
     # a [B, S, H, D] buffer is [B, H, S, D]-contiguous at H=1; per document, always copied
     copied = h > 1 or mask.documents is not None
     # an additive mask's rows that keep no key, averaged after the kernel: forward their flags

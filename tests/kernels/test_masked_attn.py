@@ -75,6 +75,13 @@ def _masks(b, h, s):
         "hf_eager_packed_left": (lambda qi, ki, dq, dk, kv, z, m: torch.where(
             (ki <= qi) & (dq == dk) & kv, z, m),
             [qp, kp, rows.transpose(-1, -2), rows, valid.view(b, 1, 1, s), zero, low], False),
+        # a window inside packed documents (the 5-token ones shorter than it: whole)
+        "documents+window": (lambda qi, ki, dq, dk, kv: (ki <= qi) & (qi - ki < 8) & (dq == dk)
+                             & kv, [qp, kp, rows.transpose(-1, -2), rows,
+                                    valid.view(b, 1, 1, s)], False),
+        "hf_eager_packed_window_left": (lambda qi, ki, dq, dk, kv, z, m: torch.where(
+            (ki <= qi) & (qi - ki < 8) & (dq == dk) & kv, z, m),
+            [qp, kp, rows.transpose(-1, -2), rows, valid.view(b, 1, 1, s), zero, low], False),
         "hf_eager_window_left": (lambda qi, ki, kv, z, m: torch.where(
             (ki <= qi) & (qi - ki < s // 2 + 1) & kv, z, m),
             [qp, kp, valid.view(b, 1, 1, s), zero, low], False),
@@ -142,12 +149,13 @@ def test_working_memory_is_bounded_by_the_block(monkeypatch):
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", ["padding+causal", "hf_additive", "documents",
                                   "documents+padding", "sliding", "sliding_uneven",
-                                  "hf_eager_left"])
+                                  "hf_eager_left", "documents+window"])
 def test_planned_scratch_against_the_allocator(kind):
     """``workspace_bytes`` (what the memory planner adds for the kernel) against the bytes the
     allocator hands out beyond the op's inputs and outputs: never below, at most 15% above
     (documents: planned as one as long as the row, here the longest is 2/3 and 1/2 of it;
-    windows: two blocks of half the row, and a block of 1,799 rows after one of 249)."""
+    windows: two blocks of half the row, and a block of 1,799 rows after one of 249; a window
+    of 300 in two documents of half the row)."""
     from spdsl.memory.measure import measure_step
     torch.manual_seed(0)
     b, h, hk, s, d = 1, 4, 1, 2048, 8
@@ -157,6 +165,11 @@ def test_planned_scratch_against_the_allocator(kind):
         valid[..., :3] = False
         fn, leaves, causal = (lambda qi, ki, kv: (ki <= qi) & (qi - ki < 1800) & kv,
                               [qp, kp, valid], False)
+    elif kind == "documents+window":     # two documents of 1,024, a window of 300 in each
+        qp, kp = torch.arange(s).view(1, 1, s, 1), torch.arange(s).view(1, 1, 1, s)
+        doc = (torch.arange(s) >= s // 2).long().view(1, 1, 1, s)
+        fn, leaves, causal = (lambda qi, ki, dq, dk: (ki <= qi) & (qi - ki < 300) & (dq == dk),
+                              [qp, kp, doc.transpose(-1, -2), doc], False)
     else:
         fn, leaves, causal = _masks(b, h, s)[kind]
     key = M.register_mask_program(fn)
@@ -201,7 +214,8 @@ def _fused_against_dense_and_blocks(q, k, v, fn, leaves, key, causal, name, monk
 @pytest.mark.parametrize("name", ["padding", "padding+causal", "causal", "documents",
                                   "documents+padding", "hf_additive_right", "hf_eager_plain",
                                   "hf_eager_packed", "hf_eager_left", "hf_eager_packed_left",
-                                  "hf_eager_window_left"])
+                                  "hf_eager_window_left", "documents+window",
+                                  "hf_eager_packed_window_left"])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 def test_fused_path_for_causal_and_key_masks(name, dtype, monkeypatch):
     """Causal x a key-side boolean row, and packed documents (one kernel call each), run on
@@ -219,6 +233,7 @@ def test_fused_path_for_causal_and_key_masks(name, dtype, monkeypatch):
     fused = K.split(q, k, v, leaves, key, causal)
     assert fused is not None
     assert (fused.documents is not None) == ("documents" in name or "packed" in name)
+    assert (fused.window is not None) == ("window" in name)
     assert fused.additive == name.startswith("hf_")
     assert (fused.averaged is not None) == name.endswith("_left")
     if fused.averaged is not None:          # the rows where the dense mask keeps no key

@@ -1,6 +1,6 @@
 """Masks as functions (``spdsl.propagate.masks``) on real runs: Hugging Face models on padded
-(right and left), packed and sliding-window batches (one left-padded) in SDPA and eager
-attention, ALiBi in SDPA and written out, and a mask made with ``tril``: loss and every
+(right and left), packed and sliding-window batches (one left-padded, one packed) in SDPA and
+eager attention, ALiBi in SDPA and written out, and a mask made with ``tril``: loss and every
 parameter gradient equal single-device PyTorch (fp32) at SP 2 and 4, and no value the rank's
 program makes, forward or backward, holds ``S^2 / P`` elements or more (every op's output is
 watched at the dispatcher; the kernel's own blocks are bounded by
@@ -29,6 +29,7 @@ CASES = ["llama/sdpa/pad_right", "llama/sdpa/pad_left", "llama/sdpa/packed",
          "mistral/sdpa/window", "mistral/eager/window", "qwen2/sdpa/window",
          "qwen3/eager/window", "phi3/sdpa/window", "qwen2/sdpa/pad_right,remat=full",
          "mistral/eager/window,remat=full", "mistral/eager/window_pad_left",
+         "mistral/sdpa/window_packed",
          "alibi/sdpa", "alibi/written_out", "gpt2like/tril"]
 
 
@@ -69,6 +70,9 @@ def _setup(name: str):
         if data.endswith("pad_left"):   # eager: the padding's rows average every value
             return model, lambda m: loss_fn(m, ("input_ids", "labels", "attention_mask")), \
                 padded(2, S, "left"), remat
+        if data.endswith("packed"):     # the window inside each document
+            return model, lambda m: loss_fn(m, ("input_ids", "labels", "position_ids")), \
+                packed(S, (200, 500, 324)), remat
         return model, lambda m: loss_fn(m, ("input_ids", "labels")), batch(2, S), remat
     if data == "packed":
         names, xs = ("input_ids", "labels", "position_ids"), packed(S, (200, 500, 324))

@@ -1,6 +1,8 @@
-"""A 4-rank run under ``torchrun --max-restarts=1`` loses a rank to SIGKILL mid-training,
-after a checkpoint; torchrun restarts the group, the run resumes from the last complete
-checkpoint, and its final weights equal an uninterrupted run's bit for bit."""
+"""A 4-rank run under ``torchrun`` loses a rank to SIGKILL mid-training, after a checkpoint;
+torchrun restarts the group, the run resumes from the last complete checkpoint, and its final
+weights equal an uninterrupted run's bit for bit. ``--max-restarts=2``: on 4 ranks sharing 2
+cores a restarted group can fail to come up (a rank aborting in gloo's start-up, before it
+trains), and the next attempt must then resume from the same checkpoint."""
 
 from __future__ import annotations
 
@@ -20,7 +22,7 @@ SCRIPT = os.path.join(ROOT, "tests", "checkpoint", "train_resume.py")
 def _torchrun(*args: str) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4",
-           "--max-restarts=1", "--monitor-interval=0.5", SCRIPT, *args]
+           "--max-restarts=2", "--monitor-interval=0.5", SCRIPT, *args]
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=400, check=False)
     assert out.returncode == 0, out.stderr[-4000:]
     return out
@@ -32,7 +34,8 @@ def test_killed_rank_resumes_to_the_same_weights(tmp_path):
     _torchrun("--ckpt", str(tmp_path / "ckpt"), "--out", str(crashed), "--reference-out",
               str(ref), "--crash-at-step", "5")
     log = (tmp_path / "crashed.pt.log").read_text().splitlines()
-    assert log == ["attempt 0 resumed from step 0", "attempt 1 resumed from step 4"]
+    assert log[0] == "attempt 0 resumed from step 0" and len(log) >= 2, log
+    assert all(line.endswith(" resumed from step 4") for line in log[1:]), log
     want, have = torch.load(ref), torch.load(crashed)
     assert want.keys() == have.keys()
     assert [n for n in want if not torch.equal(have[n], want[n])] == []

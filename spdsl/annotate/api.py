@@ -76,6 +76,7 @@ class _Compiled:
     data_rank: int = 0
     remat: Any = None         # the Remat remat="fit" chose for this program
     step: Any = None          # spdsl.pipeline.Step: this rank's program, as built
+    agreed: bool = False      # the ranks' traces were put in one order (Runtime._same_order)
 
     def stale(self) -> bool:
         """A parameter was frozen or unfrozen since the trace: which gradients exist, and so
@@ -192,18 +193,30 @@ class Sharded(InputSpecs, StateSharding, Runtime):
                               for x in leaves))
         return inputs, (global_modes(), module_modes(reachable_modules(self.fn, args, kwargs)))
 
-    def build(self, args: tuple, kwargs: dict) -> _Compiled:
+    def build(self, args: tuple, kwargs: dict, agree: bool = False) -> _Compiled:
+        """Trace and propagate (cached per call signature). ``agree``: the run's build, on
+        every rank of the mesh at once: the ranks' programs are put in one order first
+        (``spdsl.propagate.order``); the plan's build (one rank may ask) exchanges nothing."""
         leaves, spec = tree_flatten((args, kwargs))
         key = self._key(args, kwargs, leaves, spec)
-        if key in self._cache and not self._cache[key].stale():
-            return self._cache[key]
-        self._note_retrace(key)
+        cached = self._cache.get(key)
+        if cached is not None and not cached.stale():
+            if not agree or cached.agreed or not self._same_order(cached.traced.graph):
+                cached.agreed = cached.agreed or agree
+                return cached
+            traced = cached.traced          # traced before the ranks compared: decide again
+        else:
+            traced = None
+            self._note_retrace(key)
         specs = self._specs_for(args, kwargs, leaves)
         placements = self._leaf_placements(leaves, specs)
         data_in = [self._data_placement_of(x, specs[i] if specs is not None else None, i)
                    for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
-        targs, tkwargs = self._global_args(args, kwargs, leaves, data_in)
-        traced = self._trace(targs, tkwargs)
+        if traced is None:
+            targs, tkwargs = self._global_args(args, kwargs, leaves, data_in)
+            traced = self._trace(targs, tkwargs)
+            if agree:
+                self._same_order(traced.graph)
         gm = traced.graph
         phs = [n for n in gm.graph.nodes if n.op == "placeholder"]
         n_state = len(traced.state)
@@ -240,7 +253,8 @@ class Sharded(InputSpecs, StateSharding, Runtime):
                                  self._regathered(phs, sharded))
         entry = _Compiled(traced, prop, [p for p, _ in placements], outs, plan,
                           state_requires=tuple(t.requires_grad for t in traced.state),
-                          data=dprop, data_in=data_in, data_out=data_out, sharded=sharded)
+                          data=dprop, data_in=data_in, data_out=data_out, sharded=sharded,
+                          agreed=agree)
         # what the plan reads later, from the pipeline's records only: its memory and the
         # calls the program runs (spdsl.inspect.program)
         job = self.job
@@ -354,7 +368,7 @@ class Sharded(InputSpecs, StateSharding, Runtime):
         if segmented(self, args, kwargs) is not None:
             return None
         try:
-            entry = self.build(args, kwargs)
+            entry = self.build(args, kwargs, agree=True)
         except GraphBreak as e:
             segmented(self, args, kwargs, e)     # raises where segments cannot run
             return None

@@ -352,7 +352,7 @@ class _Cut:
         prog = self.segs.program(key, make, specs, final is not None, self.planning)
 
         def run():
-            entry = prog.build(tuple(inputs), {})
+            entry = prog.build(tuple(inputs), {}, agree=not self.planning)
             placed = [entry.prop.placement(o) for o in _out_nodes(entry.traced)]
             if self.planning:
                 with torch.no_grad():

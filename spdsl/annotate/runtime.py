@@ -14,6 +14,7 @@ from torch.distributed.tensor import Shard as DShard
 from spdsl._torch import tree_flatten
 from spdsl.annotate.mesh import axis_size
 from spdsl.errors import ShardingError
+from spdsl.propagate.order import digest, follow, merge_equal, structure_keys
 from spdsl.propagate.placement import (
     REPLICATE,
     Placement,
@@ -49,6 +50,38 @@ class Runtime:
             if axis_size(mesh, name) > 1:
                 dist.all_reduce(t, op=dist.ReduceOp.MAX, group=mesh.get_group(name))
         return int(t.item())
+
+    def _same_order(self, gm: torch.fx.GraphModule) -> bool:
+        """Put this rank's traced program in the order of the mesh's first rank where the
+        ranks traced the same work in different orders (``spdsl.propagate.order``): two
+        all-reduces of a digest when they agree; True if this rank's order changed. Every rank
+        raises, before any exchange of the step, if one traced other work."""
+        if not dist.is_initialized():
+            return False
+        keys = structure_keys(gm)
+        mine = digest(keys)
+        if self._most(mine) == -self._most(-mine):
+            return False
+        moved, failed = merge_equal(gm) > 0, None
+        keys = structure_keys(gm)
+        mesh = self.mesh
+        for name in mesh.mesh_dim_names or ():
+            if axis_size(mesh, name) == 1:
+                continue
+            box = [keys]
+            dist.broadcast_object_list(box, group=mesh.get_group(name), group_src=0)
+            if failed is None:
+                try:
+                    moved = follow(gm, box[0]) or moved
+                except ShardingError as e:
+                    failed = e
+            if self._most(int(failed is not None)):
+                raise failed or ShardingError(
+                    rule="one program on every rank",
+                    detail="another rank of the mesh traced a different program (its error "
+                           "says where); no exchange of the step ran")
+            keys = structure_keys(gm)
+        return moved
 
     def _local_inputs(self, entry: _Compiled, args: tuple, kwargs: dict) -> list:
         """This rank's pieces of the inputs: the one place global tensors become local."""

@@ -46,17 +46,29 @@ _ALL_GATHER = getattr(fc, "all_gather_single", None) or fc.all_gather_tensor
 _REDUCE_SCATTER = getattr(fc, "reduce_scatter_single", None) or fc.reduce_scatter_tensor
 
 
+def _real(x: torch.Tensor) -> torch.Tensor:
+    """Complex tensors (rotary tables as ``torch.polar``, DeepSeek-V2's rotated q/k) travel as
+    their real pairs: gloo and NCCL have no complex types, and the pairs split along the same
+    leading dims."""
+    return torch.view_as_real(x).contiguous() if x.is_complex() else x.contiguous()
+
+
+def _like(y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    return torch.view_as_complex(y) if x.is_complex() else y
+
+
 def _a2a_raw(buf: torch.Tensor, group: str, out_splits=None, in_splits=None) -> torch.Tensor:
-    return fc.wait_tensor(fc.all_to_all_single(buf.contiguous(), out_splits, in_splits, group))
+    return _like(fc.wait_tensor(fc.all_to_all_single(_real(buf), out_splits, in_splits, group)),
+                 buf)
 
 
 def _all_reduce_raw(x: torch.Tensor, group: str) -> torch.Tensor:
-    return fc.wait_tensor(fc.all_reduce(x.contiguous(), "sum", group))
+    return _like(fc.wait_tensor(fc.all_reduce(_real(x), "sum", group)), x)
 
 
 def _all_gather_raw(x: torch.Tensor, group: str) -> torch.Tensor:
     """[n, ...] on each rank -> [P*n, ...], rank order."""
-    return fc.wait_tensor(_ALL_GATHER(x.contiguous(), 0, group))
+    return _like(fc.wait_tensor(_ALL_GATHER(_real(x), 0, group)), x)
 
 
 class _AllToAll(torch.autograd.Function):
@@ -477,7 +489,8 @@ def _reduce_scatter(x: torch.Tensor, split: tuple, parts: int, rank: int,
             c = torch.cat([c, c.new_zeros(pad)], dim=d)
         chunks.append(c)
     buf = torch.stack(chunks).reshape(parts * chunks[0].numel())
-    got = fc.wait_tensor(_REDUCE_SCATTER(buf, "sum", 0, group)).reshape(chunks[0].shape)
+    got = _like(fc.wait_tensor(_REDUCE_SCATTER(_real(buf), "sum", 0, group)), buf)
+    got = got.reshape(chunks[0].shape)
     lo, hi = chunk_bounds(size, parts, rank)
     got = got.narrow(d, 0, (hi - lo) * inner)
     shape = list(x.shape)

@@ -49,9 +49,39 @@ def _live(g: torch.fx.Graph) -> set[torch.fx.Node]:
     ``nn.MultiheadAttention``'s averaged weights, are not)."""
     live: set[torch.fx.Node] = set()
     for n in reversed(g.nodes):
-        if n.op != "call_function" or any(u in live for u in n.users) or _effect(n):
+        if n.op != "call_function" or any(u in live for u in n.users) or _effect(n) or \
+                _writes_read(n, live):
             live.add(n)
     return live
+
+
+def _writes_read(n: torch.fx.Node, live: set) -> bool:
+    """An in-place write into a temporary that a live node reads, through any of its views:
+    DeepSeek-V2 builds its keys as ``new_empty`` filled by ``copy_`` into two slices, and
+    attention reads the ``new_empty``, not the copies."""
+    t = n.target
+    if not isinstance(t, OpOverload) or not t._schema.is_mutable or not n.args or \
+            not isinstance(n.args[0], torch.fx.Node):
+        return False
+    return any(u in live for a in view_family(n.args[0]) for u in a.users)
+
+
+def view_family(n: torch.fx.Node) -> set[torch.fx.Node]:
+    """The tensor ``n`` is a view of, and every view taken of it: what a write into one of
+    them changes."""
+    base = n
+    while base.op == "call_function" and isinstance(base.target, OpOverload) and \
+            base.target.is_view and base.args and isinstance(base.args[0], torch.fx.Node):
+        base = base.args[0]
+    family, todo = set(), [base]
+    while todo:
+        a = todo.pop()
+        if a in family:
+            continue
+        family.add(a)
+        todo += [u for u in a.users if u.op == "call_function" and
+                 isinstance(u.target, OpOverload) and u.target.is_view]
+    return family
 
 
 def _effect(n: torch.fx.Node) -> bool:

@@ -31,9 +31,14 @@ from collections import Counter, defaultdict, deque
 
 import torch
 
+from spdsl._torch import OpOverload
 from spdsl.errors import ShardingError
+from spdsl.propagate.eager_attention import view_family
 
 _ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
+# fresh memory: two of them are two buffers, whatever their equal keys say
+_UNINITIALIZED = frozenset({"empty", "empty_like", "new_empty", "new_empty_strided",
+                            "empty_strided", "empty_permuted"})
 
 
 def structure_keys(gm: torch.fx.GraphModule) -> list[str]:
@@ -59,10 +64,18 @@ def merge_equal(gm: torch.fx.GraphModule) -> int:
     no random draw); the number removed. Run on every rank alike where their orders differ:
     two equal nodes (the same positions read by two rotary tables, say) would otherwise be
     matched to the other rank's in either way, and an input could land after its use."""
+    written: set[torch.fx.Node] = set()       # written in place: not a value of its key alone
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and isinstance(node.target, OpOverload) and \
+                node.target._schema.is_mutable and node.args and \
+                isinstance(node.args[0], torch.fx.Node):
+            written |= view_family(node.args[0])
     first: dict[str, torch.fx.Node] = {}
     removed = 0
     for node, key in zip(list(gm.graph.nodes), structure_keys(gm)):
-        if node.op != "call_function" or node.is_impure(impure_random=True):
+        if node.op != "call_function" or node in written or \
+                node.is_impure(impure_random=True) or \
+                getattr(node.target, "_opname", "") in _UNINITIALIZED:
             continue
         if key in first:
             node.replace_all_uses_with(first[key])

@@ -284,12 +284,24 @@ def _unpack(buf: torch.Tensor, like_shape: list[int], src: tuple[int, int],
 def all_to_all_many(xs: list[torch.Tensor], srcs, dsts, parts: int,
                     group: str) -> list[torch.Tensor]:
     """One all-to-all for several tensors (q, k and v of an attention)."""
-    packed = [_pack(x, d, parts) for x, d in zip(xs, dsts)]
+    pairs = [_pairs(x) for x in xs]
+    packed = [_pack(x, d, parts) for x, d in zip(pairs, dsts)]
     sizes = [p.shape[1] for p in packed]
     buf = torch.cat(packed, dim=1) if len(packed) > 1 else packed[0]
     got = _AllToAll.apply(buf.contiguous(), group, None, None).reshape(parts, -1)
     pieces = torch.split(got, sizes, dim=1) if len(packed) > 1 else [got]
-    return [_unpack(p, list(x.shape), s, d, parts) for p, x, s, d in zip(pieces, xs, srcs, dsts)]
+    return [_unpairs(_unpack(p, list(x.shape), s, d, parts), x0)
+            for p, x, x0, s, d in zip(pieces, pairs, xs, srcs, dsts)]
+
+
+def _pairs(x: torch.Tensor) -> torch.Tensor:
+    """A complex tensor as its real pairs (a trailing dim of 2: the split dims keep their
+    indices), so it packs beside real ones (``_real``)."""
+    return torch.view_as_real(x) if x.is_complex() else x
+
+
+def _unpairs(y: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    return torch.view_as_complex(y.contiguous()) if like.is_complex() else y
 
 
 # -- an all-to-all in flight: issued at one point, waited at a later one ----------------------
@@ -332,7 +344,9 @@ class PendingAllToAll:
 
     def __init__(self, got: torch.Tensor, xs: list[torch.Tensor], srcs, dsts, sizes: list[int],
                  parts: int, group: str) -> None:
-        self._got, self._shapes = got, [list(x.shape) for x in xs]
+        # shapes and dtypes only: holding the tensors would keep them alive until the wait
+        self._got, self._shapes = got, [list(_pairs(x).shape) for x in xs]
+        self._complex = [x.is_complex() for x in xs]
         self._srcs, self._dsts, self._sizes = list(srcs), list(dsts), sizes
         self._parts, self._group = parts, group
 
@@ -340,8 +354,10 @@ class PendingAllToAll:
         parts = self._parts
         got = _AllToAllWait.apply(self._got, parts, self._group).reshape(parts, -1)
         pieces = torch.split(got, self._sizes, dim=1) if len(self._sizes) > 1 else [got]
-        return [_unpack(p, shape, s, d, parts)
-                for p, shape, s, d in zip(pieces, self._shapes, self._srcs, self._dsts)]
+        out = [_unpack(p, shape, s, d, parts)
+               for p, shape, s, d in zip(pieces, self._shapes, self._srcs, self._dsts)]
+        return [torch.view_as_complex(y.contiguous()) if c else y
+                for y, c in zip(out, self._complex)]
 
 
 def all_to_all_many_start(xs: list[torch.Tensor], srcs, dsts, parts: int,
@@ -358,7 +374,8 @@ def all_to_all_many_start(xs: list[torch.Tensor], srcs, dsts, parts: int,
         b = all_to_all_many_start([q1], [(2, 1)], [(1, 1)], 4, group)
         q0h, k0h, v0h = a.wait()          # b is in flight while group 0 attends
     """
-    packed = [_pack(x, d, parts) for x, d in zip(xs, dsts)]
+    pairs = [_pairs(x) for x in xs]
+    packed = [_pack(x, d, parts) for x, d in zip(pairs, dsts)]
     sizes = [p.shape[1] for p in packed]
     buf = torch.cat(packed, dim=1) if len(packed) > 1 else packed[0]
     got = _AllToAllIssue.apply(buf, parts, group)

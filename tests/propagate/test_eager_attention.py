@@ -74,6 +74,34 @@ def test_fused_graph_computes_the_written_out_attention(hkv):
     assert_close(_run_traced(block, x, mask), block(x, mask), rtol=1e-5, name="loss")
 
 
+class _FilledKeys(_Block):
+    """DeepSeek-V2's keys: a ``new_empty`` filled by ``copy_`` into two slices of the head
+    dim (a per-head part and a part shared by every head), read by written-out attention."""
+
+    def forward(self, x, mask):
+        B, S, _ = x.shape
+        q = self.q(x).view(B, S, self.hq, self.d).transpose(1, 2)
+        k, v = self.kv(x).view(B, S, 2, self.hkv, self.d).permute(2, 0, 3, 1, 4)
+        keys = k.new_empty(B, self.hkv, S, self.d)
+        keys[..., : self.d // 2].copy_(k[..., : self.d // 2])
+        keys[..., self.d // 2:].copy_(k[:, :1, :, self.d // 2:].expand(-1, self.hkv, -1, -1))
+        return _written_out(q, keys, v, mask).sum()
+
+
+def test_keys_written_into_a_temporary_are_kept():
+    """The copies into the temporary are the keys' values: the written-out attention's
+    leftovers are swept, the writes that attention reads are not (before, they went, and the
+    keys were uninitialised memory: NaN losses on DeepSeek-V2 in eager attention)."""
+    torch.manual_seed(0)
+    block = _FilledKeys(hkv=4)
+    x = torch.randn(2, 16, 32)
+    mask = torch.zeros(2, 1, 16, 16).masked_fill(torch.ones(16, 16).triu(1).bool(), -1e9)
+    gm, nodes = _attention_nodes(block, x, mask)
+    assert len(nodes) == 1
+    assert sum(n.target is torch.ops.aten.copy_.default for n in gm.graph.nodes) == 2
+    assert_close(_run_traced(block, x, mask), block(x, mask), rtol=1e-5, name="loss")
+
+
 def test_plan_of_written_out_attention_is_at_the_floor():
     block = _Block(hq=4, hkv=2)
     x, mask = torch.randn(2, 32, 32), torch.zeros(2, 1, 32, 32)

@@ -120,6 +120,9 @@ class Propagator:
         return p[index] if index is not None else p
 
     def run(self, inputs: dict[torch.fx.Node, tuple[Placement, str]]) -> None:
+        # the global sizes of the split input dims: the sequence (a tie-break, ``_along``)
+        self.split_sizes = {int(n.meta["val"].shape[p.dim]) for n, (p, _) in inputs.items()
+                            if isinstance(p, Shard) and isinstance(n.meta.get("val"), torch.Tensor)}
         for node in self.gm.graph.nodes:
             if node.op == "placeholder":
                 p, origin = inputs[node]
@@ -177,7 +180,8 @@ class Propagator:
             cost = s.extra_cost + sum(
                 redistribute_cost(c, r, a.meta["val"], self.parts)
                 for c, r, a in zip(cur, s.inputs, ins))
-            if cost < best_cost:
+            if cost < best_cost or (cost == best_cost and best is not None and
+                                    self._along(s) and not self._along(best)):
                 best, best_cost = s, cost
         if best is None:
             raise ShardingError(
@@ -203,6 +207,15 @@ class Propagator:
         self.decisions[node] = d
         d.issued = issued(self, node, best.lowering, ins)
         self._atoms(node, ins)
+
+    def _along(self, s: Strategy) -> bool:
+        """``s`` splits its output along a dim as long as a split input's (the sequence). Of
+        equally cheap ways, that one: work on replicated values (a rotary table computed as
+        ``inv_freq[:, None] @ positions[None, :]`` from ``arange``) may split any dim for free,
+        and splitting the frequencies instead of the positions had the table gathered again
+        before ``q * cos`` (Gemma 3, Cohere: an all-gather or two all-to-alls per table)."""
+        out = s.output[0] if isinstance(s.output, tuple) and s.output else s.output
+        return isinstance(out, Shard) and out.size in getattr(self, "split_sizes", ())
 
     def _clashes(self, s: Strategy, cur: list[Placement], ins: list[torch.fx.Node]) -> bool:
         """``s`` would move an input to a split of a whole dim that the other axis (``taken``:

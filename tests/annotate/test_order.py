@@ -28,9 +28,10 @@ def _rotate(x, cos, sin):
 
 
 class TwoTables(nn.Module):
-    """Two layers of causal attention, the first on a local rotary table, the second on a
-    global one; the tables are built in an order that depends on the rank (``flip``), or a
-    rank adds work of its own (``extra``)."""
+    """Two layers of causal attention, the first on a local rotary-like table, the second on
+    a global one, each scaled by its largest entry over the sequence (an all-reduce per table
+    under sequence parallelism); the tables are built in an order that depends on the rank
+    (``flip``), or a rank adds work of its own (``extra``)."""
 
     def __init__(self, flip: bool = False, extra: int | None = None) -> None:
         super().__init__()
@@ -50,9 +51,10 @@ class TwoTables(nn.Module):
         if self.flip and rank % 2:
             kinds.reverse()
         tables = {}
-        pos = torch.arange(S)[None, None, :].float()
-        for kind in kinds:       # Hugging Face's rotary tables: a [1, d/2, 1] @ [1, 1, S]
-            f = (getattr(self, f"{kind}_inv")[None, :, None] @ pos).transpose(1, 2)
+        pos = torch.arange(S, dtype=torch.float32)[None, :] + ids.float() * 1e-3
+        for kind in kinds:
+            f = pos[:, :, None] * getattr(self, f"{kind}_inv")[None, None, :]
+            f = f / f.amax(dim=1, keepdim=True)     # a max over the sequence: an exchange
             f = torch.cat([f, f], dim=-1)
             tables[kind] = (f.cos()[:, None], f.sin()[:, None])
         if self.extra is not None and rank == self.extra:

@@ -38,6 +38,7 @@ from spdsl._torch import (
 from spdsl._torch import functorch_config as _functorch_config
 from spdsl.errors import ShardingError
 from spdsl.propagate.eager_attention import uncast_attention, unrepeat_kv
+from spdsl.propagate.fills import fills_as_cat
 from spdsl.propagate.forms import captured, find_all
 from spdsl.propagate.masks import masks_as_functions
 from spdsl.propagate.replay import LayerReplay
@@ -356,6 +357,7 @@ def trace(fn: Callable, args: tuple, kwargs: dict, breaks: Any = None) -> Traced
     except GraphBreak:
         random.setstate(drawn)
         raise
+    fills_as_cat(gm)               # buffers filled slice by slice: the cat of the pieces
     find_all(gm)                   # attention written out in ops becomes one node too (forms)
     unrepeat_kv(gm)                # grouped kv heads cross the all-to-all unrepeated
     uncast_attention(gm)           # and in their narrow dtype, where upcast just before

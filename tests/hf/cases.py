@@ -140,6 +140,8 @@ TEST_CASES = [Case(f, a) for f in MATRIX for a in ATTN[f]] + [
     Case("qwen2", "sdpa", "packed"), Case("gpt_neox", "eager", "packed"),
     Case("phi3", "sdpa", "packed"), Case("gptj", "eager", "packed"),
     Case("llama", "eager", "packed"), Case("gpt2", "sdpa", "packed"),
+    Case("gemma3", "sdpa", "packed"), Case("deepseek_v2", "eager", "packed"),
+    Case("lfm2", "sdpa", "packed"),
 ]
 # compiled (tied embeddings: GPT-2, Gemma, a plain PyTorch model) and checkpointed
 # (the padded case: a mask function, spdsl.propagate.masks, inside the compiled program)
@@ -192,8 +194,11 @@ def expected_all_to_alls(name: str, world: int) -> int:
     all-to-all in forward."""
     from spdsl.lower.ops import head_groups
     from tests.hf.families import FAMILIES, HEADS
-    kw = FAMILIES[name.split("/")[0]].kwargs if name.split("/")[0] in FAMILIES else {}
+    fam = FAMILIES.get(name.split("/")[0])
+    kw = fam.kwargs if fam is not None else {}
     hq = kw.get("num_attention_heads", kw.get("n_head", HEADS))
     hk = kw.get("num_key_value_heads") or hq
     groups = len(head_groups(hq, hk, world))
-    return EXPECTED_ALL_TO_ALL * groups + (1 if name.startswith("plain_tied") else 0)
+    per_layer = EXPECTED_ALL_TO_ALL // LAYERS
+    layers = fam.attention_layers if fam is not None else LAYERS
+    return per_layer * layers * groups + (1 if name.startswith("plain_tied") else 0)

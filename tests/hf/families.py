@@ -22,6 +22,7 @@ class Family:
     kwargs: dict = field(default_factory=dict)
     exercises: str = ""
     train: bool = True          # built in training mode (False: eval, see OPT)
+    attention_layers: int = 2   # layers with attention (the rest: LFM2's convolutions)
 
 
 def _llama_like(**kw) -> dict:
@@ -82,6 +83,35 @@ FAMILIES: dict[str, Family] = {f.name: f for f in [
            "ReLU MLP; run in eval() mode here (one program): its training-mode layerdrop draw "
            "(torch.rand([]) < p, Python control flow on data) runs in segments, traced every "
            "call (tests/hf/test_opt_layerdrop.py)", train=False),
+    Family("gemma3", "Gemma3TextConfig", "Gemma3ForCausalLM",
+           _llama_like(head_dim=16, hidden_activation="gelu_pytorch_tanh", sliding_window=8,
+                       layer_types=["sliding_attention", "full_attention"],
+                       query_pre_attn_scalar=16),
+           "a sliding and a full layer, each with its own rotary table, built by iterating a "
+           "set (an order that differs by rank: spdsl.propagate.order), q/k RMSNorm"),
+    Family("deepseek_v2", "DeepseekV2Config", "DeepseekV2ForCausalLM",
+           _llama_like(num_key_value_heads=4, q_lora_rank=None, kv_lora_rank=16,
+                       qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16,
+                       n_routed_experts=4, first_k_dense_replace=2, moe_intermediate_size=32),
+           "multi-head latent attention: q/k head dim 24, v 16; complex rotary (torch.polar); "
+           "keys written into a new_empty by copy_ (all-gathered: 1.7x the Ulysses floor)"),
+    Family("cohere", "CohereConfig", "CohereForCausalLM", _llama_like(use_qk_norm=False),
+           "interleaved rotary (stack + flatten), LayerNorm, parallel block, logit scale"),
+    Family("olmo2", "Olmo2Config", "Olmo2ForCausalLM", _llama_like(),
+           "q/k RMSNorm over every head at once (before the head split), post-norms"),
+    Family("smollm3", "SmolLM3Config", "SmolLM3ForCausalLM",
+           _llama_like(no_rope_layer_interval=2, pad_token_id=0),
+           "no rotary on every second layer (NoPE)"),
+    Family("gpt_bigcode", "GPTBigCodeConfig", "GPTBigCodeForCausalLM",
+           {"vocab_size": VOCAB, "n_embd": DIM, "n_layer": LAYERS, "n_head": HEADS,
+                "n_positions": 256, "multi_query": True, "resid_pdrop": 0.0, "embd_pdrop": 0.0,
+                "attn_pdrop": 0.0},
+           "multi-query attention in one fused projection (q of every head, one k and v)"),
+    Family("lfm2", "Lfm2Config", "Lfm2ForCausalLM",
+           _llama_like(layer_types=["conv", "full_attention"], block_ff_dim=128,
+                       conv_L_cache=3),
+           "a short causal convolution along the sequence in one layer (its halo crosses "
+           "ranks), attention in the other", attention_layers=1),
 ]}
 
 

@@ -44,26 +44,33 @@ _PROGRAMS: dict[str, Callable] = {}
 _IDS = itertools.count()
 
 
-def register_mask_program(fn: Callable, name: str = "mask",
-                          leaf_dtypes: tuple | None = None) -> str:
+def register_mask_program(fn: Callable | None, name: str = "mask",
+                          leaf_dtypes: tuple | None = None,
+                          softcap: float | None = None) -> str:
     """Store ``fn(*leaves) -> keep (bool) or bias (float)``; returns the key the op takes.
     ``leaf_dtypes``: what the program was written for; the kernel casts its leaves to them
     (an Inductor-compiled program has been seen to hand a boolean value over as int64, on
     which ``&`` would compute as integers). A program with source code (an FX graph's
     ``code``) is keyed by it: the same mask traced twice gets the same key (equal graphs, one
-    compiled program)."""
+    compiled program). ``softcap``: scores capped as ``c * tanh(s / c)`` before the mask
+    (Gemma 2's attention logits); ``fn`` may then be None (no mask)."""
     code = getattr(fn, "code", None)
     if isinstance(code, str):
-        digest = hashlib.sha1((code + repr(leaf_dtypes)).encode()).hexdigest()[:16]
-        key = f"{name}@{digest}"
+        digest = hashlib.sha1((code + repr(leaf_dtypes) + repr(softcap)).encode()).hexdigest()
+        key = f"{name}@{digest[:16]}"
     else:
         key = f"{name}#{next(_IDS)}"
-    _PROGRAMS[key] = (fn, leaf_dtypes)
+    _PROGRAMS[key] = (fn, leaf_dtypes, softcap)
     return key
 
 
-def mask_program(key: str) -> Callable:
+def mask_program(key: str) -> Callable | None:
     return _PROGRAMS[key][0]
+
+
+def softcap_of(key: str) -> float | None:
+    """The cap ``c`` of scores ``c * tanh(s / c)`` the program ``key`` was registered with."""
+    return _PROGRAMS[key][2] if key else None
 
 
 def typed_leaves(key: str, leaves: list) -> list:
@@ -118,6 +125,8 @@ def block_workspace_bytes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lea
     mask = mb * mh * rows * cols                    # elements of one block's mask
     # forward's peak is in the masking: keep and ~keep (a float program: its bias, its
     # comparisons); backward's in the gradient, the mask still held by the block generator
+    cap = softcap_of(program)
+    program = program if program and mask_program(program) is not None else ""   # a cap alone
     boolean = not program or _program_dtype(program, leaves) == torch.bool
     if program:
         mask *= (1 if backward else 2) if boolean else (4 if backward else 6)
@@ -125,7 +134,10 @@ def block_workspace_bytes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lea
         mask = (1 if backward else 2) * rows * cols
     else:
         mask = 0
-    out = (2 if backward else 1) * b * h * rows * cols * w + mask
+    blocks = 2 if backward else 1
+    if cap is not None and backward:
+        blocks += 1                 # the capped scores' tanh, kept for 1 - t^2
+    out = blocks * b * h * rows * cols * w + mask
     gqa = k.shape[1] != h
     narrow = q.dtype != f32
     kv = b * h * s_k * (d + dv) * w
@@ -225,9 +237,18 @@ class _Blocks:
         return kept_any
 
 
-def _scores(q_blk, k_blk, keep, bias, scale):
-    """One block of scores, masked; in place after the matmul: one block of fp32 live."""
+def _scores(q_blk, k_blk, keep, bias, scale, softcap=None, capped=None):
+    """One block of scores, masked; in place after the matmul: one block of fp32 live.
+    ``softcap``: ``c * tanh(s / c)`` before the mask; ``capped`` (a list) gets the tanh,
+    whose ``1 - t^2`` the backward needs."""
     s = torch.matmul(q_blk, k_blk.transpose(-2, -1)).mul_(scale)
+    if softcap is not None:
+        t = s.div_(softcap).tanh_()
+        if capped is not None:
+            capped.append(t)
+            s = t * softcap
+        else:
+            s = t.mul_(softcap)
     if bias is not None:
         s.add_(bias)
     if keep is not None:
@@ -250,7 +271,7 @@ def _finite(m: torch.Tensor) -> torch.Tensor:
     return torch.where(torch.isfinite(m), m, torch.zeros_like(m))
 
 
-def attend_rows(q_blk, kf, vf, spans, scale, m, den, acc):
+def attend_rows(q_blk, kf, vf, spans, scale, m, den, acc, softcap=None):
     """One block of query rows against the key blocks ``spans`` yields: the flash
     recurrence's running row max ``m``, sum ``den`` and unnormalised output ``acc``
     (``[B, H, rows, 1 | Dv]``, fp32) updated; returns them. Keys are the next-to-last dim:
@@ -264,7 +285,7 @@ def attend_rows(q_blk, kf, vf, spans, scale, m, den, acc):
         m, den = q_blk.new_full(rows, float("-inf")), q_blk.new_zeros(rows)
         acc = q_blk.new_zeros(q_blk.shape[:-1] + (vf.shape[-1],))
     for j0, j1, keep, bias in spans:
-        s = _scores(q_blk, kf[..., j0:j1, :].to(q_blk.dtype), keep, bias, scale)
+        s = _scores(q_blk, kf[..., j0:j1, :].to(q_blk.dtype), keep, bias, scale, softcap)
         del keep, bias
         m_new = torch.maximum(m, s.amax(-1, keepdim=True))
         alpha = torch.where(torch.isfinite(m), torch.exp(m - _finite(m_new)),
@@ -277,7 +298,8 @@ def attend_rows(q_blk, kf, vf, spans, scale, m, den, acc):
     return m, den, acc
 
 
-def grad_rows(q_blk, do_blk, d_blk, m, den, kf, vf, spans, scale, dq_blk, dk, dv) -> None:
+def grad_rows(q_blk, do_blk, d_blk, m, den, kf, vf, spans, scale, dq_blk, dk, dv,
+              softcap=None) -> None:
     """The gradients of one block of query rows against the key blocks ``spans`` yields,
     from the rows' final max ``m`` and sum ``den`` and ``d_blk = sum(dout * out)``:
     added into ``dq_blk``, ``dk``, ``dv`` (fp32; keys the next-to-last dim; grouped query
@@ -285,12 +307,18 @@ def grad_rows(q_blk, do_blk, d_blk, m, den, kf, vf, spans, scale, dq_blk, dk, dv
     inv = torch.where(den > 0, 1.0 / den, torch.zeros_like(den))
     for j0, j1, keep, bias in spans:
         k_blk, v_blk = kf[..., j0:j1, :].to(q_blk.dtype), vf[..., j0:j1, :].to(q_blk.dtype)
-        s = _scores(q_blk, k_blk, keep, bias, scale)
+        capped = [] if softcap is not None else None
+        s = _scores(q_blk, k_blk, keep, bias, scale, softcap, capped)
         del keep, bias
         p = s.sub_(_finite(m)).exp_().mul_(inv)        # in place: two fp32 blocks live
         _add(dv[..., j0:j1, :], torch.matmul(p.transpose(-2, -1), do_blk))
         ds = torch.matmul(do_blk, v_blk.transpose(-2, -1))
-        ds.sub_(d_blk).mul_(p).mul_(scale)
+        ds.sub_(d_blk).mul_(p)
+        if capped:                                     # through c * tanh(s / c): 1 - t^2
+            t = capped.pop()
+            ds.mul_(t.mul_(t).neg_().add_(1))
+            del t
+        ds.mul_(scale)
         dq_blk += torch.matmul(ds, k_blk)
         _add(dk[..., j0:j1, :], torch.matmul(ds.transpose(-2, -1), q_blk))
         del s, p, ds
@@ -312,6 +340,7 @@ def _forward(q, k, v, leaves, program_key, causal, scale):
     if fused is not None:        # causal x a key-side row: ATen's fused kernel takes it whole
         return keys.forward(q, k, v, fused, scale)
     program = mask_program(program_key) if program_key else None
+    cap = softcap_of(program_key)
     leaves = typed_leaves(program_key, leaves)
     b, h, s_q, _ = q.shape
     s_k = k.shape[2]
@@ -324,7 +353,7 @@ def _forward(q, k, v, leaves, program_key, causal, scale):
     for i0 in range(0, s_q, rows):
         i1 = min(s_q, i0 + rows)
         m, den, acc = attend_rows(qf[:, :, i0:i1], kf, vf, blocks.spans(i0, i1), scale,
-                                  None, None, None)
+                                  None, None, None, cap)
         out[:, :, i0:i1] = acc / torch.where(den > 0, den, torch.ones_like(den))
         stats[:, :, i0:i1, 0:1], stats[:, :, i0:i1, 1:2] = m, den
         del m, den, acc                 # not held through the next row block's call
@@ -337,6 +366,7 @@ def _backward(dout, q, k, v, out, stats, leaves, program_key, causal, scale):
     if fused is not None:
         return keys.backward(dout, q, k, v, out, stats, fused, scale)
     program = mask_program(program_key) if program_key else None
+    cap = softcap_of(program_key)
     leaves = typed_leaves(program_key, leaves)
     b, h, s_q, _ = q.shape
     hk, s_k = k.shape[1], k.shape[2]
@@ -351,7 +381,7 @@ def _backward(dout, q, k, v, out, stats, leaves, program_key, causal, scale):
         i1 = min(s_q, i0 + rows)
         grad_rows(qf[:, :, i0:i1], do[:, :, i0:i1], delta[:, :, i0:i1],
                   stats[:, :, i0:i1, 0:1], stats[:, :, i0:i1, 1:2], kf, vf,
-                  blocks.spans(i0, i1), scale, dq[:, :, i0:i1], dk, dv)
+                  blocks.spans(i0, i1), scale, dq[:, :, i0:i1], dk, dv, cap)
     if hk != h:
         dk = dk.view(b, hk, h // hk, s_k, -1).sum(2)
         dv = dv.view(b, hk, h // hk, s_k, -1).sum(2)

@@ -54,7 +54,7 @@ from torch.nn.attention.flex_attention import AuxRequest, create_block_mask, fle
 
 from spdsl._torch import flex_attention_on_cpu
 from spdsl.kernels.backend import masked_attn_backend
-from spdsl.kernels.masked_attn import mask_program, typed_leaves
+from spdsl.kernels.masked_attn import mask_program, softcap_of, typed_leaves
 
 _compiled: dict[str, Callable] = {}
 
@@ -181,6 +181,6 @@ def masked_attn_auto(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, leaves: 
                      program: str, causal: bool, scale: float) -> torch.Tensor:
     """The masked attention output on the backend ``masked_attn_backend(q)`` names:
     FlexAttention or the block kernel (``torch.ops.spdsl.masked_attn``)."""
-    if masked_attn_backend(q) == "flex":
+    if masked_attn_backend(q) == "flex" and softcap_of(program) is None:
         return flex_masked_attn(q, k, v, leaves, program, causal, scale)
     return torch.ops.spdsl.masked_attn(q, k, v, list(leaves), program, causal, scale)[0]

@@ -55,7 +55,7 @@ from dataclasses import dataclass
 import torch
 
 from spdsl.kernels.cpu_flash import flash_cpu_backward, flash_cpu_forward
-from spdsl.kernels.masked_attn import _grouped, mask_program, typed_leaves
+from spdsl.kernels.masked_attn import _grouped, mask_program, softcap_of, typed_leaves
 
 aten = torch.ops.aten
 FUSED = os.environ.get("SPDSL_MASK_FUSED", "1") != "0"
@@ -110,7 +110,8 @@ def split(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, leaves: list, progr
     only, not by the positions' values (the memory planner, on fake tensors: positions that
     turn out not to be ``0..S-1`` run the block kernel instead). ``scale``: the attention's,
     for an additive mask's rows that keep no key (see :func:`_flat`)."""
-    if not FUSED or q.device.type not in ("cpu", "meta") or v.shape[-1] != q.shape[-1]:
+    if not FUSED or q.device.type not in ("cpu", "meta") or v.shape[-1] != q.shape[-1] or \
+            softcap_of(program_key) is not None:        # capped scores: the block kernel's
         return None
     s_q, s_k = q.shape[2], k.shape[2]
     if not program_key:

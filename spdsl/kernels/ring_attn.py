@@ -41,6 +41,7 @@ from spdsl.kernels.masked_attn import (
     block_sizes,
     grad_rows,
     mask_program,
+    softcap_of,
     typed_leaves,
 )
 
@@ -190,7 +191,7 @@ def _forward(q, k, v, leaves, program_key, causal, scale, layout, parts, rank, g
                 r = slice(lq + i0, lq + i1)
                 m[..., r, :], den[..., r, :], acc[..., r, :] = attend_rows(
                     q5[..., r, :].to(f32), ks, vs, _grouped_spans(blocks.spans(i0, i1), h, hk),
-                    scale, m[..., r, :], den[..., r, :], acc[..., r, :])
+                    scale, m[..., r, :], den[..., r, :], acc[..., r, :], softcap_of(program_key))
         kt = vt = kf = vf = ks = vs = None   # views of the piece: it goes once sent
         if nxt is not None:
             kv = nxt.wait()
@@ -257,7 +258,7 @@ def _backward(dout, q, k, v, out, stats, leaves, program_key, causal, scale, lay
                 grad_rows(q5[..., r, :].to(f32), do_blk, (do_blk * o_blk).sum(-1, keepdim=True),
                           m[..., r, :], den[..., r, :], ks, vs,
                           _grouped_spans(blocks.spans(i0, i1), h, hk), scale, dq[..., r, :],
-                          dk[..., lk:lk + nk, :], dvv[..., lk:lk + nk, :])
+                          dk[..., lk:lk + nk, :], dvv[..., lk:lk + nk, :], softcap_of(program_key))
                 del do_blk, o_blk
         kv = kt = vt = kf = vf = ks = vs = dk = dvv = None   # the piece goes once sent
         if grads is not None:            # the piece's gradient from the ranks before (or,

@@ -10,8 +10,10 @@ lowering runs one all-to-all for q, k, v (sequence -> heads), SDPA over the whol
 ``H/P`` heads, and one all-to-all back: the analytic floor of the plan.
 
 Matched, between the two products: views, casts, ``clone``, multiplications or divisions by
-constants (folded into ``scale``), one added mask (after every scale), the softmax (float32 or
-the input dtype), and dropout with ``p == 0``. q, k and v are followed back through views to
+constants (folded into ``scale``), a cap ``c * tanh(s / c)`` of the scaled scores (Gemma 2's
+``attn_logit_softcapping``: the mask kernel computes it, so such a node always becomes a mask
+kernel call, ``SOFTCAP``), one added mask (after every scale), the softmax (float32 or the
+input dtype), and dropout with ``p == 0``. q, k and v are followed back through views to
 ``[B, H, S, D]`` where they exist (else the ``[B*H, S, D]`` operands are viewed as
 ``[1, B*H, S, D]``), and k and v back through Hugging Face's ``repeat_kv``
 (``x[:, :, None].expand(...).reshape(...)``) so that grouped kv heads cross the all-to-all
@@ -39,6 +41,9 @@ aten = torch.ops.aten
 _VIEWS = {aten.view.default, aten._unsafe_view.default, aten.reshape.default}
 _PASS = _VIEWS | {aten.clone.default, aten.alias.default, aten.contiguous.default,
                   aten._to_copy.default, aten.expand.default}
+# on an spdsl.attention node: its scores are capped as c * tanh(s / c) before the mask; only
+# the mask kernel computes that (spdsl.propagate.masks turns every such node into one)
+SOFTCAP = "spdsl_softcap"
 # scores scaled in place (``scores /= math.sqrt(d)``, Falcon) are the same chain
 _MUL = (aten.mul.Tensor, aten.mul.Scalar, aten.mul_.Tensor, aten.mul_.Scalar)
 _DIV = (aten.div.Tensor, aten.div.Scalar, aten.div_.Tensor, aten.div_.Scalar)
@@ -205,6 +210,7 @@ class _Match:
         self.gm, self.bmm1, self.live = gm, bmm1, live
         self.scale, self.mask, self.bmm2 = 1.0, None, None
         self.mask_dims, self.scores = 0, ()
+        self.softcap, self.tanh = None, False    # scores capped as c * tanh(s / c) (Gemma 2)
 
     def run(self) -> bool:
         b1 = self.bmm1
@@ -227,7 +233,19 @@ class _Match:
                 c = _constant(self.gm, other)
                 if c is None or (u.target in _DIV and u.args[0] is not n):
                     return False
-                self.scale *= c if u.target in _MUL else 1.0 / c
+                c = c if u.target in _MUL else 1.0 / c
+                if self.tanh and self.softcap is None:
+                    if c <= 0:
+                        return False
+                    # c' * tanh(a * qk) is the kernel's c' * tanh(s / c') at s = a * c' * qk
+                    self.softcap, self.scale = c, self.scale * c
+                elif self.tanh:
+                    return False
+                else:
+                    self.scale *= c
+            elif u.target is aten.tanh.default and soft is None and self.mask is None and \
+                    not self.tanh and os.environ.get("SPDSL_MASK_FUNCTIONS", "1") != "0":
+                self.tanh = True
             elif u.target in (aten.add.Tensor, aten.add_.Tensor) and soft is None and self.mask is None and \
                     len(u.args) == 2 and not u.kwargs:
                 other = u.args[1] if u.args[0] is n else u.args[0]
@@ -235,7 +253,8 @@ class _Match:
                     return False
                 self.mask, self.mask_dims, self.scores = other, len(_shape(n)), _shape(n)
             elif u.target is aten._softmax.default and soft is None:
-                if u.args[1] % len(_shape(n)) != len(_shape(n)) - 1:
+                if u.args[1] % len(_shape(n)) != len(_shape(n)) - 1 or \
+                        (self.tanh and self.softcap is None):
                     return False
                 soft = u
             elif u.target is aten.native_dropout.default and soft is not None and \
@@ -401,6 +420,8 @@ def _rewrite(gm: torch.fx.GraphModule, m: _Match) -> bool:
                    float(m.scale), gqa)
         if gqa:
             att.meta[UNREPEATED] = True
+        if m.softcap is not None:
+            att.meta[SOFTCAP] = m.softcap
         out = call(aten.reshape.default, att, [N, S, Dv])
     att.meta[FORM] = "written_out"
     for n in new:

@@ -31,7 +31,10 @@ import os
 import torch
 
 from spdsl._torch import OpOverload, use_lazy_graph_module
+from spdsl.errors import ShardingError
 from spdsl.kernels.masked_attn import register_mask_program
+from spdsl.propagate.eager_attention import SOFTCAP
+from spdsl.propagate.source import where
 
 aten = torch.ops.aten
 MASK = "spdsl_mask"       # on an attention_fn node: what its mask is, in words, for the plan
@@ -178,20 +181,20 @@ def masks_as_functions(gm: torch.fx.GraphModule) -> int:
         dropout = att.args[4] if len(att.args) > 4 else 0.0
         if dropout or q is None or q.dim() != 4:
             continue
-        mask = att.args[3]
-        if mask not in programs:
+        mask, cap = att.args[3], att.meta.get(SOFTCAP)
+        if (mask, cap) not in programs:
             found = _cone(mask, q.shape[2], k.shape[2])
             if found is None or not _read_by_attention_only(found[0], mask):
-                programs[mask] = None
+                programs[mask, cap] = None
                 continue
             pairs, leaves = found
             positions = any(n.target in _TRIANGLES for n in pairs)
             dtypes = tuple(_val(x).dtype for x in leaves) + \
                 ((torch.long, torch.long) if positions else ())
-            programs[mask] = (register_mask_program(_program(pairs, leaves, mask, positions),
-                                                    leaf_dtypes=dtypes),
-                              pairs, leaves, positions)
-        entry = programs[mask]
+            programs[mask, cap] = (register_mask_program(
+                _program(pairs, leaves, mask, positions), leaf_dtypes=dtypes, softcap=cap),
+                pairs, leaves, positions)
+        entry = programs[mask, cap]
         if entry is None:
             continue
         key, pairs, leaves, positions = entry
@@ -211,16 +214,17 @@ def masks_as_functions(gm: torch.fx.GraphModule) -> int:
                                   (a[0], a[1], a[2], four, key, float(a[4] or 0.0), bool(a[5]),
                                    a[6], bool(a[7])))
         new.meta.update(att.meta)
-        new.meta[MASK] = _describe(pairs, leaves, positions)
+        new.meta[MASK] = _describe(pairs, leaves, positions) + _capped(att)
         att.replace_all_uses_with(new)
         g.erase_node(att)
         done += 1
-    for mask, entry in programs.items():     # the pair values nobody reads any more
+    for (mask, _cap), entry in programs.items():     # the pair values nobody reads any more
         if entry is not None:
             for n in reversed(entry[1]):
                 if not n.users:
                     g.erase_node(n)
     done += _dense_written_out(g)
+    _uncapped(g)
     if done:
         gm.recompile()
     return done
@@ -236,12 +240,14 @@ def _unmasked_written_out(g: torch.fx.Graph) -> int:
         if a[3] is not None or a[4] or not form_of(att).written_out or \
                 _val(a[0]) is None or _val(a[0]).dim() != 4:
             continue
+        cap = att.meta.get(SOFTCAP)
+        key = "" if cap is None else register_mask_program(None, "softcap", softcap=cap)
         with g.inserting_before(att):
             new = g.call_function(torch.ops.spdsl.attention_fn.default,
-                                  (a[0], a[1], a[2], [], "", 0.0, bool(a[5]), a[6],
+                                  (a[0], a[1], a[2], [], key, 0.0, bool(a[5]), a[6],
                                    bool(a[7])))
         new.meta.update(att.meta)
-        new.meta[MASK] = "causal" if a[5] else "none"
+        new.meta[MASK] = ("causal" if a[5] else "none") + _capped(att)
         att.replace_all_uses_with(new)
         g.erase_node(att)
         done += 1
@@ -260,7 +266,8 @@ def _dense_written_out(g: torch.fx.Graph) -> int:
         if m is None or a[4] or not form_of(att).written_out or q is None or q.dim() != 4 \
                 or m.dim() > 4 or m.requires_grad:
             continue
-        key = register_mask_program(_identity(), "dense", leaf_dtypes=(m.dtype,))
+        key = register_mask_program(_identity(), "dense", leaf_dtypes=(m.dtype,),
+                                    softcap=att.meta.get(SOFTCAP))
         with g.inserting_before(att):
             four = g.call_function(aten.reshape.default, (a[3], _four(a[3])))
             four.meta.update({k: v for k, v in att.meta.items() if k != "val"})
@@ -270,11 +277,30 @@ def _dense_written_out(g: torch.fx.Graph) -> int:
                                    bool(a[7])))
         new.meta.update(att.meta)
         new.meta[MASK] = f"dense tensor {list(m.shape)} {str(m.dtype).removeprefix('torch.')} " \
-                         f"({m.numel() * m.element_size():,} B on every rank), no [S, S] scores"
+                         f"({m.numel() * m.element_size():,} B on every rank), no [S, S] scores" \
+                         + _capped(att)
         att.replace_all_uses_with(new)
         g.erase_node(att)
         done += 1
     return done
+
+
+def _capped(att: torch.fx.Node) -> str:
+    cap = att.meta.get(SOFTCAP)
+    return "" if cap is None else f", scores capped at {cap:g} (c * tanh(s / c))"
+
+
+def _uncapped(g: torch.fx.Graph) -> None:
+    """Capped scores are the mask kernel's alone: a capped attention left as ``spdsl.attention``
+    (SDPA would drop the cap) is an error here, not a wrong result later."""
+    for att in g.nodes:
+        if att.target is torch.ops.spdsl.attention.default and SOFTCAP in att.meta:
+            raise ShardingError(
+                rule="capped attention scores", where=where(att),
+                detail="attention written out with a tanh cap on its scores and a mask that "
+                       "is not a plain value (it requires grad, or has more than 4 dims): "
+                       "only the mask kernel computes the cap, and it takes no such mask",
+                fix="detach the mask (masks carry no gradient), or build it in 4 dims")
 
 
 def _identity() -> torch.fx.GraphModule:

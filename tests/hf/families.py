@@ -83,6 +83,13 @@ FAMILIES: dict[str, Family] = {f.name: f for f in [
            "ReLU MLP; run in eval() mode here (one program): its training-mode layerdrop draw "
            "(torch.rand([]) < p, Python control flow on data) runs in segments, traced every "
            "call (tests/hf/test_opt_layerdrop.py)", train=False),
+    Family("gemma2", "Gemma2Config", "Gemma2ForCausalLM",
+           _llama_like(head_dim=16, hidden_activation="gelu_pytorch_tanh", sliding_window=8,
+                       attn_logit_softcapping=0.05, final_logit_softcapping=30.0,
+                       query_pre_attn_scalar=16),
+           "scores capped as c * tanh(s / c) (eager: the mask kernel's cap; 0.05, so that "
+           "it bites at these scales: the loss moves 4e-5 and attention gradients 40% without "
+           "it), a sliding and a full layer, capped logits"),
     Family("gemma3", "Gemma3TextConfig", "Gemma3ForCausalLM",
            _llama_like(head_dim=16, hidden_activation="gelu_pytorch_tanh", sliding_window=8,
                        layer_types=["sliding_attention", "full_attention"],

@@ -423,3 +423,46 @@ def test_positions_not_from_zero_stay_on_the_block_kernel():
     assert K.split(q, q, q, leaves, key, causal) is not None
     assert K.split(q, q, q, shifted, key, causal) is None
     assert K.split(q, q, q, shifted, key, causal, values=False) is not None   # the planner
+
+
+@pytest.mark.parametrize("name", [None, "causal", "padding+causal", "hf_eager_left",
+                                  "documents"])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_capped_scores(name, dtype):
+    """Scores capped as ``c * tanh(s / c)`` before the mask (Gemma 2): forward and every
+    gradient against the dense computation, on the block kernel (the fused route steps
+    aside), alone or with causal, padded, additive and document masks, GQA; and the planned
+    scratch counts the kept tanh."""
+    torch.manual_seed(0)
+    b, h, hk, s, d, cap = 2, 4, 2, 37, 8, 2.0
+    causal = name == "causal"
+    fn, leaves = None, []
+    if name not in (None, "causal"):
+        fn, leaves, causal = _masks(b, h, s)[name]
+    key = M.register_mask_program(_traced(fn, leaves) if fn is not None else None,
+                                  softcap=cap)
+    q = (3 * torch.randn(b, h, s, d, dtype=dtype)).requires_grad_()   # past the cap's knee
+    k = torch.randn(b, hk, s, d, dtype=dtype, requires_grad=True)
+    v = torch.randn(b, hk, s, d, dtype=dtype, requires_grad=True)
+    assert K.split(q, k, v, leaves, key, causal) is None
+    out = M.masked_attn(q, k, v, mask_fn=key, leaves=leaves, causal=causal, scale=0.3)
+    g = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), g)
+
+    def capped(q, k, v):
+        kk, vv = M._grouped(k, h), M._grouped(v, h)
+        sc = cap * torch.tanh(torch.matmul(q, kk.transpose(-2, -1)) * 0.3 / cap)
+        mask = fn(*leaves) if fn is not None else None
+        if mask is not None:
+            sc = sc.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else sc + mask
+        if causal:
+            sc = sc.masked_fill(torch.ones(s, s, dtype=torch.bool).triu(1), float("-inf"))
+        return torch.matmul(torch.softmax(sc, -1).nan_to_num(0.0), vv)
+    ref = capped(q, k, v)
+    refs = torch.autograd.grad(ref, (q, k, v), g)
+    rtol, atol = TOL[dtype]
+    for x, y, n in zip((out, *grads), (ref, *refs), ["out", "dq", "dk", "dv"]):
+        assert_close(x, y, rtol=rtol, atol=atol, name=f"{name} {n}")
+    uncapped = M.register_mask_program(_traced(fn, leaves) if fn is not None else None)
+    assert (M.block_workspace_bytes(q, k, v, leaves, key, causal, backward=True) -
+            M.block_workspace_bytes(q, k, v, leaves, uncapped, causal, backward=True)) > 0

@@ -75,14 +75,16 @@ def test_fused_graph_computes_the_written_out_attention(hkv):
 
 
 class _FilledKeys(_Block):
-    """DeepSeek-V2's keys: a ``new_empty`` filled by ``copy_`` into two slices of the head
-    dim (a per-head part and a part shared by every head), read by written-out attention."""
+    """Keys in the manner of DeepSeek-V2's: a fresh buffer filled by ``copy_`` into two slices
+    of the head dim (a per-head part and a part shared by every head), read by written-out
+    attention. Zeros, not ``new_empty``: an empty one becomes a ``cat`` before this pass
+    (``spdsl.propagate.fills``), and the writes are what is checked here."""
 
     def forward(self, x, mask):
         B, S, _ = x.shape
         q = self.q(x).view(B, S, self.hq, self.d).transpose(1, 2)
         k, v = self.kv(x).view(B, S, 2, self.hkv, self.d).permute(2, 0, 3, 1, 4)
-        keys = k.new_empty(B, self.hkv, S, self.d)
+        keys = k.new_zeros(B, self.hkv, S, self.d)
         keys[..., : self.d // 2].copy_(k[..., : self.d // 2])
         keys[..., self.d // 2:].copy_(k[:, :1, :, self.d // 2:].expand(-1, self.hkv, -1, -1))
         return _written_out(q, keys, v, mask).sum()
@@ -100,6 +102,41 @@ def test_keys_written_into_a_temporary_are_kept():
     assert len(nodes) == 1
     assert sum(n.target is torch.ops.aten.copy_.default for n in gm.graph.nodes) == 2
     assert_close(_run_traced(block, x, mask), block(x, mask), rtol=1e-5, name="loss")
+
+
+class _Capped(_Block):
+    """Gemma 2's eager attention: scaled scores capped as ``c * tanh(s / c)``, then the mask."""
+
+    def forward(self, x, mask):
+        B, S, _ = x.shape
+        q = self.q(x).view(B, S, self.hq, self.d).transpose(1, 2)
+        k, v = self.kv(x).view(B, S, 2, self.hkv, self.d).permute(2, 0, 3, 1, 4)
+        k = k.repeat_interleave(self.hq // self.hkv, dim=1)
+        v = v.repeat_interleave(self.hq // self.hkv, dim=1)
+        w = torch.matmul(q, k.transpose(2, 3)) * (1 / math.sqrt(self.d))
+        w = torch.tanh(w / 0.5) * 0.5                  # a cap low enough to bite
+        w = F.softmax(w + mask, dim=-1, dtype=torch.float32).to(q.dtype)
+        return torch.matmul(w, v).transpose(1, 2).sum()
+
+
+def test_capped_scores_run_in_the_mask_kernel():
+    """The cap is recognised with the attention (before, the scores stayed ops: ``[S, S]``
+    per head on every rank) and goes to the mask kernel with the program; the traced graph
+    computes what the ops did, and the plan moves only q/k/v and the output."""
+    from spdsl.kernels.masked_attn import softcap_of
+    torch.manual_seed(0)
+    block = _Capped()
+    x = torch.randn(2, 16, 32)
+    mask = torch.zeros(2, 1, 16, 16).masked_fill(torch.ones(16, 16).triu(1).bool(), -1e9)
+    _, nodes = _attention_nodes(block, x, mask)
+    assert len(nodes) == 1 and nodes[0].target is torch.ops.spdsl.attention_fn.default
+    assert softcap_of(nodes[0].args[4]) == 0.5
+    assert _scale(nodes[0]) == pytest.approx(1 / math.sqrt(8))     # c * tanh(s / c), s = qk * scale
+    assert_close(_run_traced(block, x, mask), block(x, mask), rtol=1e-5, name="loss")
+    plan = spdsl.plan(spdsl.sp_shard(seq=4)(block), torch.randn(2, 32, 32),
+                      torch.zeros(2, 1, 32, 32))
+    assert [c.kind for c in plan.collectives].count("all_to_all") == 2
+    assert "all_gather" not in [c.kind for c in plan.collectives]
 
 
 def test_plan_of_written_out_attention_is_at_the_floor():

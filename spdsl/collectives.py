@@ -46,29 +46,29 @@ _ALL_GATHER = getattr(fc, "all_gather_single", None) or fc.all_gather_tensor
 _REDUCE_SCATTER = getattr(fc, "reduce_scatter_single", None) or fc.reduce_scatter_tensor
 
 
-def _real(x: torch.Tensor) -> torch.Tensor:
+def _pairs(x: torch.Tensor) -> torch.Tensor:
     """Complex tensors (rotary tables as ``torch.polar``, DeepSeek-V2's rotated q/k) travel as
-    their real pairs: gloo and NCCL have no complex types, and the pairs split along the same
-    leading dims."""
-    return torch.view_as_real(x).contiguous() if x.is_complex() else x.contiguous()
+    their real pairs: gloo and NCCL have no complex types, and the pairs (a trailing dim of 2)
+    split along the same leading dims, so they pack beside real tensors too."""
+    return torch.view_as_real(x) if x.is_complex() else x
 
 
-def _like(y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    return torch.view_as_complex(y) if x.is_complex() else y
+def _unpairs(y: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    return torch.view_as_complex(y.contiguous()) if like.is_complex() else y
 
 
 def _a2a_raw(buf: torch.Tensor, group: str, out_splits=None, in_splits=None) -> torch.Tensor:
-    return _like(fc.wait_tensor(fc.all_to_all_single(_real(buf), out_splits, in_splits, group)),
-                 buf)
+    got = fc.all_to_all_single(_pairs(buf).contiguous(), out_splits, in_splits, group)
+    return _unpairs(fc.wait_tensor(got), buf)
 
 
 def _all_reduce_raw(x: torch.Tensor, group: str) -> torch.Tensor:
-    return _like(fc.wait_tensor(fc.all_reduce(_real(x), "sum", group)), x)
+    return _unpairs(fc.wait_tensor(fc.all_reduce(_pairs(x).contiguous(), "sum", group)), x)
 
 
 def _all_gather_raw(x: torch.Tensor, group: str) -> torch.Tensor:
     """[n, ...] on each rank -> [P*n, ...], rank order."""
-    return _like(fc.wait_tensor(_ALL_GATHER(_real(x), 0, group)), x)
+    return _unpairs(fc.wait_tensor(_ALL_GATHER(_pairs(x).contiguous(), 0, group)), x)
 
 
 class _AllToAll(torch.autograd.Function):
@@ -294,16 +294,6 @@ def all_to_all_many(xs: list[torch.Tensor], srcs, dsts, parts: int,
             for p, x, x0, s, d in zip(pieces, pairs, xs, srcs, dsts)]
 
 
-def _pairs(x: torch.Tensor) -> torch.Tensor:
-    """A complex tensor as its real pairs (a trailing dim of 2: the split dims keep their
-    indices), so it packs beside real ones (``_real``)."""
-    return torch.view_as_real(x) if x.is_complex() else x
-
-
-def _unpairs(y: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    return torch.view_as_complex(y.contiguous()) if like.is_complex() else y
-
-
 # -- an all-to-all in flight: issued at one point, waited at a later one ----------------------
 # Two autograd Functions around the functional op and its wait, so that whatever runs between
 # the issue and the wait (another head group's attention) overlaps the transfer; on gloo the
@@ -506,7 +496,8 @@ def _reduce_scatter(x: torch.Tensor, split: tuple, parts: int, rank: int,
             c = torch.cat([c, c.new_zeros(pad)], dim=d)
         chunks.append(c)
     buf = torch.stack(chunks).reshape(parts * chunks[0].numel())
-    got = _like(fc.wait_tensor(_REDUCE_SCATTER(_real(buf), "sum", 0, group)), buf)
+    got = _unpairs(fc.wait_tensor(_REDUCE_SCATTER(_pairs(buf).contiguous(), "sum", 0, group)),
+                   buf)
     got = got.reshape(chunks[0].shape)
     lo, hi = chunk_bounds(size, parts, rank)
     got = got.narrow(d, 0, (hi - lo) * inner)

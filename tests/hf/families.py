@@ -117,8 +117,9 @@ FAMILIES: dict[str, Family] = {f.name: f for f in [
     Family("lfm2", "Lfm2Config", "Lfm2ForCausalLM",
            _llama_like(layer_types=["conv", "full_attention"], block_ff_dim=128,
                        conv_L_cache=3),
-           "a short causal convolution along the sequence in one layer (its halo crosses "
-           "ranks), attention in the other", attention_layers=1),
+           "a short causal convolution along the sequence in one layer (its input gathered "
+           "whole on every rank: no halo rule for convolutions yet, 1.34x the Ulysses floor at "
+           "this shape), attention in the other", attention_layers=1),
 ]}
 
 

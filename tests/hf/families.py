@@ -101,7 +101,8 @@ FAMILIES: dict[str, Family] = {f.name: f for f in [
                        qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16,
                        n_routed_experts=4, first_k_dense_replace=2, moe_intermediate_size=32),
            "multi-head latent attention: q/k head dim 24, v 16; complex rotary (torch.polar); "
-           "keys written into a new_empty by copy_ (all-gathered: 1.7x the Ulysses floor)"),
+           "keys written into a new_empty by copy_ into two slices, which becomes the cat of "
+           "the pieces (spdsl.propagate.fills: at the Ulysses floor, no gathered keys)"),
     Family("cohere", "CohereConfig", "CohereForCausalLM", _llama_like(use_qk_norm=False),
            "interleaved rotary (stack + flatten), LayerNorm, parallel block, logit scale"),
     Family("olmo2", "Olmo2Config", "Olmo2ForCausalLM", _llama_like(),

@@ -11,7 +11,7 @@ pytest.importorskip("transformers")
 import torch
 
 import spdsl
-from tests.hf.families import LAYERS, build, padded
+from tests.hf.families import ATTN, FAMILIES, LAYERS, build, padded
 
 
 @pytest.mark.parametrize("attn", ["eager", "sdpa"])
@@ -74,3 +74,36 @@ def test_a_returned_key_value_cache_is_a_clear_error():
     with pytest.raises(spdsl.ShardingError, match=r"\[output type\].*DynamicCache") as e:
         spdsl.plan(spdsl.sp_shard(seq=2)(model), ids)
     assert "use_cache=False" in str(e.value)
+
+
+# a convolution along the sequence gathers its input (no halo rule for convolutions yet)
+_GATHERS_IN_LAYERS = {"lfm2"}
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_every_family_attends_at_the_floor(family):
+    """Every family of the matrix, plain batch, eager attention where it has it (the
+    written-out path) else SDPA: per attention layer the two Ulysses all-to-alls at the
+    analytic floor, and no other collective inside the layers (Gemma 3's and Cohere's rotary
+    tables were gathered once per step or exchanged per layer, DeepSeek-V2's keys gathered whole,
+    Gemma 2's capped scores left as ops, before the fixes)."""
+    from tests.hf.cases import inputs, loss_fn
+    names, xs = inputs("plain")
+    attn = "eager" if "eager" in ATTN[family] else ATTN[family][0]
+    plan = spdsl.plan(spdsl.sp_shard(seq=2)(loss_fn(build(family, attn), names)), *xs)
+    assert plan.attention
+    for site in plan.attention:
+        moves = [c for c in plan.collectives if c.module == site.module]
+        assert [c.kind for c in moves] == ["all_to_all", "all_to_all"], (site.module, moves)
+        assert sum(c.bytes for c in moves) == site.floor
+        assert sum(c.bytes_bwd for c in moves) == site.floor
+    if family not in _GATHERS_IN_LAYERS:
+        inside = [c for c in plan.collectives if "layers" in c.module and
+                  c.purpose != "ulysses"]
+        assert inside == [], inside
+        # outside them, forward gathers only labels, masks and positions (integers, booleans);
+        # learned position embeddings (GPT-2, OPT, GPT-BigCode) gather their [S, D]
+        # gradient once in backward
+        floats = [c for c in plan.collectives if c.kind == "all_gather" and c.bytes and
+                  c.values[0].startswith(("f32", "f16", "bf16", "complex"))]
+        assert floats == [], floats

@@ -123,6 +123,13 @@ class Propagator:
         # the global sizes of the split input dims: the sequence (a tie-break, ``_along``)
         self.split_sizes = {int(n.meta["val"].shape[p.dim]) for n, (p, _) in inputs.items()
                             if isinstance(p, Shard) and isinstance(n.meta.get("val"), torch.Tensor)}
+        # values a gradient flows through (from a parameter that requires one)
+        self.with_grad: set[torch.fx.Node] = set()
+        for node in self.gm.graph.nodes:
+            if node.meta.get("spdsl_requires_grad") or (
+                    node.op == "call_function" and
+                    any(a in self.with_grad for a in node.all_input_nodes)):
+                self.with_grad.add(node)
         for node in self.gm.graph.nodes:
             if node.op == "placeholder":
                 p, origin = inputs[node]
@@ -181,7 +188,8 @@ class Propagator:
                 redistribute_cost(c, r, a.meta["val"], self.parts)
                 for c, r, a in zip(cur, s.inputs, ins))
             if cost < best_cost or (cost == best_cost and best is not None and
-                                    self._along(s) and not self._along(best)):
+                                    self._along(s) and not self._along(best) and
+                                    not any(a in self.with_grad for a in ins)):
                 best, best_cost = s, cost
         if best is None:
             raise ShardingError(
@@ -213,7 +221,10 @@ class Propagator:
         equally cheap ways, that one: work on replicated values (a rotary table computed as
         ``inv_freq[:, None] @ positions[None, :]`` from ``arange``) may split any dim for free,
         and splitting the frequencies instead of the positions had the table gathered again
-        before ``q * cos`` (Gemma 3, Cohere: an all-gather or two all-to-alls per table)."""
+        before ``q * cos`` (Gemma 3, Cohere: an all-gather or two all-to-alls per table). Only
+        where no gradient flows through the inputs (the engine's ``with_grad``): a split of
+        replicated work on a parameter would make its gradient partial, one more all-reduce of
+        the whole parameter (a learned position table: ``max_positions x D`` a step)."""
         out = s.output[0] if isinstance(s.output, tuple) and s.output else s.output
         return isinstance(out, Shard) and out.size in getattr(self, "split_sizes", ())
 

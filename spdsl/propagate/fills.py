@@ -84,11 +84,11 @@ def _rewrite(gm: torch.fx.GraphModule, buf: torch.fx.Node) -> int:
     g = gm.graph
     fake = detect_fake_mode([val])
 
-    def call(target, *args) -> torch.fx.Node:
-        node = g.call_function(target, args)
+    def call(target, *args, **kwargs) -> torch.fx.Node:
+        node = g.call_function(target, args, kwargs)
         vals = torch.fx.node.map_arg(args, lambda x: x.meta["val"])
         with fake:
-            node.meta["val"] = target(*vals)
+            node.meta["val"] = target(*vals, **kwargs)
         node.meta.update({k: buf.meta[k] for k in ("stack_trace", "spdsl_module")
                           if k in buf.meta})
         return node
@@ -101,10 +101,7 @@ def _rewrite(gm: torch.fx.GraphModule, buf: torch.fx.Node) -> int:
             if list(src.meta["val"].shape) != shape:
                 src = call(aten.expand.default, src, shape)
             if src.meta["val"].dtype != val.dtype:
-                src = call(aten._to_copy.default, src)
-                src.kwargs = {"dtype": val.dtype}
-                with fake:
-                    src.meta["val"] = src.args[0].meta["val"].to(val.dtype)
+                src = call(aten._to_copy.default, src, dtype=val.dtype)
             parts.append(src)
         cat = call(aten.cat.default, parts, dim)
     for r in readers:

@@ -8,6 +8,8 @@ Example::
     loss.backward()                      # p.grad == the single-device gradient
 """
 
+from spdsl import hf
+from spdsl._version import __version__
 from spdsl.annotate.api import Sharded, plan, shard, sp_shard
 from spdsl.annotate.mesh import mesh
 from spdsl.annotate.spec import P
@@ -32,7 +34,9 @@ __all__ = [
     "ShardingError",
     "ShardingPlan",
     "Strategy",
+    "__version__",
     "dtensor_attention",
+    "hf",
     "latest_checkpoint",
     "load_checkpoint",
     "mesh",

@@ -14,8 +14,9 @@ OpOverload                      every rule lookup and kernel match keys on it
 HigherOrderOperator             ops with graphs inside (flex_attention), passed through
                                 spdsl's dispatch modes whole
 functional_collectives,         the only collectives spdsl issues (traceable by
-c10d_functional                 torch.compile); the gradient bucket's in-place all-reduce and
-                                the wait the memory tracker and offload pass recognise
+c10d_functional,                torch.compile); the gradient bucket's in-place all-reduce and
+all_gather_single,              the wait the memory tracker and offload pass recognise
+reduce_scatter_single           (the two: their names since torch 2.13, the old ones before)
 reparametrize_module            a module traced with its parameters swapped for fakes:
                                 tracing a module fails at its first parameter
 use_lazy_graph_module           graph modules compiled lazily: planning a 70B-shaped model
@@ -55,6 +56,9 @@ dtensor_sharding_propagator(),  (spdsl.dtensor_ops) and DTensor's op strategies 
 dtensor_spec_types()            rule (propagate.rules.dtensor): eager DTensor attention gathers
                                 instead of exchanging; ops without an spdsl rule stop
                                 propagating split placements
+grouped_mm                      ``torch._grouped_mm`` (None where absent), met while tracing
+                                outside a token-wise module (propagate.tokenwise): an fp32 call
+                                stops the trace with PyTorch's bf16-only fake kernel's error
 ==============================  =============================================================
 """
 
@@ -81,6 +85,7 @@ from torch.utils._python_dispatch import _disable_current_modes as disable_curre
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 c10d_functional = torch.ops._c10d_functional
+grouped_mm = getattr(torch, "_grouped_mm", None)
 
 
 def dynamo_unsupported() -> type[Exception]:
@@ -271,6 +276,13 @@ def dtensor_spec_types():
     return DTensorSpec, TensorMeta, OpSchema
 
 
+# torch 2.13 renamed these (the old names warn on every call); older releases have only those
+all_gather_single = getattr(functional_collectives, "all_gather_single", None) \
+    or functional_collectives.all_gather_tensor
+reduce_scatter_single = getattr(functional_collectives, "reduce_scatter_single", None) \
+    or functional_collectives.reduce_scatter_tensor
+
+
 __all__ = [
     "DataDependentOutputException",
     "DynamicOutputShapeException",
@@ -279,6 +291,7 @@ __all__ = [
     "HigherOrderOperator",
     "OpOverload",
     "TorchDispatchMode",
+    "all_gather_single",
     "at_backward_end",
     "backward_task_id",
     "c10d_functional",
@@ -298,6 +311,7 @@ __all__ = [
     "is_traceable_wrapper_subclass",
     "outside_fx_trace",
     "profiler_event_kinds",
+    "reduce_scatter_single",
     "reparametrize_module",
     "stack_trace_anchor",
     "tree_flatten",

@@ -20,6 +20,13 @@ RNG. Each rank saves its CPU (and CUDA) generator state under its own rank; on l
 gets its own back, or rank 0's when the checkpoint was written by fewer ranks (with the same
 global batch on every rank, the ranks' generators agree anyway).
 
+Loading runs no code from the checkpoint (``spdsl.checkpoint_reader``): DCP's metadata is
+unpickled by an unpickler that builds only DCP's metadata classes, and every non-tensor item
+loads with ``weights_only=True``; a file asking for anything else is refused with a
+``ShardingError`` naming it, before it is built. So ``extra`` holds tensors and plain values
+(``dict``, ``list``, ``tuple``, ``str``, numbers, ``bool``, ``None``), checked when saving.
+``docs/checkpoints.md`` says what is safe to load.
+
 Example::
 
     start = spdsl.load_checkpoint("ckpt", model, opt) or 0     # None: nothing saved yet
@@ -40,6 +47,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     get_state_dict,
@@ -47,6 +55,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
+from spdsl.checkpoint_reader import SafeLoadPlanner, SafeReader, read_metadata, refused
 from spdsl.errors import ShardingError
 
 __all__ = ["latest_checkpoint", "load_checkpoint", "save_checkpoint"]
@@ -130,14 +139,21 @@ def save_checkpoint(root: str | os.PathLike, model: Any,
                     optimizer: torch.optim.Optimizer | None = None, *, step: int,
                     extra: dict[str, Any] | None = None, keep: int | None = None) -> str:
     """Save ``model`` (and ``optimizer``) as ``root/step_{step:08d}``, atomically; every rank
-    calls it. ``extra`` holds tensors and picklable values (a scheduler's ``state_dict()``,
-    say). ``keep=N`` removes all but the newest N complete checkpoints. Returns the path.
+    calls it. ``extra`` holds tensors and JSON-like plain values -- ``dict`` (string keys),
+    ``list``, ``tuple``, ``str``, ``int``, ``float``, ``bool``, ``None`` (a scheduler's
+    ``state_dict()``, say): what ``load_checkpoint`` reads back without running code; anything
+    else is a ``ShardingError`` here, before anything is written (see
+    ``docs/checkpoints.md``). ``keep=N`` removes all but the newest N complete checkpoints.
+    Returns the path.
 
     Example::
 
         spdsl.save_checkpoint("ckpt", model, opt, step=step, extra={"sched": sched.state_dict()})
     """
     root = os.fspath(root)
+    extra = dict(extra or {})
+    for key, value in extra.items():
+        _check_plain(value, f"extra[{key!r}]")
     name = f"step_{int(step):08d}"
     final, tmp = os.path.join(root, name), os.path.join(root, f".{name}.tmp")
     if _rank() == 0:
@@ -147,7 +163,7 @@ def save_checkpoint(root: str | os.PathLike, model: Any,
                 shutil.rmtree(os.path.join(root, old), ignore_errors=True)
     _barrier()
     sd = _state(model, optimizer)
-    sd.update(step=int(step), rng={f"rank_{_rank()}": _rng()}, extra=dict(extra or {}))
+    sd.update(step=int(step), rng={f"rank_{_rank()}": _rng()}, extra=extra)
     _quiet(dcp.save, sd, checkpoint_id=tmp)
     _barrier()
     if _rank() == 0:
@@ -171,6 +187,11 @@ def load_checkpoint(path: str | os.PathLike, model: Any,
     the newest complete one is taken. Returns its step, or None when ``path`` holds none.
     ``extra`` is filled in place: pass a dict with the keys saved (values replaced).
 
+    No code in the checkpoint runs: DCP's metadata and every non-tensor item are read under
+    restrictions (``spdsl.checkpoint_reader``, ``docs/checkpoints.md``), and a checkpoint
+    that asks for more (a pickle with a ``__reduce__``, say) is a ``ShardingError`` naming the
+    file, raised before anything is built from it.
+
     Example::
 
         model = Llama(cfg); step_fn = spdsl.sp_shard(model, seq=4, mesh=mesh, shard_state=True)
@@ -180,7 +201,8 @@ def load_checkpoint(path: str | os.PathLike, model: Any,
     path = _resolve(os.fspath(path))
     if path is None:
         return None
-    saved = set(dcp.FileSystemReader(path).read_metadata().state_dict_metadata)
+    metadata = read_metadata(path)       # refuses a tampered file on every rank alike
+    saved = set(metadata.state_dict_metadata)
     if optimizer is not None and "optim_fresh" not in saved:
         raise ShardingError(rule="checkpoint", value=path, detail="it holds no optimizer state",
                             fix="load it without an optimizer, or save one with it")
@@ -188,7 +210,14 @@ def load_checkpoint(path: str | os.PathLike, model: Any,
     rng = {src: {k: v for k, v in _rng().items() if f"rng.{src}.{k}" in saved}}
     sd = _state(model, optimizer)
     sd.update(step=0, rng=rng, extra=dict(extra or {}))
-    _quiet(dcp.load, sd, checkpoint_id=path)
+    try:
+        _quiet(dcp.load, sd, storage_reader=SafeReader(path, metadata),
+               planner=SafeLoadPlanner(path))
+    except CheckpointException as exc:
+        err = refused(exc)
+        if err is None:
+            raise
+        raise err from None
     m = _module(model)
     if optimizer is None:
         set_model_state_dict(m, sd["model"])
@@ -204,6 +233,36 @@ def load_checkpoint(path: str | os.PathLike, model: Any,
     if extra is not None:
         extra.update(sd["extra"])
     return int(sd["step"])
+
+
+_PLAIN = (str, int, float, bool, type(None))
+
+
+def _check_plain(value: Any, where: str) -> None:
+    """``value`` is a tensor or a plain value (what loads with ``weights_only=True``)."""
+    if isinstance(value, (torch.Tensor, *_PLAIN)):
+        return
+    if isinstance(value, dict):
+        for k, v in value.items():
+            if not isinstance(k, str):        # DCP keys nested items by their string keys
+                raise _not_plain(f"{where} key {k!r}", k)
+            _check_plain(v, f"{where}[{k!r}]")
+        return
+    if isinstance(value, (list, tuple)):
+        for i, v in enumerate(value):
+            _check_plain(v, f"{where}[{i}]")
+        return
+    raise _not_plain(where, value)
+
+
+def _not_plain(where: str, value: Any) -> ShardingError:
+    return ShardingError(
+        rule="checkpoint extra",
+        value=f"{where}: {type(value).__module__}.{type(value).__qualname__}",
+        detail="extra holds tensors and plain values only: loading runs no code from a "
+               "checkpoint, so it reads nothing else back",
+        fix="store it as a tensor or as dict/list/tuple/str/int/float/bool/None (its "
+            "state_dict(), or its fields), and rebuild the object after loading")
 
 
 def _resolve(path: str) -> str | None:

@@ -27,23 +27,22 @@ all-reduce per bucket instead of one per parameter.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 
 import torch
 
+import spdsl.watchdog as watchdog
 from spdsl._torch import (
     at_backward_end,
     backward_task_id,
     c10d_functional,
     engine_will_accumulate,
 )
+from spdsl._torch import all_gather_single, reduce_scatter_single
 from spdsl._torch import functional_collectives as fc
 from spdsl.propagate.placement import chunk_bounds, window_plan
-
-# torch 2.13 renamed these (the old names warn on every call); older releases have only those
-_ALL_GATHER = getattr(fc, "all_gather_single", None) or fc.all_gather_tensor
-_REDUCE_SCATTER = getattr(fc, "reduce_scatter_single", None) or fc.reduce_scatter_tensor
 
 
 def _pairs(x: torch.Tensor) -> torch.Tensor:
@@ -57,50 +56,133 @@ def _unpairs(y: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     return torch.view_as_complex(y.contiguous()) if like.is_complex() else y
 
 
+def _run(kind: str, x: torch.Tensor, group: str, issue, even: bool = True) -> torch.Tensor:
+    """``issue(x)`` (a functional collective) numbered and waited under the watchdog;
+    ``even``: every rank of the group sends as many bytes as this one."""
+    nbytes = x.numel() * x.element_size()
+    number = watchdog.issued(kind, nbytes, group, even)
+    return watchdog.wait(issue(x), number, kind, nbytes, group)
+
+
 def _a2a_raw(buf: torch.Tensor, group: str, out_splits=None, in_splits=None) -> torch.Tensor:
-    got = fc.all_to_all_single(_pairs(buf).contiguous(), out_splits, in_splits, group)
-    return _unpairs(fc.wait_tensor(got), buf)
+    got = _run("all_to_all", _pairs(buf).contiguous(), group,
+               lambda b: fc.all_to_all_single(b, out_splits, in_splits, group),
+               even=out_splits is None and in_splits is None)
+    return _unpairs(got, buf)
 
 
 def _all_reduce_raw(x: torch.Tensor, group: str) -> torch.Tensor:
-    return _unpairs(fc.wait_tensor(fc.all_reduce(_pairs(x).contiguous(), "sum", group)), x)
+    return _unpairs(_run("all_reduce", _pairs(x).contiguous(), group,
+                         lambda b: fc.all_reduce(b, "sum", group)), x)
 
 
 def _all_gather_raw(x: torch.Tensor, group: str) -> torch.Tensor:
     """[n, ...] on each rank -> [P*n, ...], rank order."""
-    return _unpairs(fc.wait_tensor(_ALL_GATHER(_pairs(x).contiguous(), 0, group)), x)
+    return _unpairs(_run("all_gather", _pairs(x).contiguous(), group,
+                         lambda b: all_gather_single(b, 0, group)), x)
+
+
+def _reduce_scatter_raw(buf: torch.Tensor, group: str) -> torch.Tensor:
+    """[P*n] summed over the ranks, this rank's n."""
+    return _run("reduce_scatter", buf, group, lambda b: reduce_scatter_single(b, "sum", 0, group))
+
+
+# -- one order of collectives in backward, on every rank -------------------------------------
+# The autograd engine runs whatever backward is ready, highest sequence number first: two
+# ranks whose graphs differ beside a collective (a piece of the sequence that reads nothing
+# of another rank's output, a mask only one rank's piece needs) can reach their backward
+# collectives in different orders and wait for each other forever. So each collective of a
+# step's forward takes the order token of the one before it and gives its own: an empty tensor
+# whose gradient flows back along the chain, so that the backward of collective k runs only
+# once the backward of collective k + 1 has run, on every rank (reverse forward order, whatever
+# the rest of the graph is; a collective whose output a rank does not read still runs, on a
+# zero gradient). Under ``torch.compile`` the compiled backward's order is the graph's.
+
+class _Order:
+    active = False          # inside a step's forward (``backward_order``)
+    token: torch.Tensor | None = None
+
+
+@contextlib.contextmanager
+def backward_order():
+    """Chain the collectives issued inside (one step's forward) into one backward order.
+    Nested uses (a segment of a segmented call) continue the outer chain."""
+    if _Order.active or not torch.is_grad_enabled():
+        yield
+        return
+    _Order.active, _Order.token = True, None
+    try:
+        yield
+    finally:
+        _Order.active, _Order.token = False, None
+
+
+@contextlib.contextmanager
+def unordered():
+    """Collectives issued inside join no chain (the memory planner's run of a program on
+    tensors without data, with a backward of its own, while a step's forward is chaining:
+    a segment planned between two segments that ran must not tie its backward to theirs)."""
+    saved = _Order.active, _Order.token
+    _Order.active, _Order.token = False, None
+    try:
+        yield
+    finally:
+        _Order.active, _Order.token = saved
+
+
+def _ordered(fn, *args):
+    """``fn.apply(token, *args)``, its outputs without the token; the token it gives becomes
+    the chain's end when any tensor argument needs a gradient."""
+    chained = _Order.active and not torch.compiler.is_compiling() and any(
+        isinstance(a, torch.Tensor) and a.requires_grad for a in args)
+    *outs, token = fn.apply(_Order.token if chained else None, *args)
+    if chained:
+        _Order.token = token
+    return outs[0] if len(outs) == 1 else tuple(outs)
+
+
+def _after(ctx, tok, *outs):
+    """A collective's forward outputs and its order token."""
+    ctx.tok = None if tok is None else tok.device
+    return (*outs, torch.empty(0, device=outs[0].device))
+
+
+def _before(ctx, _grad=None):
+    """The gradient of the order token a collective took (None if it took none)."""
+    return None if ctx.tok is None else torch.zeros(0, device=ctx.tok)
 
 
 class _AllToAll(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, buf: torch.Tensor, group: str, out_splits, in_splits):
+    def forward(ctx, tok, buf: torch.Tensor, group: str, out_splits, in_splits):
         ctx.group, ctx.out_splits, ctx.in_splits = group, out_splits, in_splits
-        return _a2a_raw(buf, group, out_splits, in_splits)
+        return _after(ctx, tok, _a2a_raw(buf, group, out_splits, in_splits))
 
     @staticmethod
-    def backward(ctx, grad):
-        return _a2a_raw(grad, ctx.group, ctx.in_splits, ctx.out_splits), None, None, None
+    def backward(ctx, grad, _):
+        return (_before(ctx, grad), _a2a_raw(grad, ctx.group, ctx.in_splits, ctx.out_splits),
+                None, None, None)
 
 
 class _AllReduce(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: torch.Tensor, group: str):
-        return _all_reduce_raw(x, group)
+    def forward(ctx, tok, x: torch.Tensor, group: str):
+        return _after(ctx, tok, _all_reduce_raw(x, group))
 
     @staticmethod
-    def backward(ctx, grad):
-        return grad, None
+    def backward(ctx, grad, _):
+        return _before(ctx, grad), grad, None
 
 
 class _GradAllReduce(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: torch.Tensor, group: str):
+    def forward(ctx, tok, x: torch.Tensor, group: str):
         ctx.group = group
-        return x.view_as(x)
+        return _after(ctx, tok, x.view_as(x))
 
     @staticmethod
-    def backward(ctx, grad):
-        return _all_reduce_raw(grad, ctx.group), None
+    def backward(ctx, grad, _):
+        return _before(ctx, grad), _all_reduce_raw(grad, ctx.group), None
 
 
 # Gradient buckets reduced while backward goes on (``SPDSL_GRAD_OVERLAP``, default on): a
@@ -122,30 +204,34 @@ class _GradAllReduceMany(torch.autograd.Function):
     gradient before its reduction is done; the sum is the same."""
 
     @staticmethod
-    def forward(ctx, group: str, *xs: torch.Tensor):
+    def forward(ctx, tok, group: str, *xs: torch.Tensor):
         ctx.group = group
         ctx.set_materialize_grads(False)    # a value no gradient reached keeps None
         ctx.leaves = xs if GRAD_OVERLAP and all(_plain_leaf(x) for x in xs) else None
-        return tuple(x.view_as(x) for x in xs)
+        return _after(ctx, tok, *(x.view_as(x) for x in xs))
 
     @staticmethod
     def backward(ctx, *grads):
+        grads = grads[:-1]                  # the last is the order token's
+        tok = _before(ctx, next((g for g in grads if g is not None), None))
         # the same on every rank: which values get a gradient is decided by the graph
         got = [g for g in grads if g is not None]
         if not got:
-            return (None,) * (len(grads) + 1)
+            return (tok, None, *(None,) * len(grads))
         flat = torch.cat([g.reshape(-1) for g in got])
         if torch.compiler.is_compiling():
             flat = _all_reduce_raw(flat, ctx.group)     # Inductor plans the buffers itself
         elif ctx.leaves is not None and _accumulated(ctx.leaves):
+            watchdog.issued("all_reduce", flat.numel() * flat.element_size(), ctx.group)
             flat = c10d_functional.all_reduce_(flat, "sum", ctx.group)
             _start_bucket(flat, [(x, g.shape) for x, g in zip(ctx.leaves, grads)
                                  if g is not None])
-            return (None,) * (len(grads) + 1)
+            return (tok, None, *(None,) * len(grads))
         else:   # the concatenation is ours: reduce it in place, one bucket-sized buffer fewer
-            fc.wait_tensor(c10d_functional.all_reduce_(flat, "sum", ctx.group))
+            _run("all_reduce", flat, ctx.group,
+                 lambda b: c10d_functional.all_reduce_(b, "sum", ctx.group))
         pieces = iter(torch.split(flat, [g.numel() for g in got]))
-        return (None, *(None if g is None else next(pieces).view(g.shape) for g in grads))
+        return (tok, None, *(None if g is None else next(pieces).view(g.shape) for g in grads))
 
 
 def _plain_leaf(x: torch.Tensor) -> bool:
@@ -173,7 +259,8 @@ def _start_bucket(flat: torch.Tensor, into: list) -> None:
         # a backward that failed half-way never ran its callback: its reductions finish
         # (every rank started them), its gradients are dropped with it
         for stale, _ in _STARTED:
-            fc.wait_tensor(stale)
+            watchdog.wait(stale, 0, "all_reduce", stale.numel() * stale.element_size(),
+                          "(a gradient bucket of a failed backward)")
         _STARTED.clear()
         _TASK[0] = task
         at_backward_end(_finish_buckets)
@@ -187,7 +274,8 @@ def _finish_buckets() -> None:
     _TASK[0] = None
     with torch.profiler.record_function("spdsl.grad_bucket_wait"), torch.no_grad():
         for flat, into in started:
-            flat = fc.wait_tensor(flat)
+            flat = watchdog.wait(flat, 0, "all_reduce", flat.numel() * flat.element_size(),
+                                 "(a gradient bucket)")
             offset = 0
             for x, shape in into:
                 n = shape.numel()
@@ -201,14 +289,14 @@ def _finish_buckets() -> None:
 
 def all_reduce(x: torch.Tensor, group: str) -> torch.Tensor:
     """Partial -> Replicate."""
-    return _AllReduce.apply(x, group)
+    return _ordered(_AllReduce, x, group)
 
 
 def grad_all_reduce(x: torch.Tensor, group: str) -> torch.Tensor:
     """A replicated value used where the computation is split: its gradient is partial."""
     if not x.requires_grad:
         return x
-    return _GradAllReduce.apply(x, group)
+    return _ordered(_GradAllReduce, x, group)
 
 
 def grad_all_reduce_many(xs: list[torch.Tensor], group: str) -> list[torch.Tensor]:
@@ -224,7 +312,8 @@ def grad_all_reduce_many(xs: list[torch.Tensor], group: str) -> list[torch.Tenso
     if not idx:
         return list(xs)
     outs = list(xs)
-    for i, y in zip(idx, _GradAllReduceMany.apply(group, *(xs[i] for i in idx))):
+    reduced = _ordered(_GradAllReduceMany, group, *(xs[i] for i in idx))
+    for i, y in zip(idx, reduced if len(idx) > 1 else [reduced]):
         outs[i] = y
         first[i] = y
     for i, x in enumerate(xs):
@@ -238,7 +327,7 @@ def all_to_all_rows(x: torch.Tensor, out_splits: list[int], in_splits: list[int]
     """Rows of ``x`` to the ranks ``in_splits`` says (that many rows to each, in rank order),
     rows from each rank as ``out_splits`` says; backward sends the gradients back the same
     way. Uneven and empty splits allowed (a relayout of the sequence pieces)."""
-    return _AllToAll.apply(x, group, out_splits, in_splits)
+    return _ordered(_AllToAll, x, group, out_splits, in_splits)
 
 
 def _split_dim(x: torch.Tensor, dim: int, outer: int) -> tuple[torch.Tensor, int]:
@@ -288,7 +377,7 @@ def all_to_all_many(xs: list[torch.Tensor], srcs, dsts, parts: int,
     packed = [_pack(x, d, parts) for x, d in zip(pairs, dsts)]
     sizes = [p.shape[1] for p in packed]
     buf = torch.cat(packed, dim=1) if len(packed) > 1 else packed[0]
-    got = _AllToAll.apply(buf.contiguous(), group, None, None).reshape(parts, -1)
+    got = _ordered(_AllToAll, buf.contiguous(), group, None, None).reshape(parts, -1)
     pieces = torch.split(got, sizes, dim=1) if len(packed) > 1 else [got]
     return [_unpairs(_unpack(p, list(x.shape), s, d, parts), x0)
             for p, x, x0, s, d in zip(pieces, pairs, xs, srcs, dsts)]
@@ -304,28 +393,35 @@ def all_to_all_many(xs: list[torch.Tensor], srcs, dsts, parts: int,
 def _a2a_issue(buf: torch.Tensor, parts: int, group: str) -> torch.Tensor:
     buf = buf.contiguous()
     sizes = [buf.shape[0] // parts] * parts
+    watchdog.issued("all_to_all", buf.numel() * buf.element_size(), group)
     return c10d_functional.all_to_all_single(buf, sizes, sizes, group)
+
+
+def _a2a_wait(got: torch.Tensor, group: str) -> torch.Tensor:
+    # numbered where it was issued; 0 here: the wait of an exchange in flight
+    return watchdog.wait(got, 0, "all_to_all", got.numel() * got.element_size(), group)
 
 
 class _AllToAllIssue(torch.autograd.Function):
     @staticmethod
     def forward(ctx, buf: torch.Tensor, parts: int, group: str):
+        ctx.group = group
         return _a2a_issue(buf, parts, group)         # not filled until waited
 
     @staticmethod
     def backward(ctx, grad):
-        return c10d_functional.wait_tensor(grad), None, None
+        return _a2a_wait(grad, ctx.group), None, None
 
 
 class _AllToAllWait(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, got: torch.Tensor, parts: int, group: str):
+    def forward(ctx, tok, got: torch.Tensor, parts: int, group: str):
         ctx.args = (parts, group)
-        return c10d_functional.wait_tensor(got)
+        return _after(ctx, tok, _a2a_wait(got, group))
 
     @staticmethod
-    def backward(ctx, grad):
-        return _a2a_issue(grad, *ctx.args), None, None
+    def backward(ctx, grad, _):
+        return _before(ctx, grad), _a2a_issue(grad, *ctx.args), None, None
 
 
 class PendingAllToAll:
@@ -342,7 +438,7 @@ class PendingAllToAll:
 
     def wait(self) -> list[torch.Tensor]:
         parts = self._parts
-        got = _AllToAllWait.apply(self._got, parts, self._group).reshape(parts, -1)
+        got = _ordered(_AllToAllWait, self._got, parts, self._group).reshape(parts, -1)
         pieces = torch.split(got, self._sizes, dim=1) if len(self._sizes) > 1 else [got]
         out = [_unpack(p, shape, s, d, parts)
                for p, shape, s, d in zip(pieces, self._shapes, self._srcs, self._dsts)]
@@ -410,33 +506,33 @@ def rechunk(x: torch.Tensor, dim: int, src: tuple[int, int, int], dst: tuple[int
     y = x.movedim(dim, 0)
     rest = list(y.shape[1:])
     buf = y.index_select(0, torch.tensor(order, dtype=torch.long, device=x.device)).reshape(y.shape[0], -1)
-    got = _AllToAll.apply(buf.contiguous(), group, recv, send)
+    got = _ordered(_AllToAll, buf.contiguous(), group, recv, send)
     back_t = torch.tensor(back, dtype=torch.long, device=x.device)
     return got.index_select(0, back_t).reshape([-1] + rest).movedim(0, dim)
 
 
 class _Gather(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: torch.Tensor, split: tuple, parts: int, rank: int, group: str):
+    def forward(ctx, tok, x: torch.Tensor, split: tuple, parts: int, rank: int, group: str):
         ctx.args = (split, parts, rank)
-        return _gather(x, split, parts, group)
+        return _after(ctx, tok, _gather(x, split, parts, group))
 
     @staticmethod
-    def backward(ctx, grad):
+    def backward(ctx, grad, _):
         split, parts, rank = ctx.args
-        return _take(grad, split, parts, rank), None, None, None, None
+        return _before(ctx, grad), _take(grad, split, parts, rank), None, None, None, None
 
 
 class _Take(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: torch.Tensor, split: tuple, parts: int, rank: int, group: str):
+    def forward(ctx, tok, x: torch.Tensor, split: tuple, parts: int, rank: int, group: str):
         ctx.args = (split, parts, group)
-        return _take(x, split, parts, rank)
+        return _after(ctx, tok, _take(x, split, parts, rank))
 
     @staticmethod
-    def backward(ctx, grad):
+    def backward(ctx, grad, _):
         split, parts, group = ctx.args
-        return _gather(grad, split, parts, group), None, None, None, None
+        return _before(ctx, grad), _gather(grad, split, parts, group), None, None, None, None
 
 
 def _take(x: torch.Tensor, split: tuple, parts: int, rank: int) -> torch.Tensor:
@@ -468,15 +564,15 @@ def _gather(x: torch.Tensor, split: tuple, parts: int, group: str) -> torch.Tens
 
 class _ReduceScatter(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: torch.Tensor, split: tuple, parts: int, rank: int, group: str):
+    def forward(ctx, tok, x: torch.Tensor, split: tuple, parts: int, rank: int, group: str):
         ctx.args = (split, parts, group)
-        return _reduce_scatter(x, split, parts, rank, group)
+        return _after(ctx, tok, _reduce_scatter(x, split, parts, rank, group))
 
     @staticmethod
-    def backward(ctx, grad):
+    def backward(ctx, grad, _):
         # the gradient of a partial sum is the whole gradient, the same on every rank
         split, parts, group = ctx.args
-        return _gather(grad, split, parts, group), None, None, None, None
+        return _before(ctx, grad), _gather(grad, split, parts, group), None, None, None, None
 
 
 def _reduce_scatter(x: torch.Tensor, split: tuple, parts: int, rank: int,
@@ -496,8 +592,7 @@ def _reduce_scatter(x: torch.Tensor, split: tuple, parts: int, rank: int,
             c = torch.cat([c, c.new_zeros(pad)], dim=d)
         chunks.append(c)
     buf = torch.stack(chunks).reshape(parts * chunks[0].numel())
-    got = _unpairs(fc.wait_tensor(_REDUCE_SCATTER(_pairs(buf).contiguous(), "sum", 0, group)),
-                   buf)
+    got = _unpairs(_reduce_scatter_raw(_pairs(buf).contiguous(), group), buf)
     got = got.reshape(chunks[0].shape)
     lo, hi = chunk_bounds(size, parts, rank)
     got = got.narrow(d, 0, (hi - lo) * inner)
@@ -509,22 +604,22 @@ def _reduce_scatter(x: torch.Tensor, split: tuple, parts: int, rank: int,
 def reduce_scatter(x: torch.Tensor, split: tuple, parts: int, rank: int,
                    group: str) -> torch.Tensor:
     """Partial -> Shard: the sum's chunk of this rank, in one reduce-scatter."""
-    return _ReduceScatter.apply(x, split, parts, rank, group)
+    return _ordered(_ReduceScatter, x, split, parts, rank, group)
 
 
 def gather(x: torch.Tensor, split: tuple, parts: int, rank: int, group: str) -> torch.Tensor:
     """Shard -> Replicate; ``split = (dim, outer, size, inner)``."""
-    return _Gather.apply(x, split, parts, rank, group)
+    return _ordered(_Gather, x, split, parts, rank, group)
 
 
 def take(x: torch.Tensor, split: tuple, parts: int, rank: int, group: str) -> torch.Tensor:
     """Replicate -> Shard: this rank's chunk, for free."""
-    return _Take.apply(x, split, parts, rank, group)
+    return _ordered(_Take, x, split, parts, rank, group)
 
 
 class _Window(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: torch.Tensor, dim: int, plan, parts: int, rank: int, group: str):
+    def forward(ctx, tok, x: torch.Tensor, dim: int, plan, parts: int, rank: int, group: str):
         own, sends = plan
         lo = own[rank][0]
         idx, out_splits, in_splits = [], [], []
@@ -541,15 +636,16 @@ class _Window(torch.autograd.Function):
         out = _a2a_raw(buf, group, out_splits, in_splits)
         ctx.save_for_backward(index)
         ctx.args = (dim, list(x0.shape), out_splits, in_splits, group)
-        return out.movedim(0, dim)
+        return _after(ctx, tok, out.movedim(0, dim))
 
     @staticmethod
-    def backward(ctx, grad):
+    def backward(ctx, grad, _):
+        tok = _before(ctx, grad)
         (index,) = ctx.saved_tensors
         dim, shape0, out_splits, in_splits, group = ctx.args
         back = _a2a_raw(grad.movedim(dim, 0).contiguous(), group, in_splits, out_splits)
         gx = back.new_zeros(shape0).index_add_(0, index, back)
-        return gx.movedim(0, dim), None, None, None, None, None
+        return tok, gx.movedim(0, dim), None, None, None, None, None
 
 
 def window(x: torch.Tensor, dim: int, size_in: int, start: int, n_out: int, parts: int,
@@ -563,7 +659,7 @@ def window(x: torch.Tensor, dim: int, size_in: int, start: int, n_out: int, part
         if a == b:      # this rank holds none of the slice (``x[:, :1]`` beyond rank 0)
             return x.narrow(dim, 0, 0)
         return x.narrow(dim, start + a - lo, b - a)
-    return _Window.apply(x, dim, plan, parts, rank, group)
+    return _ordered(_Window, x, dim, plan, parts, rank, group)
 
 
 # -- sharded parameters (spdsl.state): gathered before use, gradient reduce-scattered ---------
@@ -603,7 +699,7 @@ def param_grad(g: torch.Tensor, local_rows: int, rows: int, world: int, rank: in
         return g[lo:lo + local_rows].clone()
     if g.shape[0] < chunk * world:
         g = torch.cat([g, g.new_zeros((chunk * world - g.shape[0], *g.shape[1:]))])
-    mine = fc.wait_tensor(_REDUCE_SCATTER(g.contiguous(), "sum", 0, group))
+    mine = _reduce_scatter_raw(g.contiguous(), group)
     return mine[:local_rows].clone() if local_rows != chunk else mine
 
 
@@ -623,3 +719,27 @@ def _gather_param_backward(ctx, grad):
 
 
 gather_param.register_autograd(_gather_param_backward, setup_context=_gather_param_setup)
+
+
+# -- sequence mixers' states (spdsl.lower.mixers) ---------------------------------------------
+class _GatherPieces(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, tok, x: torch.Tensor, group: str):
+        ctx.group = group
+        got = _all_gather_raw(x.unsqueeze(0), group)
+        return _after(ctx, tok, got.reshape((-1,) + tuple(x.shape)))
+
+    @staticmethod
+    def backward(ctx, grad, _):
+        # every rank's copy has its own gradient (later pieces read earlier states): the
+        # gradient of this rank's piece is their sum
+        buf = grad.contiguous().reshape(-1)
+        got = _reduce_scatter_raw(buf, ctx.group)
+        return _before(ctx, grad), got.reshape(grad.shape[1:]), None
+
+
+def all_gather_pieces(x: torch.Tensor, group: str) -> torch.Tensor:
+    """Each rank's ``x`` to every rank, stacked in rank order (``[P, *x.shape]``); backward
+    sums the ranks' gradients of each piece into its owner's (a reduce-scatter). For values
+    every rank reads differently, as the states a sequence mixer passes."""
+    return _ordered(_GatherPieces, x, group)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 
 
 class ShardingError(ValueError):
@@ -58,3 +59,58 @@ def user_line() -> str:
             return f"{name}:{f.f_lineno}" + (f": {code}" if code else "")
         f = f.f_back
     return ""
+
+
+TRACEBACK_ENV = "SPDSL_TRACEBACK"     # "1": a ShardingError ends the job with its traceback
+SETTLE_S = 2.0      # seconds a rank other than 0 waits before it exits on a ShardingError
+
+
+def one_error_per_job() -> None:
+    """Make an uncaught ``ShardingError`` end a job of several ranks with one message: rank 0
+    prints it (rule, value, line, fix; no traceback), every other rank one line, and the
+    process exits with status 1. Every rank of a job raises the same error at the same point,
+    and torchrun prints each rank's traceback: 150 lines around one message at 4 ranks.
+    Installed by ``spdsl.mesh``, the process group spdsl starts, and ``sp_shard``/``shard``
+    in a job of several ranks (``WORLD_SIZE`` > 1), once per process; other exceptions, and
+    ``SPDSL_TRACEBACK=1``, go to the hook that was there.
+
+    Example::
+
+        one_error_per_job()      # then, on rank 0 of 4:  spdsl: ShardingError (rank 0; ...
+    """
+    if getattr(sys.excepthook, "_spdsl_one_error", False) or _world() < 2:
+        return
+    previous = sys.excepthook
+
+    def hook(kind, value, tb) -> None:
+        if not isinstance(value, ShardingError) or os.environ.get(TRACEBACK_ENV) == "1":
+            previous(kind, value, tb)
+            return
+        rank = _rank()
+        if rank == 0:
+            print(f"spdsl: ShardingError (rank 0; {TRACEBACK_ENV}=1 shows the traceback)\n"
+                  f"{value}", file=sys.stderr, flush=True)
+        else:
+            first = str(value).splitlines()[0] if str(value) else value.rule
+            print(f"spdsl: ShardingError on rank {rank}: {first}", file=sys.stderr, flush=True)
+            # the first rank to exit has torchrun stop the others: leave rank 0, raising at
+            # the same point, the time to print the whole message
+            time.sleep(SETTLE_S)
+
+    hook._spdsl_one_error = True
+    sys.excepthook = hook
+
+
+def _world() -> int:
+    import torch.distributed as dist
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size()
+    n = os.environ.get("WORLD_SIZE", "1")
+    return int(n) if n.isdigit() else 1
+
+
+def _rank() -> int:
+    import torch.distributed as dist
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank()
+    return int(os.environ.get("RANK", "0") or 0)

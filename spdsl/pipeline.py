@@ -202,10 +202,13 @@ def _planning_factor(parts: int, u: int) -> tuple:
 def _off_meta(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     """Factory calls traced from a meta-device model (``arange(..., device="meta")``) run on
     fake CPU tensors instead: on meta, attention would pick its quadratic-memory math path."""
+    changed = False
     for n in gm.graph.nodes:
         if isinstance(n.kwargs.get("device"), torch.device) and n.kwargs["device"].type == "meta":
             n.kwargs = {**n.kwargs, "device": torch.device("cpu")}
-    gm.recompile()
+            changed = True
+    if changed:        # code generation: 0.4 s for an 8B model's 3,000 nodes
+        gm.recompile()
     return gm
 
 

@@ -17,7 +17,10 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent / "spdsl"
 # below everything, and the tests further down keep it apart from the rest both ways)
 LAYERS = [
     {"models"},
+    {"_version"},
     {"_torch", "errors", "modelspec"},
+    {"checkpoint_reader"},    # reading a checkpoint without running code from it
+    {"watchdog"},             # the collectives' numbers, order check and hang bound
     {"kernels", "state", "checkpoint"},
     {"propagate"},
     {"collectives"},
@@ -27,7 +30,8 @@ LAYERS = [
     {"memory"},
     {"inspect"},              # the plan reads the program the memory planner builds
     {"annotate"},
-    {"cli"},                  # the command lines and the planner's search over model shapes
+    {"cli", "hf"},            # the command lines and the planner's search over model shapes;
+                              # the Hugging Face Trainer integration (on sp_shard)
     {"__init__", "__main__"},
 ]
 LAYER = {unit: i for i, units in enumerate(LAYERS) for unit in units}

@@ -22,6 +22,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+import spdsl.collectives as C
+import spdsl.watchdog as watchdog
 from spdsl._torch import tree_flatten, tree_unflatten
 from spdsl.annotate.mesh import axis_size
 from spdsl.annotate.mesh import mesh as make_mesh
@@ -34,7 +36,7 @@ from spdsl.annotate.specs import (
     _decode,
 )
 from spdsl.annotate.state import StateSharding
-from spdsl.errors import ShardingError, user_line
+from spdsl.errors import ShardingError, one_error_per_job, user_line
 from spdsl.inspect.plan import ShardingPlan, build_plan
 from spdsl.inspect.program import attach
 from spdsl.lower.graph import lower
@@ -93,6 +95,7 @@ class Sharded(InputSpecs, StateSharding, Runtime):
                  kernels="auto", shard_state: bool = False, batch: str = "global",
                  strict: bool = False, memory_budget: int | str | None = None,
                  attention=None) -> None:
+        one_error_per_job()       # under torchrun: a ShardingError prints once (spdsl.errors)
         if batch not in ("global", "local"):
             raise ShardingError(rule="batch", detail=f"batch={batch!r}",
                                 fix='use batch="global" (every rank passes the whole batch) '
@@ -259,7 +262,7 @@ class Sharded(InputSpecs, StateSharding, Runtime):
         # calls the program runs (spdsl.inspect.program)
         job = self.job
         plan._memory = functools.cache(functools.partial(plan_entry, job, entry, args, kwargs))
-        attach(plan, job, entry, args, kwargs)
+        attach(plan, job, entry, args, kwargs, extra=self._check_collectives(leaves))
         self._cache[key] = entry
         return entry
 
@@ -393,13 +396,13 @@ class Sharded(InputSpecs, StateSharding, Runtime):
     def __call__(self, *args, **kwargs):
         from spdsl.annotate.breaks import segmented
         entry = self.prepare(*args, **kwargs)
+        self._check_same_inputs(args, kwargs, full=self.debug)   # 16 B per input (runtime.py)
+        watchdog.set_check_order(self.debug)    # each collective compared across its group
         if entry is None:                      # a function that reads values: in segments
-            return segmented(self, args, kwargs)(args, kwargs)
-        leaves, _ = tree_flatten((args, kwargs))
-        if self.debug:
-            self._check_same_inputs(leaves)
+            with C.backward_order():
+                return segmented(self, args, kwargs)(args, kwargs)
         state = [t.to_local() if isinstance(t, DTensor) else t for t in entry.traced.state]
-        with run_modes():    # the trace's casts are ops of the program already
+        with run_modes(), C.backward_order():   # the trace's casts are ops of the program
             outs = entry.local(*state, *self._local_inputs(entry, args, kwargs))
         data_out = entry.data_out or [REPLICATE] * len(entry.out_placements)
         wrapped = [self._wrap(o, p, node, dp) for o, p, node, dp in zip(
@@ -493,9 +496,13 @@ def sp_shard(fn: Callable | None = None, *, seq: int, seq_dim: int = 1, axis: st
     ``"auto"``; ``memory_budget`` (bytes or ``"40GiB"``; or the environment variable
     ``SPDSL_MEMORY_BUDGET``) is what ``"fit"`` chooses against instead of the device's free
     memory; ``kernels`` swaps in spdsl's Triton kernels
-    (``"auto"``: on CUDA; ``"on"``/``"off"``); ``debug=True`` checks every rank passed the
-    same batch. An op that needs the whole sequence on every rank because it sorts, selects or
-    scans along it (sort, topk, cumsum, FFT, ...) gathers it there and warns; ``strict=True``
+    (``"auto"``: on CUDA; ``"on"``/``"off"``). Every call checks that the ranks of the axis
+    passed the same global batch (a checksum per tensor argument, one all-reduce of 16 bytes
+    each; ``ShardingError`` ``[same global inputs]`` on every rank if not); ``debug=True``
+    makes the check position-sensitive and lists every rank's checksums, and compares every
+    collective across its group before issuing it (a ``[collective order]`` error instead of
+    a hang; ``spdsl.watchdog``). An op that needs the whole sequence on every rank because it
+    sorts, selects or scans along it (sort, topk, cumsum, FFT, ...) gathers it there and warns; ``strict=True``
     makes that a ``ShardingError``. ``attention`` says how attention runs over the ranks:
     ``"auto"`` (default: by a cost model, ``spdsl.propagate.attention_choice``; Ulysses where
     the heads split over the ranks), ``"ulysses"`` (heads split by all-to-all), ``"ring"``
@@ -529,10 +536,15 @@ def sp_shard(fn: Callable | None = None, *, seq: int, seq_dim: int = 1, axis: st
     return wrap(fn) if fn is not None else wrap
 
 
-def plan(fn: Callable, *args, **kwargs) -> ShardingPlan:
+def plan(fn: Callable, *args, fit: bool = False, **kwargs) -> ShardingPlan:
     """The propagated plan of ``fn(*args, **kwargs)`` without running it: no collectives, no
     process group, fake tensors only (meta-device models and inputs work). ``fn`` may be
     wrapped by ``sp_shard``/``shard``; a plain function is planned as ``sp_shard(seq=world)``.
+
+    Under ``remat="fit"`` (the default) the mode is chosen when the step is built; a plan
+    lists the program of ``"none"`` and says so, unless the run has chosen already, or
+    ``fit=True`` asks for the choice here (``plan.remat``): the memory planner simulates
+    the step once per mode tried (most of a minute for an 8B model at 131,072 tokens).
 
     Example::
 
@@ -548,9 +560,14 @@ def plan(fn: Callable, *args, **kwargs) -> ShardingPlan:
     if segmented(fn, args, kwargs) is not None:
         return plan_segments(fn, args, kwargs)
     try:
-        return fn.build(args, kwargs).plan
+        entry = fn.build(args, kwargs)
     except GraphBreak as e:
         return plan_segments(fn, args, kwargs, e)
+    if fit and fn.remat.fit and entry.plan.remat is None:
+        attach(entry.plan, fn.job, entry, args, kwargs, fit=True,   # read again, choosing
+               extra=fn._check_collectives(tree_flatten((args, kwargs))[0]))
+        entry.plan.collectives                                      # noqa: B018
+    return entry.plan
 
 
 def _check_degree(seq, seq_dim) -> None:

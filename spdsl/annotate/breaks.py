@@ -220,6 +220,12 @@ class _Segment(Sharded):
     def _trace(self, args: tuple, kwargs: dict) -> Traced:
         return self._make()
 
+    def _check_same_inputs(self, args: tuple, kwargs: dict, full: bool = False) -> None:
+        """Checked once per call, by the function the segments split (its arguments)."""
+
+    def _check_collectives(self, leaves: list) -> tuple:
+        return ()
+
 
 @dataclass
 class _Cut:

@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from spdsl.errors import ShardingError
+from spdsl.errors import ShardingError, one_error_per_job
 
 
 def _device_type() -> str:
@@ -18,7 +18,10 @@ def _device_type() -> str:
 
 
 def ensure_process_group() -> None:
-    """Initialise the default process group from torchrun's environment if nobody did."""
+    """Initialise the default process group from torchrun's environment if nobody did; in a
+    job of several ranks, an uncaught ShardingError then prints once
+    (``spdsl.errors.one_error_per_job``)."""
+    one_error_per_job()
     if dist.is_initialized():
         return
     if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:

@@ -1,5 +1,5 @@
 """The run of a built step: the rank's pieces of the global inputs, the outputs
-wrapped as DTensors, the debug check that every rank passed the same batch."""
+wrapped as DTensors, the check that every rank passed the same batch."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from torch.distributed.tensor import Shard as DShard
 
 from spdsl._torch import tree_flatten
 from spdsl.annotate.mesh import axis_size
-from spdsl.errors import ShardingError
+from spdsl.errors import ShardingError, user_line
 from spdsl.propagate.order import digest, follow, merge_equal, structure_keys
 from spdsl.propagate.placement import (
     REPLICATE,
@@ -112,24 +112,61 @@ class Runtime:
         lo, hi = chunk_bounds(p.size, parts, rank)
         return x.narrow(p.dim, lo, hi - lo)
 
-    def _check_same_inputs(self, leaves: list) -> None:
-        """Debug mode: every rank of the axis must pass the same global tensors. A mismatch
-        would otherwise give wrong results or a hang inside a collective."""
-        sums = [float(x.double().sum()) if isinstance(x, torch.Tensor) and
-                not isinstance(x, DTensor) else 0.0 for x in leaves]
-        mine = torch.tensor(sums, dtype=torch.float64)
+    def _check_same_inputs(self, args: tuple, kwargs: dict, full: bool = False) -> None:
+        """Every rank of the axis must pass the same global tensors: a mismatch (a
+        ``DistributedSampler`` over the sp ranks, say) would otherwise train on a batch no
+        rank holds, without a word, or hang in a collective. On every call, one checksum per
+        tensor argument (its sum in float64), its largest and smallest over the ranks in one
+        all-reduce of 16 bytes per argument. ``full`` (``debug=True``): a position-weighted
+        checksum too (a permuted batch), every rank's gathered, listed in the error."""
+        if self.parts == 1 or not dist.is_initialized():
+            return
+        leaves, _ = tree_flatten((args, kwargs))
+        idx = [i for i, x in enumerate(leaves)
+               if isinstance(x, torch.Tensor) and not isinstance(x, DTensor)]
+        if not idx:
+            return
         pg = self.mesh.get_group(self.axis)
-        every = [torch.zeros_like(mine) for _ in range(dist.get_world_size(pg))]
-        dist.all_gather(every, mine, group=pg)
-        for i, (x, col) in enumerate(zip(leaves, torch.stack(every).T)):
-            if isinstance(x, torch.Tensor) and not torch.equal(col, col[:1].expand_as(col)):
-                raise ShardingError(
-                    rule="same global inputs", where=f"argument {i}",
-                    value=typed_shape(x.shape, x.dtype, REPLICATE, self.axis),
-                    detail=f"ranks of axis {self.axis!r} passed different values (checksums "
-                           f"{[round(float(c), 4) for c in col]})",
-                    fix="pass every rank the same global batch (seed the data loader the same "
-                        "on every rank of the axis), or pass DTensors already split")
+        device = "cuda" if self.mesh.device_type == "cuda" else "cpu"
+        with torch.no_grad():
+            mine = torch.stack([_checksum(leaves[i], full) for i in idx]).to(device)  # [n, k]
+        if full:
+            every = [torch.empty_like(mine) for _ in range(dist.get_world_size(pg))]
+            dist.all_gather(every, mine, group=pg)
+            sums = torch.stack(every).cpu()                    # [ranks, n, k]
+            bad = [j for j in range(len(idx)) if not bool((sums[:, j] == sums[0, j]).all())]
+            seen = {j: [[round(float(c), 4) for c in r] for r in sums[:, j]] for j in bad}
+        else:
+            both = torch.cat([mine, -mine])
+            dist.all_reduce(both, op=dist.ReduceOp.MAX, group=pg)
+            hi, lo = both[:len(idx)].cpu(), -both[len(idx):].cpu()
+            bad = [j for j in range(len(idx)) if not bool((hi[j] == lo[j]).all())]
+            seen = {j: [round(float(lo[j, 0]), 4), round(float(hi[j, 0]), 4)] for j in bad}
+        if bad:
+            j = bad[0]
+            x = leaves[idx[j]]
+            name = _leaf_names(getattr(self.fn, "forward", self.fn), args, kwargs,
+                               len(leaves))[idx[j]]
+            what = "checksums by rank" if full else "checksums from"
+            raise ShardingError(
+                rule="same global inputs", where=user_line(),
+                value=f"{name}: {typed_shape(x.shape, x.dtype, REPLICATE, self.axis)}",
+                detail=f"ranks of axis {self.axis!r} passed different values for {name} "
+                       f"({what} {seen[j]}); every rank must pass the whole global batch",
+                fix=f"give every rank of axis {self.axis!r} the same batch: a DistributedSampler "
+                    "(or any loader split by rank) over the sp ranks is the commonest cause -- "
+                    "split the data over the dp ranks only (or none), seed every sp rank "
+                    "alike, or pass DTensors already split")
+
+    def _check_collectives(self, leaves: list) -> tuple:
+        """The collective ``_check_same_inputs`` runs on every call, as the plan lists it."""
+        from spdsl.inspect.plan import Collective
+        n = sum(isinstance(x, torch.Tensor) and not isinstance(x, DTensor) for x in leaves)
+        if self.parts == 1 or not n:
+            return ()
+        kind, typed = ("all_gather", f"f64[{n},2]") if self.debug else ("all_reduce",
+                                                                        f"f64[{2 * n}]")
+        return (Collective(kind, self.axis, 16 * n, 0, "check", (typed,), "", "", ""),)
 
     def _wrap(self, local, p: Placement, node, dp: Placement = REPLICATE):
         if (isinstance(p, Shard) or isinstance(dp, Shard)) and isinstance(local, torch.Tensor):
@@ -146,3 +183,33 @@ class Runtime:
             return DTensor.from_local(local, sub, places, run_check=False,
                                       shape=val.shape, stride=val.stride())
         return local
+
+
+def _checksum(x: torch.Tensor, full: bool) -> torch.Tensor:
+    """``[sum]`` (``full``: ``[sum, position-weighted sum]``) of ``x`` in float64; NaN counts
+    as 0 so that equal tensors holding NaN compare equal."""
+    x = x.detach()
+    if x.is_complex():
+        x = torch.view_as_real(x)
+    s = [x.sum(dtype=torch.float64)]
+    if full:
+        w = torch.arange(x.numel(), device=x.device, dtype=torch.float64).remainder_(251) + 1
+        s.append((x.reshape(-1).to(torch.float64) * w).sum())
+    return torch.nan_to_num(torch.stack(s), nan=0.0)
+
+
+def _leaf_names(fn, args: tuple, kwargs: dict, count: int) -> list[str]:
+    """A name for each leaf of ``(args, kwargs)``: the parameter's (``input_ids``), with
+    ``[j]`` inside a container; ``argument i`` where the signature says nothing."""
+    import inspect
+    try:
+        params = [p.name for p in inspect.signature(fn).parameters.values()
+                  if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    except (TypeError, ValueError):
+        params = []
+    names: list[str] = []
+    for base, value in [(params[i] if i < len(params) else f"argument {i}", a)
+                        for i, a in enumerate(args)] + list(kwargs.items()):
+        n = len(tree_flatten(value)[0])
+        names += [base] if n == 1 else [f"{base}[{j}]" for j in range(n)]
+    return names if len(names) == count else [f"input {i}" for i in range(count)]

@@ -76,6 +76,11 @@ def _parser() -> Parser:
     q.add_argument("--json", nargs="?", const="-", metavar="PATH",
                    help="write the JSON plan to PATH (or stdout) instead of the table")
     q.add_argument("--html", metavar="PATH", help="write the HTML page to PATH")
+    q.add_argument("--remat-fit", action="store_true",
+                   help="choose the remat mode here, as remat='fit' (the default) does when the "
+                        "step is built: simulates the step once per mode tried, against this "
+                        "host's memory or SPDSL_MEMORY_BUDGET (without it, the plan lists the "
+                        "program of remat='none', and says so)")
     q.add_argument("--explain", action="append", default=[], metavar="VALUE",
                    help="print why VALUE (a value name or module path) is placed as it is")
     return p
@@ -105,7 +110,8 @@ def _plan(args) -> int:
     inputs = (ids,) if args.no_labels else (ids, ids)
     t1 = time.perf_counter()
     plan = plan_of(sp_shard(seq=args.sp, axis=args.axis,
-                            attention=attention_of(args.attention))(model), *inputs)
+                            attention=attention_of(args.attention))(model), *inputs,
+                   fit=args.remat_fit)
     t2 = time.perf_counter()
     plan.title = f"{args.model} seq={args.seq} {args.axis}={args.sp}"
     explained = [_explain(plan, name) for name in args.explain]

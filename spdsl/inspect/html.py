@@ -194,7 +194,8 @@ def _legend() -> str:
              typed_html("f32[64,64]", "Replicate()") + " whole on every rank " +
              typed_html("f32[]{sum@sp}", "Partial(sum)") + " partial sum")
     badges = "".join(f"<span class='badge {p}'>{p}</span>" for p in
-                     ("ulysses", "loss", "gradient", "reshard", "halo", "output", "input"))
+                     ("ulysses", "loss", "gradient", "reshard", "halo", "output", "input",
+                      "check"))
     return f"<div class='legend'>{chips}&nbsp;&nbsp;{badges}</div>"
 
 

@@ -71,7 +71,7 @@ class Block:
 
 # collectives of parameters and their gradients, not of activations: not measured against the
 # Ulysses floor
-NOT_ACTIVATION = ("gradient", "state")
+NOT_ACTIVATION = ("gradient", "state", "check")   # check: the same-inputs all-reduce
 
 
 @dataclass(frozen=True)

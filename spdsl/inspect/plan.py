@@ -46,7 +46,7 @@ class Collective:
     axis: str
     bytes: int
     bytes_bwd: int
-    purpose: str         # ulysses | loss | gradient | reshard | halo | output | input
+    purpose: str         # ulysses | loss | gradient | reshard | halo | output | input | check
     values: tuple[str, ...]
     source: str
     module: str
@@ -116,6 +116,7 @@ class ShardingPlan:
     attention: list[Attention] = field(default_factory=list)
     title: str = ""
     remat: Any = None     # spdsl.remat.RematChoice: what remat="fit" chose, once the step is built
+    remat_mode: str = ""  # the remat= the function asks for ("fit", "full", ...), as described
 
     @property
     def bytes_fwd(self) -> int:

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import operator
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -33,6 +33,7 @@ import torch
 from spdsl.inspect.plan import Collective, ShardingPlan
 from spdsl.lower.calls import Call, describe
 from spdsl.propagate.source import source_of
+from spdsl.remat import Remat
 
 _GATHER_PARAM = torch.ops.spdsl.gather_param.default
 
@@ -198,40 +199,60 @@ def _param(v: torch.fx.Node, typed: dict) -> str:
     return val.origin.removeprefix("parameter ") if val is not None else v.name
 
 
-def program_for_plan(job, entry, args: tuple, kwargs: dict
-                     ) -> tuple[torch.nn.Module, dict[str, str]]:
+# what a plan lists under remat="fit" before the run has chosen: the program of "none".
+# Choosing plans the whole step once per mode on fake tensors (60 of 72 s of the 8B plan at
+# 131,072 tokens over 8 ranks) and, for a plan made for other machines, against this host's
+# memory; the calls are the same in every mode but where sharded state gathers again.
+PLAN_REMAT = Remat("none")
+
+
+def program_for_plan(job, entry, args: tuple, kwargs: dict, *, fit: bool = False
+                     ) -> tuple[torch.nn.Module, dict[str, str], Any]:
     """The local program of one call as the pipeline builds it for the step
-    (``spdsl.pipeline.planned_step``: no collective runs), its shapes filled, and the axis of
-    each process group it names."""
+    (``spdsl.pipeline.planned_step``: no collective runs), its shapes filled, the axis of
+    each process group it names, and what ``remat="fit"`` chose (``RematChoice``, or None).
+    Under ``"fit"`` the choice is made only with ``fit=True`` (or taken from the run, once it
+    made one); else the program is the one of ``PLAN_REMAT``."""
     from spdsl.lower.shapes import fill_shapes
     from spdsl.memory.fit import SIZING
     from spdsl.pipeline import planned_step
 
-    with planned_step(job, entry, args, kwargs, SIZING) as step:
+    unchosen = job.remat.fit and getattr(entry, "remat", None) is None and not fit
+    with planned_step(job, entry, args, kwargs, SIZING,
+                      remat=PLAN_REMAT if unchosen else None) as step:
         local = step.program
         if any(n.op == "call_function" and "val" not in n.meta for n in local.graph.nodes):
             fill_shapes(local, step.state + step.inputs)    # remat "none" leaves it unfilled
-        return local, step.axes
+        return local, step.axes, step.why
 
 
-def attach(plan: ShardingPlan, job, entry, args: tuple, kwargs: dict) -> None:
+def attach(plan: ShardingPlan, job, entry, args: tuple, kwargs: dict, *,
+           fit: bool = False, extra: tuple[Collective, ...] = ()) -> None:
     """Let ``plan.collectives`` be read off the program of ``entry`` (the decisions of one
     call) when first asked: built then by the pipeline for ``job`` (``spdsl.pipeline.Job``),
     see :func:`program_for_plan`; ``plan.timing()`` schedules the same program
-    (``spdsl.inspect.timing``)."""
+    (``spdsl.inspect.timing``). ``fit=True``: under ``remat="fit"``, the mode is chosen then
+    (the memory planner, once per mode tried) and ``plan.remat`` records the choice.
+    ``extra``: collectives the call runs outside the program (the same-inputs check), listed
+    last."""
+    plan.remat_mode = job.remat.describe()
+
     def read(plan: ShardingPlan) -> list[Collective]:
         try:
-            local, axes = program_for_plan(job, entry, args, kwargs)
+            local, axes, why = program_for_plan(job, entry, args, kwargs, fit=fit)
         except (ValueError, NotImplementedError) as e:
             # a lowering that needs groups a planning process lacks: say so, and list what
             # propagation decided (the gradient of each parameter reduced alone, no remat)
             warnings.warn(f"spdsl.plan: the local program could not be built here ({e}); "
                           "the collectives listed are propagation's, not the program's",
                           stacklevel=3)
-            return plan.__dict__["_collectives"]
+            return [*plan.__dict__["_collectives"], *extra]
+        if why is not None and plan.remat is None:
+            plan.remat = why
         colls = collectives_of(local, plan, axes)
-        plan.__dict__["_schedule"] = _schedule(local, colls, job, args)
-        return colls
+        plan.__dict__["_schedule"] = replace(_schedule(local, colls, job, args),
+                                                 before=tuple(extra))
+        return [*colls, *extra]
     plan.__dict__["_program"] = read
 
 

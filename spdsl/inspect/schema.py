@@ -68,6 +68,7 @@ def to_dict(plan: ShardingPlan) -> dict[str, Any]:
         "collectives": [_collective(c) for c in plan.collectives],
         "values": [_value(v) for v in plan.values],
         "remat": plan.remat.to_dict() if plan.remat is not None else None,
+        "remat_mode": plan.remat_mode,
         "timing": _timing(plan),
     }
 
@@ -113,7 +114,7 @@ def from_json(text: str) -> ShardingPlan:
     remat = RematChoice.from_dict(d["remat"]) if d.get("remat") else None
     plan = ShardingPlan(d["axis"], d["parts"], values, colls,
                         [(o["value"], o["placement"]) for o in d["outputs"]], att, d["title"],
-                        remat=remat)
+                        remat=remat, remat_mode=d.get("remat_mode", ""))
     if d.get("timing"):
         from spdsl.inspect.timing import Timing
         plan.__dict__["_timing"] = Timing.from_dict(d["timing"])

@@ -134,6 +134,11 @@ def render(plan: ShardingPlan) -> str:
                      f"{fmt_ratio(t.ratio_bwd)} backward")
     if plan.remat is not None:       # what remat="fit" chose, and the peaks it weighed
         lines.append(f"  remat:              {plan.remat}")
+    elif plan.remat_mode == "fit":   # not chosen: the choice plans the step once per mode
+        lines.append("  remat:              fit, chosen when the step is built (listed as "
+                     "'none'; spdsl.plan(..., fit=True) or --remat-fit chooses here)")
+    elif plan.remat_mode:
+        lines.append(f"  remat:              {plan.remat_mode}")
     if "_schedule" in plan.__dict__ or "_timing" in plan.__dict__:    # modelled communication
         lines.append(f"  communication:      {plan.timing().summary()} (cost model: "
                      "plan.timing())")

@@ -17,7 +17,7 @@ import torch
 
 import spdsl.collectives as C
 from spdsl._torch import tree_map
-from spdsl.lower import ops, ring, tokenwise
+from spdsl.lower import mixers, ops, ring, tokenwise
 from spdsl.lower.factories import VAL as REPLICATED_VAL
 from spdsl.lower.factories import split_factories
 from spdsl.propagate.eager_attention import COMPUTE_DTYPE, OUT_DTYPE
@@ -269,14 +269,15 @@ class Lowering:
             elif node.op == "get_attr":
                 self.env[node] = self.graph.get_attr(node.target)
             elif node.op == "call_function":
-                start = len(self.graph.nodes)
+                tail = next(reversed(self.graph.nodes), None)
                 self.env[node] = self._node(node)
                 self._note_replicated(node)
-                for i, new in enumerate(self.graph.nodes):
-                    if i >= start:   # module path and source travel to the local nodes
-                        new.meta.setdefault("spdsl_module", node.meta.get("spdsl_module", ""))
-                        new.meta.setdefault("stack_trace", node.meta.get("stack_trace"))
-                        new.meta.setdefault("spdsl_origin", node.name)
+                for new in reversed(self.graph.nodes):   # the nodes just added, newest first
+                    if new is tail:
+                        break        # module path and source travel to the local nodes
+                    new.meta.setdefault("spdsl_module", node.meta.get("spdsl_module", ""))
+                    new.meta.setdefault("stack_trace", node.meta.get("stack_trace"))
+                    new.meta.setdefault("spdsl_origin", node.name)
             elif node.op == "output":
                 outs = []
                 data_out = data_out or [Replicate()] * len(out_placements)
@@ -337,6 +338,8 @@ class Lowering:
         if d is None:
             args, kwargs = tree_map(lambda a: self.env[a] if isinstance(a, torch.fx.Node) else a,
                                     (node.args, node.kwargs))
+            if node.target is torch.ops.spdsl.mixer.default:
+                return self.graph.call_function(mixers.run, args, kwargs)
             return self.graph.call_function(node.target, args, kwargs)
         local = self._inputs(node)
         args, kwargs = self._args(node, local)
@@ -345,6 +348,11 @@ class Lowering:
         low = d.strategy.lowering
         if self.parts == 1 and low not in AT_ONE_RANK:
             low = None
+        if node.target is torch.ops.spdsl.mixer.default:        # the mixer on the rank's part
+            if low == L.MIXER_STATE:
+                return self.call(mixers.run_state, args[0], args[1], self.parts, self.rank,
+                                 self.group)
+            return self.graph.call_function(mixers.run, args, kwargs)
         P, r, g = self.parts, self.rank, self.group
         dd = self.data.prop.decisions.get(node) if self.data is not None else None
         dlow = dd.strategy.lowering if dd is not None else None

@@ -9,12 +9,13 @@ nothing is sent.
 from __future__ import annotations
 
 import contextlib
+import operator
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
-from spdsl._torch import FakeTensorMode
+from spdsl._torch import FakeTensorMode, OpOverload, tree_flatten, tree_map
 
 
 @dataclass(frozen=True)
@@ -56,9 +57,10 @@ class TensorSpec:
 
 
 class _Fill(torch.fx.Interpreter):
-    def __init__(self, gm, before: Callable[[torch.fx.Node], None] | None) -> None:
+    def __init__(self, gm, before: Callable[[torch.fx.Node], None] | None,
+                 memo: dict | None = None) -> None:
         super().__init__(gm)
-        self.before = before
+        self.before, self.memo = before, memo
 
     def run_node(self, n):
         if self.before is not None:
@@ -66,6 +68,43 @@ class _Fill(torch.fx.Interpreter):
         out = super().run_node(n)
         n.meta["val"] = out
         return out
+
+    def call_function(self, target, args, kwargs):
+        # spdsl's own calls (a layer's Ulysses attention, the gradient buckets) run dozens of
+        # fake ops each, the same in every identical layer: with no mode watching the ops,
+        # one run per signature is enough (an 8B model's 32 attentions: 1.0 s -> 0.03 s)
+        key = None
+        if self.memo is not None and not isinstance(target, OpOverload) and \
+                target is not operator.getitem:
+            key = _signature(target, args, kwargs)
+        if key is None:
+            return super().call_function(target, args, kwargs)
+        if key not in self.memo:
+            self.memo[key] = super().call_function(target, args, kwargs)
+        return tree_map(_like, self.memo[key])
+
+
+def _signature(target, args, kwargs) -> tuple | None:
+    """What a call's output shapes depend on: its function, each tensor's metadata, every other
+    argument by value (None where one is not hashable)."""
+    leaves, spec = tree_flatten((args, kwargs))
+    key: list = [target, repr(spec)]
+    for x in leaves:
+        if isinstance(x, torch.Tensor):
+            key.append((tuple(x.shape), x.stride(), x.dtype, x.device, x.requires_grad))
+        else:
+            try:
+                hash(x)
+            except TypeError:
+                return None
+            key.append((type(x), x))
+    return tuple(key)
+
+
+def _like(x):
+    if not isinstance(x, torch.Tensor):
+        return x
+    return torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device=x.device)
 
 
 def fill_shapes(gm: torch.fx.GraphModule, specs: list[TensorSpec], mode=None,
@@ -81,4 +120,4 @@ def fill_shapes(gm: torch.fx.GraphModule, specs: list[TensorSpec], mode=None,
     with FakeTensorMode(allow_non_fake_inputs=True), torch.no_grad():
         args = [s.fake() for s in specs]
         with mode if mode is not None else contextlib.nullcontext():
-            _Fill(gm, before).run(*args)
+            _Fill(gm, before, {} if mode is None and before is None else None).run(*args)

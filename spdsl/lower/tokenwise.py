@@ -71,6 +71,8 @@ def _experts_like(s, args: list[torch.Tensor], state: list[torch.Tensor]):
     # router gives each 1/experts of the pairs; grouped_mm computes every pair at once
     groups = gate_up.shape[0] if implementation in (None, "eager") else 1
     w_gu, w_down = gate_up[0], down[0]
+    # gpt-oss adds a bias per expert to each projection: used, so its gradient is counted
+    b_gu, b_down = params.get("gate_up_proj_bias"), params.get("down_proj_bias")
     # Mixtral/Qwen/DeepSeek keep [experts, 2 * ffn, hidden]; gpt-oss [experts, hidden, 2 * ffn]
     transposed = w_gu.shape[0] == x.shape[-1] and w_gu.shape[1] != x.shape[-1]
     act = getattr(module, "act_fn", torch.nn.functional.silu)
@@ -79,10 +81,14 @@ def _experts_like(s, args: list[torch.Tensor], state: list[torch.Tensor]):
         rows = token_of[pairs]
         h = x[rows]
         gu = h @ w_gu if transposed else torch.nn.functional.linear(h, w_gu)
+        if b_gu is not None:
+            gu = gu + b_gu[0]
         gate, up = gu.chunk(2, dim=-1)
         y = act(gate) * up
         y = y @ w_down if w_down.shape[0] == y.shape[-1] else \
             torch.nn.functional.linear(y, w_down)
+        if b_down is not None:
+            y = y + b_down[0]
         y = y * pair_weight[pairs].to(y.dtype)
         out = out.index_add(0, rows, y.to(x.dtype))
     return [out]

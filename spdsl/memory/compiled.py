@@ -35,6 +35,7 @@ import ast
 import torch
 
 from spdsl._torch import FakeTensorMode, inductor_programs, tree_flatten
+from spdsl.collectives import unordered
 from spdsl.lower.shapes import TensorSpec
 from spdsl.memory.report import MemoryPlan
 from spdsl.memory.simulate import simulate
@@ -56,7 +57,8 @@ def graph_programs(gm: torch.nn.Module, state: list[TensorSpec],
         graphs.append((bwd, program_storages(source, sizes, external,
                                              {n: b for n, b in scratch.items() if b})))
 
-    with inductor_programs(record) as backend, FakeTensorMode(allow_non_fake_inputs=True):
+    with inductor_programs(record) as backend, FakeTensorMode(allow_non_fake_inputs=True), \
+            unordered():
         # state that trains enters as parameters, as in the run: Dynamo treats them as static
         # inputs, and AOTAutograd's partition (what backward keeps) differs with that
         params = [torch.nn.Parameter(s.fake()) if s.requires_grad else s.fake() for s in state]

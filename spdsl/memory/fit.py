@@ -11,7 +11,11 @@ fits; the first that fits is the one the program runs. When none fits, the last 
 and a warning says by how much it is over. This happens once per traced program (when the
 step is first built for a set of shapes), not per call. A compiled step is planned as the
 eager one: replaying Inductor's program (``spdsl.memory.compiled``) would cost most of a
-compilation per mode tried.
+compilation per mode tried. When the planner cannot plan the program at all (any exception in
+building or simulating a mode), the step runs ``remat="none"``, the mode that needs no plan,
+and one warning of one line says why (``RematChoice.unplanned``): a default never stops a step
+that runs without it. A rank that fails tells the others through the same all-reduce, so every
+rank runs unplanned.
 
 The budget per rank, first found of:
 
@@ -124,32 +128,70 @@ def choose_remat(local: torch.fx.GraphModule, remat: Remat, state: list[TensorSp
     given = given_budget(remat)
     budget, source = given if given is not None else device_budget(device, resident)
     optimizer = remat.optimizer or optimizer
-    tried: list[tuple[str, int, torch.fx.GraphModule]] = []
+    tried: list[tuple[str, int | None, torch.fx.GraphModule]] = []
 
     def plan(r: Remat) -> int:
-        gm = apply_remat(local, r, state, inputs)
-        mem = simulate(gm, state, inputs, optimizer=optimizer)
+        tried.append((r.describe(), None, apply_remat(local, r, state, inputs)))
+        mem = simulate(tried[-1][2], state, inputs, optimizer=optimizer)
         # on CPU, host copies (offload) come out of the same memory
-        tried.append((r.describe(), mem.peak if device == "cuda" else
-                      max(mem.peak, mem.one_pool), gm))
+        tried[-1] = (tried[-1][0], mem.peak if device == "cuda" else
+                     max(mem.peak, mem.one_pool), tried[-1][2])
         return tried[-1][1]
 
-    pick = next((i for i, r in enumerate(modes) if plan(r) <= budget), len(modes) - 1)
+    failed = None
+    try:
+        pick = next((i for i, r in enumerate(modes) if plan(r) <= budget), len(modes) - 1)
+    except Exception as exc:  # noqa: BLE001 - any failure of the planner: run unplanned
+        failed, pick = _first_line(exc), len(modes)      # past the ladder: "unplanned"
     if agree is not None:
-        agreed = agree(pick)
-        while len(tried) <= agreed:     # another rank needs a leaner mode than this one tried
-            plan(modes[len(tried)])
-        if agreed != pick:
-            source += f"; {modes[agreed].describe()!r} is what the tightest rank needs"
-        pick = agreed
-    fits = tried[pick][1] <= budget
+        agreed = agree(pick)           # every rank, failed or not: the ranks run one mode
+        if agreed == len(modes) and failed is None:
+            failed = "another rank could not plan it"
+        elif agreed < len(modes):
+            try:
+                while len(tried) <= agreed:     # another rank needs a leaner mode than tried
+                    plan(modes[len(tried)])
+            except Exception as exc:  # noqa: BLE001 - the mode is agreed: run it unplanned
+                warnings.warn(f"spdsl: remat='fit' could not plan {modes[agreed].describe()!r} "
+                              f"on this rank ({_first_line(exc)}); it runs unplanned, as the "
+                              "tightest rank needs", stacklevel=5)
+                while len(tried) <= agreed:
+                    r = modes[len(tried)]
+                    tried.append((r.describe(), None, apply_remat(local, r, state, inputs)))
+            if agreed != pick:
+                source += f"; {modes[agreed].describe()!r} is what the tightest rank needs"
+            pick = agreed
+    if failed is not None:
+        return _unplanned(local, state, inputs, budget, source, failed)
+    fits = tried[pick][1] is None or tried[pick][1] <= budget
     choice = RematChoice(modes[pick].describe(), budget, source,
-                         tuple((m, p) for m, p, _ in tried), fits)
+                         tuple((m, p) for m, p, _ in tried if p is not None), fits)
     if not fits:
         warnings.warn(f"spdsl: no remat mode fits this step: {choice}. Give a larger "
                       "budget (memory_budget=), more ranks, shard_state=True, or "
                       "remat=spdsl.Remat('full', recompute_collectives=True)", stacklevel=5)
     return tried[pick][2], modes[pick], choice
+
+
+UNPLANNED = Remat("none")     # what runs when the planner fails: the mode that needs no plan
+
+
+def _unplanned(local: torch.fx.GraphModule, state: list[TensorSpec], inputs: list[TensorSpec],
+               budget: int, source: str, why: str,
+               ) -> tuple[torch.fx.GraphModule, Remat, RematChoice]:
+    """The step without a plan (``UNPLANNED``), and one line saying why: a planner that
+    cannot simulate a program (an op its fake kernels do not cover, say) must not stop a step
+    that runs without it."""
+    warnings.warn(f"spdsl: remat='fit' could not plan this step ({why}); it runs with "
+                  f"remat={UNPLANNED.describe()!r}, which needs no plan (pass remat='full' if "
+                  "memory is short)", stacklevel=6)
+    choice = RematChoice(UNPLANNED.describe(), budget, source, (), True, unplanned=why)
+    return apply_remat(local, UNPLANNED, state, inputs), UNPLANNED, choice
+
+
+def _first_line(exc: BaseException) -> str:
+    lines = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__
 
 
 def _mem_available() -> tuple[int, str]:

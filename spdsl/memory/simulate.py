@@ -40,6 +40,7 @@ import math
 import torch
 
 from spdsl._torch import FakeTensorMode, tree_flatten
+from spdsl.collectives import unordered
 from spdsl.lower.shapes import TensorSpec
 from spdsl.memory.report import MemoryPlan
 from spdsl.memory.tracker import LiveBytes
@@ -125,7 +126,7 @@ def simulate(gm: torch.nn.Module, state: list[TensorSpec], inputs: list[TensorSp
     """
     optimizer = canonical_optimizer(optimizer, optimizer_on_host)
     tracker = LiveBytes(workspace=True, pinned=pinned_host)
-    with FakeTensorMode(allow_non_fake_inputs=True):
+    with FakeTensorMode(allow_non_fake_inputs=True), unordered():
         params = [s.fake() for s in state]
         xs = [s.fake() for s in inputs]
         states = {}

@@ -161,9 +161,14 @@ class LiveBytes(TorchDispatchMode):
         hooks = []
         for p in params:
             if isinstance(p, torch.Tensor) and p.requires_grad:
-                hooks.append(p.register_post_accumulate_grad_hook(
-                    lambda q: self.retag(q.grad, "gradient")))
+                hooks.append(p.register_post_accumulate_grad_hook(self._accumulated))
         return hooks
+
+    def _accumulated(self, p: torch.Tensor) -> None:
+        # torch runs the hook even when the gradient that arrived is undefined (a backward
+        # returned None for the parameter) and p.grad is still None: nothing to count yet
+        if p.grad is not None:
+            self.retag(p.grad, "gradient")
 
     def mark(self, name: str) -> None:
         """Remember the per-category bytes at this point (e.g. ``"forward_end"``)."""

@@ -80,13 +80,9 @@ def positive(text: str) -> int:
 
 
 def version() -> str:
-    """The installed spdsl's version (pyproject's, for a checkout that is not installed)."""
-    from importlib.metadata import PackageNotFoundError
-    from importlib.metadata import version as installed
-    try:
-        return installed("spdsl")
-    except PackageNotFoundError:
-        return "0.1.0"
+    """The running spdsl's version (``spdsl.__version__``, pyproject's)."""
+    from spdsl._version import __version__
+    return __version__
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter,

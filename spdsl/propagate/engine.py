@@ -89,7 +89,7 @@ def nbytes(meta: torch.Tensor) -> int:
 
 def redistribute_cost(src: Placement, dst: Placement, meta: torch.Tensor, parts: int) -> float:
     try:
-        return Move(src, dst, nbytes(meta), parts).cost
+        return Move(src, dst, nbytes(meta), parts).price
     except TypeError:
         return INF                                               # nothing becomes partial
 

@@ -84,7 +84,24 @@ def issued(prop, node: torch.fx.Node, lowering: str | None,
         sent = halo_rows(a.shape[dim], start, n, P) * (_nbytes(a) // max(1, a.shape[dim]))
         return (Issued("halo_exchange", sent, sent, "halo", (prop.typed(ins[0]),)),) \
             if sent else ()
+    if lowering == L.MIXER_STATE:
+        return _mixer_state(prop, node, ins)
     return ()
+
+
+def _mixer_state(prop, node: torch.fx.Node, ins: list[torch.fx.Node]) -> tuple[Issued, ...]:
+    """State passing of a sequence mixer (``spdsl.lower.mixers``): each rank's state to every
+    rank (an all-gather; its gradient summed back by a reduce-scatter), or a short conv's
+    ``kernel - 1`` tokens to the next rank (a halo)."""
+    from spdsl.propagate.mixers import SITES
+    site = SITES[node.args[1]]
+    form, P = site.form, prop.parts
+    state = form.state_bytes(site.bound([i.meta["val"] for i in ins]), P)
+    what = (f"{form.name} state", )
+    if form.exchange == "halo":
+        return (Issued("halo_exchange", state, state, "halo", (prop.typed(ins[0]),)),)
+    return (Issued("all_gather", state, 0, "mixer state", what),
+            Issued("reduce_scatter", 0, state * P, "mixer state", what))
 
 
 def _ring(prop, node: torch.fx.Node, ins: list[torch.fx.Node]) -> tuple[Issued, ...]:

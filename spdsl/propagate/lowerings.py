@@ -33,6 +33,7 @@ class Lowering(str, Enum):
     LOSS_MEAN = "loss_mean"          # a loss module's mean over every token
     SLICE_WINDOW = "slice_window"    # a shifted slice along the sequence: a halo exchange
     SELECT_OWNER = "select_owner"    # one position of a split dim: its owner's, else zeros
+    MIXER_STATE = "mixer_state"      # a sequence mixer: pieces' states passed between ranks
 
     def __str__(self) -> str:
         return self.value

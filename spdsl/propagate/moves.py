@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from spdsl.propagate.placement import Partial, Placement, Replicate, Shard
 
 INF = float("inf")
+PRICED_PARTS = 2         # the degree one rank prices its strategies at (Move.price)
 
 
 def kind_of(src: Placement, dst: Placement) -> str:
@@ -74,17 +75,35 @@ class Move:
 
     @property
     def cost(self) -> float:
-        """Bytes that leave a rank in forward: what the engine minimises."""
-        if self.parts == 1 or self.kind in ("none", "take"):
+        """Bytes that leave a rank in forward. A move into a partial sum raises ``TypeError``
+        on any number of ranks."""
+        kind = self.kind
+        if self.parts == 1 or kind in ("none", "take"):
             return 0.0
-        frac = (self.parts - 1) / self.parts
-        if self.kind == "all_to_all":
-            if self.src.size % self.parts or self.dst.size % self.parts:
+        return self._sent(self.parts, kind, exact=True)
+
+    @property
+    def price(self) -> float:
+        """What the engine minimises: ``cost`` on two ranks or more. On one rank nothing
+        leaves and every strategy would cost 0, so the engine would break ties by order and
+        could take a strategy no larger degree takes: a reduce-scatter of a partial sum into a
+        split that an in-place ``copy_`` into a partial destination then cannot accept
+        (Qwen3.5's Gated DeltaNet scan). There the price is the bytes the move would send on
+        two ranks, divisibility aside: one rank decides as the smallest real degree does."""
+        if self.parts > 1:
+            return self.cost
+        kind = self.kind
+        return 0.0 if kind in ("none", "take") else self._sent(PRICED_PARTS, kind, exact=False)
+
+    def _sent(self, parts: int, kind: str, exact: bool) -> float:
+        frac = (parts - 1) / parts
+        if kind == "all_to_all":
+            if exact and (self.src.size % parts or self.dst.size % parts):
                 return INF
-            return self.nbytes / self.parts * frac
-        if self.kind == "reduce_scatter":
-            return self.nbytes * frac if self.dst.size % self.parts == 0 else INF
-        if self.kind == "all_gather":
+            return self.nbytes / parts * frac
+        if kind == "reduce_scatter":
+            return self.nbytes * frac if not exact or self.dst.size % parts == 0 else INF
+        if kind == "all_gather":
             return self.nbytes * frac
         return 2 * self.nbytes * frac                        # all_reduce
 

@@ -65,6 +65,18 @@ def user_frame(tb) -> str:
     return best
 
 
+def stack_line() -> str:
+    """``file:line: code`` of the innermost frame of the user's code on the current stack
+    (``user_frame`` of a traceback, for code still running)."""
+    import traceback
+    best = ""
+    for fr in traceback.extract_stack():
+        if not _skipped(fr.filename):
+            best = f"{_relative(fr.filename, os.getcwd())}:{fr.lineno}"
+            best += f": {fr.line.strip()}" if fr.line else ""
+    return best
+
+
 def module_of(node: torch.fx.Node) -> str:
     return node.meta.get("spdsl_module", "")
 

@@ -47,8 +47,10 @@ from typing import Any
 import torch
 from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing, get_proxy_mode
 
-from spdsl._torch import tree_flatten, tree_unflatten
+from spdsl._torch import FakeTensor, grouped_mm, tree_flatten, tree_unflatten
 from spdsl.errors import ShardingError, user_line
+from spdsl.propagate.placement import REPLICATE, typed_shape
+from spdsl.propagate.source import stack_line
 
 # Hugging Face experts classes by family (all also found by their decorator; the names keep
 # them captured should the decorator's wrapping change)
@@ -59,6 +61,12 @@ HF_EXPERTS: dict[str, tuple[str, ...]] = {
     "olmoe": ("OlmoeExperts",),
     "deepseek_v3": ("DeepseekV3Experts",),
     "gpt_oss": ("GptOssExperts",),
+    "qwen3_next": ("Qwen3NextExperts",),
+    "kimi_linear": ("KimiLinearExperts",),
+    "minimax": ("MiniMaxExperts",),
+    "jamba": ("JambaExperts",),
+    "granitemoehybrid": ("GraniteMoeHybridExperts",),
+    "deepseek_v32": ("DeepseekV32Experts",),
 }
 _HF_NAMES = frozenset(n for names in HF_EXPERTS.values() for n in names)
 
@@ -136,8 +144,11 @@ def _hf_experts(cls: type) -> bool:
     if cls.__name__ in _HF_NAMES:
         return True
     fwd = cls.__dict__.get("forward")
-    return fwd is not None and hasattr(fwd, "__wrapped__") and \
-        "use_experts_implementation" in getattr(fwd, "__qualname__", "")
+    # the decorator's ``functools.wraps`` copies the original's ``__qualname__``
+    # (``MixtralExperts.forward``); only the wrapper's code object keeps its own
+    code = getattr(fwd, "__code__", None)
+    return hasattr(fwd, "__wrapped__") and \
+        "use_experts_implementation" in getattr(code, "co_qualname", "")
 
 
 # -- the node ----------------------------------------------------------------------------------
@@ -251,6 +262,28 @@ def _fixed_bincount(input, weights=None, minlength=0):
     return (hits * weights.unsqueeze(-1)).sum(0)
 
 
+
+
+def _traced_grouped_mm(mat_a, mat_b, *args, **kwargs):
+    """``torch._grouped_mm`` while tracing: PyTorch's fake (meta) kernel takes bf16 only,
+    though the CPU kernel runs fp32 too, so an fp32 call met outside a token-wise module would
+    stop the trace with a bare ``RuntimeError``; say what to do instead."""
+    if mat_a.dtype == mat_b.dtype == torch.bfloat16 or not isinstance(mat_a, FakeTensor):
+        return grouped_mm(mat_a, mat_b, *args, **kwargs)
+    raise ShardingError(
+        rule="grouped_mm traced", where=stack_line(),
+        value=", ".join(typed_shape(tuple(t.shape), t.dtype, REPLICATE) for t in (mat_a, mat_b)),
+        detail="torch._grouped_mm can be traced on fake tensors in bf16 only (its meta kernel "
+               "asks for bf16; the CPU kernel itself runs fp32), and its group sizes come "
+               "from the routing's values, which a trace does not have",
+        fix="mark the module that calls it with spdsl.token_wise(module) (or its class): each "
+            "rank then runs it eagerly on its own tokens, any dtype; Hugging Face experts "
+            "classes (@use_experts_implementation) are marked already")
+
+
 def captured_functions() -> dict[Callable, Callable]:
     """``{function: replacement}`` for the tracer, beside the attention forms'."""
-    return {torch.bincount: _fixed_bincount}
+    out: dict[Callable, Callable] = {torch.bincount: _fixed_bincount}
+    if grouped_mm is not None:
+        out[grouped_mm] = _traced_grouped_mm
+    return out

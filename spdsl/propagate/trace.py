@@ -41,8 +41,9 @@ from spdsl.propagate.eager_attention import uncast_attention, unrepeat_kv
 from spdsl.propagate.fills import fills_as_cat
 from spdsl.propagate.forms import captured, find_all
 from spdsl.propagate.masks import masks_as_functions
+from spdsl.propagate.mixers import captured_mixers
 from spdsl.propagate.replay import LayerReplay
-from spdsl.propagate.source import _relative, _skipped, user_frame
+from spdsl.propagate.source import stack_line, user_frame
 from spdsl.propagate.tokenwise import captured_functions, captured_modules
 
 _TRACING = [False]
@@ -198,8 +199,9 @@ def reachable_modules(fn: Callable, args: tuple, kwargs: dict) -> list[torch.nn.
     found: list[torch.nn.Module] = []
 
     def add(obj: Any) -> None:
+        obj = getattr(obj, "__self__", obj) if isinstance(obj, types.MethodType) else obj
         if isinstance(obj, torch.nn.Module) and not any(obj is m for m in found):
-            found.append(obj)
+            found.append(obj)               # a bound method (``model.forward``): its module
 
     add(fn)
     add(getattr(fn, "__self__", None))
@@ -254,6 +256,8 @@ def trace(fn: Callable, args: tuple, kwargs: dict, breaks: Any = None) -> Traced
     graph into segments where Python reads a value. Layers are then traced every time (no
     replay: Python must run in every layer) and the graph is returned as recorded."""
     roots = reachable_modules(fn, args, kwargs)
+    from spdsl.propagate.hf_attention import check_attention
+    check_attention(roots)        # flex/flash attention: one line, not an error from FX
     state_names, state = [], []
     seen: dict[int, int] = {}
     per_root: list[dict[str, int]] = []
@@ -282,6 +286,7 @@ def trace(fn: Callable, args: tuple, kwargs: dict, breaks: Any = None) -> Traced
                     root, {n: st[i] for n, i in names.items()}, tie_weights=True, strict=False))
             stack.enter_context(_KeepAttention())
             stack.enter_context(captured_modules(roots))    # mixture-of-experts blocks
+            stack.enter_context(captured_mixers())          # linear attention, SSM scans
             stack.enter_context(_HFPackedCheck())
             if breaks is not None:
                 stack.enter_context(breaks(get_proxy_mode().tracer, state,
@@ -484,19 +489,6 @@ def _no_python_draws(fn: Callable):
     finally:
         for n, f in saved.items():
             setattr(random, n, f)
-
-
-def stack_line() -> str:
-    """``file:line: code`` of the innermost frame of the user's code on the current stack
-    (``user_frame`` of a traceback, for code still running)."""
-    import os
-    import traceback
-    best = ""
-    for fr in traceback.extract_stack():
-        if not _skipped(fr.filename):
-            best = f"{_relative(fr.filename, os.getcwd())}:{fr.lineno}"
-            best += f": {fr.line.strip()}" if fr.line else ""
-    return best
 
 
 def _python_random(fn: Callable, where: str = "") -> GraphBreak:

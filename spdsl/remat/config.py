@@ -176,18 +176,23 @@ class RematChoice:
     budget_source: str
     considered: tuple[tuple[str, int], ...]      # (mode, planned peak bytes per rank)
     fits: bool = True
+    unplanned: str = ""         # why the planner could not plan the step (it runs unplanned)
 
     def to_dict(self) -> dict:
         return {"chosen": self.chosen, "budget": self.budget,
                 "budget_source": self.budget_source, "fits": self.fits,
-                "considered": [{"mode": m, "peak": p} for m, p in self.considered]}
+                "considered": [{"mode": m, "peak": p} for m, p in self.considered],
+                "unplanned": self.unplanned}
 
     @staticmethod
     def from_dict(d: dict) -> RematChoice:
         return RematChoice(d["chosen"], d["budget"], d["budget_source"],
-                           tuple((c["mode"], c["peak"]) for c in d["considered"]), d["fits"])
+                           tuple((c["mode"], c["peak"]) for c in d["considered"]), d["fits"],
+                           d.get("unplanned", ""))
 
     def __str__(self) -> str:
+        if self.unplanned:
+            return f"fit -> {self.chosen} (unplanned: {self.unplanned})"
         tried = ", ".join(f"{m} {_size(p)}" for m, p in self.considered)
         verdict = "fits" if self.fits else "nothing fits; the leanest tried"
         return (f"fit -> {self.chosen} ({verdict}): planned peak per rank {tried}; "

@@ -18,7 +18,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 import spdsl
-from tests.hf.families import ATTN, LAYERS, MATRIX, batch, build, packed, padded
+from tests.hf.families import ATTN, LAYERS, MATRIX, batch, build, packed, padded, unsupported
 
 # a gradient that is zero in exact arithmetic (a key bias: softmax is shift-invariant) is
 # rounding noise on both sides; its error is measured against this share of the model's
@@ -172,6 +172,10 @@ def run_all(rank: int, world: int, cases: list[Case], extras: bool = True) -> di
     for case in cases:
         if os.environ.get("SPDSL_HF_VERBOSE"):
             print(f"rank {rank}: {case.name}", file=sys.stderr, flush=True)
+        why = "" if case.family == "plain_tied" else unsupported(case.family, case.attn)
+        if why:
+            results[case.name] = {"skip": why}
+            continue
         try:
             results[case.name] = run_case(case, world)
         except Exception:  # noqa: BLE001 - reported per case

@@ -130,6 +130,17 @@ MATRIX = list(FAMILIES)
 ATTN = {f: ("eager",) if f == "gptj" else ("sdpa", "eager") for f in FAMILIES}
 
 
+def unsupported(name: str, attn: str) -> str:
+    """Why the installed transformers builds no ``name`` model with ``attn`` ("" when it
+    does): Gemma 2 lost its SDPA path in 5.23 (SDPA cannot cap scores), so its capped scores
+    run through eager attention only there."""
+    import transformers
+    cls = getattr(transformers, FAMILIES[name].model)
+    if attn == "sdpa" and not getattr(cls, "_supports_sdpa", True):
+        return f"transformers {transformers.__version__}: {cls.__name__} has no SDPA attention"
+    return ""
+
+
 def build(name: str, attn: str = "sdpa", seed: int = 0, **overrides) -> torch.nn.Module:
     """The tiny random model of family ``name`` with ``attn_implementation=attn``."""
     import transformers

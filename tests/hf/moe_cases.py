@@ -56,15 +56,86 @@ MOE_FAMILIES: dict[str, tuple[str, str, dict]] = {
                 {**_BASE, "intermediate_size": 32, "num_local_experts": 4,
                  "num_experts_per_tok": 2, "head_dim": 16, "sliding_window": 8,
                  "layer_types": ["sliding_attention", "full_attention"]}),
+    # hybrids: experts in every layer, a linear-attention or state-space mixer in the first
+    # (run gathered on every rank: no sequence-parallel rule for those mixers yet), attention
+    # in the second. Gated DeltaNet, a shared expert behind a sigmoid gate
+    "qwen3_next": ("Qwen3NextConfig", "Qwen3NextForCausalLM",
+                   {**_BASE, "intermediate_size": 64, "moe_intermediate_size": 32,
+                    "shared_expert_intermediate_size": 32, "head_dim": 16, "num_experts": 4,
+                    "num_experts_per_tok": 2, "decoder_sparse_step": 1,
+                    "linear_num_key_heads": 2, "linear_num_value_heads": 4,
+                    "linear_key_head_dim": 16, "linear_value_head_dim": 16,
+                    "layer_types": ["linear_attention", "full_attention"]}),
+    # Kimi delta attention, then multi-head latent attention; sigmoid routing with a bias, a
+    # shared expert; no load-balancing loss
+    "kimi_linear": ("KimiLinearConfig", "KimiLinearForCausalLM",
+                    {**_BASE, "num_key_value_heads": 4, "intermediate_size": 64,
+                     "moe_intermediate_size": 32, "num_local_experts": 4,
+                     "num_experts_per_tok": 2, "n_shared_experts": 1, "kv_lora_rank": 16,
+                     "q_lora_rank": None, "qk_rope_head_dim": 8, "qk_nope_head_dim": 8,
+                     "v_head_dim": 16, "linear_head_dim": 16, "linear_num_heads": 4,
+                     "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2,
+                     "layer_types": ["linear_attention", "full_attention"],
+                     "mlp_layer_types": ["sparse", "sparse"]}),
+    # lightning attention in blocks of 8 tokens, then softmax attention
+    "minimax": ("MiniMaxConfig", "MiniMaxForCausalLM",
+                {**_BASE, "intermediate_size": 32, "head_dim": 16, "num_local_experts": 4,
+                 "num_experts_per_tok": 2, "block_size": 8,
+                 "layer_types": ["linear_attention", "full_attention"]}),
+    # Mamba-1 (selective scan), then attention; the experts under feed_forward
+    "jamba": ("JambaConfig", "JambaForCausalLM",
+              {**_BASE, "intermediate_size": 32, "num_experts": 4, "num_experts_per_tok": 2,
+               "expert_layer_period": 1, "expert_layer_offset": 0, "attn_layer_period": 2,
+               "attn_layer_offset": 1, "mamba_d_state": 8, "mamba_d_conv": 4,
+               "mamba_expand": 2, "mamba_dt_rank": 8}),
+    # Granite 4 hybrid: Mamba-2 (SSD, chunks of 8), then attention; a shared MLP
+    "granitemoehybrid": ("GraniteMoeHybridConfig", "GraniteMoeHybridForCausalLM",
+                         {**_BASE, "intermediate_size": 32, "num_local_experts": 4,
+                          "num_experts_per_tok": 2, "shared_intermediate_size": 32,
+                          "layer_types": ["mamba", "attention"], "mamba_n_heads": 8,
+                          "mamba_n_groups": 1, "mamba_d_state": 8, "mamba_d_head": 16,
+                          "mamba_chunk_size": 8, "position_embedding_type": "rope"}),
+    # DeepSeek-V3.2: DeepSeek-V3's routing and latent attention with a lightning indexer that
+    # keeps each query's top 8 keys; a dense first layer; no load-balancing loss
+    "deepseek_v32": ("DeepseekV32Config", "DeepseekV32ForCausalLM",
+                     {**_BASE, "num_key_value_heads": 4, "intermediate_size": 64,
+                      "moe_intermediate_size": 32, "n_routed_experts": 4,
+                      "num_experts_per_tok": 2, "n_shared_experts": 1, "n_group": 2,
+                      "topk_group": 1, "first_k_dense_replace": 1, "q_lora_rank": 16,
+                      "kv_lora_rank": 16, "qk_rope_head_dim": 8, "qk_nope_head_dim": 8,
+                      "v_head_dim": 16, "head_dim": 8, "index_topk": 8,
+                      "index_head_dim": 16, "index_n_heads": 2}),
 }
 ATTN = {"gpt_oss": "eager"}       # no SDPA path in transformers
-MOE_LAYERS = {"deepseek_v3": (1,)}      # layers with experts (DeepSeek-V3's first is dense)
+# layers with experts (DeepSeek-V3's first is dense), and the module holding them
+MOE_LAYERS = {"deepseek_v3": (1,), "deepseek_v32": (1,)}
+BIAS_BALANCED = ("deepseek_v3", "kimi_linear", "deepseek_v32")   # no load-balancing loss
+MOE_BLOCK = {"jamba": "feed_forward", "granitemoehybrid": "block_sparse_moe"}
+ROUTERS = ("mlp.gate.weight", "mlp.router.weight", "feed_forward.router.weight",
+           "block_sparse_moe.router.weight")
+
+
+def experts_modules(family: str, layers: int) -> list[str]:
+    """The names of ``family``'s experts modules, one per MoE layer."""
+    block = MOE_BLOCK.get(family, "mlp")
+    return [f"model.layers.{i}.{block}.experts" for i in MOE_LAYERS.get(family, range(layers))]
+
+
+def records_router_logits(family: str) -> bool:
+    """Whether this transformers' ``family`` returns router logits: Granite 4 hybrid's
+    recorder for them is missing in 5.17 (``output_router_logits=True`` raises there, on a
+    single device too), present in 5.23."""
+    import transformers
+    recorders = getattr(transformers, MOE_FAMILIES[family][1])._can_record_outputs or {}
+    return "router_logits" in recorders
 
 
 def build_moe(family: str, experts: str = "eager", seed: int = 0) -> torch.nn.Module:
     """The tiny random model of ``family`` with ``config._experts_implementation=experts``."""
     import transformers
     cfg_name, model_name, kwargs = MOE_FAMILIES[family]
+    if not records_router_logits(family):
+        kwargs = {**kwargs, "output_router_logits": False}
     cfg = getattr(transformers, cfg_name)(**kwargs)
     cfg._attn_implementation = ATTN.get(family, "sdpa")
     cfg._experts_implementation = experts
@@ -72,7 +143,7 @@ def build_moe(family: str, experts: str = "eager", seed: int = 0) -> torch.nn.Mo
     model = getattr(transformers, model_name)(cfg).float().train()
     with torch.no_grad():     # a decisive router: each piece of the sequence routes its own way
         for name, p in model.named_parameters():
-            if name.endswith(("mlp.gate.weight", "mlp.router.weight")):
+            if name.endswith(ROUTERS):
                 p.mul_(ROUTER_SCALE)
     return model
 
@@ -164,10 +235,11 @@ def run_moe_case(case: MoeCase, rank: int, world: int) -> dict:
     out["token_wise"] = sorted({v.module for v in plan.values if v.origin == "token_wise"})
     # with sharded state the MoE layers gather their parameters and scatter their gradients
     # (purpose "state"); nothing of the sequence moves
+    block = f".{MOE_BLOCK.get(case.family, 'mlp')}"
     out["moe_collectives"] = [(c.kind, c.module) for c in plan.collectives
-                              if ".mlp" in c.module and c.purpose not in ("gradient", "state")]
+                              if block in c.module and c.purpose not in ("gradient", "state")]
     out["moe_state_collectives"] = sum(1 for c in plan.collectives
-                                       if ".mlp" in c.module and c.purpose == "state")
+                                       if block in c.module and c.purpose == "state")
     out["graphs"] = out_graphs
     return out
 
@@ -190,5 +262,6 @@ MOE_CASES = [MoeCase(f, e) for f in MAIN for e in EXPERTS_IMPLEMENTATIONS] + [
     MoeCase(f, "eager", remat="full") for f in MAIN] + [
     MoeCase(f, "grouped_mm", data="pad_right") for f in MAIN] + [
     MoeCase(f, "grouped_mm") for f in MOE_FAMILIES if f not in MAIN] + [
+    MoeCase("gpt_oss", "eager", remat="fit"),       # the default: planned, then run
     MoeCase("mixtral", "grouped_mm", shard_state=True),
     MoeCase("qwen3_moe", "eager", remat="full", shard_state=True)]

@@ -14,9 +14,11 @@ def test_schema_keys_and_version(tiny_plan):
     d = json.loads(tiny_plan.to_json())
     assert d["schema"] == SCHEMA == "spdsl.plan" and d["version"] == VERSION == 1
     assert list(d) == ["schema", "version", "title", "axis", "parts", "totals", "blocks",
-                       "outputs", "attention", "collectives", "values", "remat", "timing"]
+                       "outputs", "attention", "collectives", "values", "remat", "remat_mode",
+                       "timing"]
     assert d["timing"]["comm_s"] > 0 and d["timing"]["links"]["intra_bytes_per_s"] == 2e9
     assert d["remat"] is None          # chosen when the step is built (tests/memory/test_fit.py)
+    assert d["remat_mode"] == "fit"    # what the function asks for (tests/inspect/test_plan_fit.py)
     assert d["axis"] == "sp" and d["parts"] == 4 and d["title"] == "tiny Llama"
     # the Ulysses floor, plus the labels' halo buffer (240 B on rank 0) and the loss' 8 B
     assert d["totals"]["ratio_fwd"] == pytest.approx((65536 + 240 + 8) / 65536, abs=1e-4)

@@ -40,7 +40,8 @@ def test_totals_beside_the_floor(tiny_plan):
     grads = [c for c in tiny_plan.collectives if c.purpose == "gradient"]
     assert len(grads) == 1 and t.grad_bwd == grads[0].bytes_bwd      # one bucket
     assert len(grads[0].carries) == 21 and grads[0].carries[0] == "lm_head.weight"
-    floor, comm = str(tiny_plan).splitlines()[-2:]
+    floor, remat, comm = str(tiny_plan).splitlines()[-3:]
+    assert remat.startswith("  remat:              fit, chosen when the step is built")
     assert "Ulysses floor" in floor and "1.00x forward, 1.00x backward" in floor
     assert comm.startswith("  communication:") and "exposed" in comm
 

@@ -158,3 +158,35 @@ def test_the_plan_shows_the_choice():
     again = ShardingPlan.from_json(plan.to_json())
     assert again.remat == why
     assert ShardingPlan.from_json(ShardingPlan("sp", 2).to_json()).remat is None
+
+
+def _broken(*a, **kw):
+    raise RuntimeError("no fake kernel for this op\nsecond line of the error")
+
+
+def test_a_planner_that_fails_runs_unplanned_and_says_why_in_one_line(lowered, monkeypatch):
+    monkeypatch.setattr(fit, "simulate", _broken)
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        gm, r, why = _choose(lowered, 2 ** 50)
+    said = [str(x.message) for x in w]
+    assert len(said) == 1 and "\n" not in said[0], said
+    assert "could not plan" in said[0] and "RuntimeError: no fake kernel for this op" in said[0]
+    assert r == fit.UNPLANNED and why.chosen == "none" and why.considered == ()
+    assert why.unplanned == "RuntimeError: no fake kernel for this op"
+    assert str(why) == "fit -> none (unplanned: RuntimeError: no fake kernel for this op)"
+    assert RematChoice.from_dict(why.to_dict()) == why
+    assert gm.spdsl_remat.remat.mode == "none"
+
+
+def test_a_failing_rank_makes_every_rank_run_unplanned(lowered, monkeypatch):
+    asked = []
+    monkeypatch.setattr(fit, "simulate", _broken)
+    with pytest.warns(UserWarning, match="could not plan"):
+        _, r, _ = _choose(lowered, 2 ** 50, agree=lambda i: asked.append(i) or i)
+    assert asked == [3] and r.mode == "none"        # past the ladder: "could not plan"
+    monkeypatch.undo()
+    with pytest.warns(UserWarning, match="another rank could not plan it"):
+        _, r, why = _choose(lowered, 1, agree=lambda i: 3)     # this rank would pick full
+    assert r.mode == "none" and why.unplanned == "another rank could not plan it"
+

@@ -44,3 +44,32 @@ def test_views_share_a_storage_and_dead_storages_are_freed():
         assert tracker.current == 1024
         del z
     assert tracker.current == 0 and tracker.peak == 2048
+
+
+class _NoGradFor(torch.autograd.Function):
+    """``x * 2`` whose backward gives ``w`` no gradient (None), as a planner stand-in may."""
+
+    @staticmethod
+    def forward(ctx, x, w):
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * 2, None
+
+
+def test_an_undefined_gradient_counts_nothing():
+    # torch calls a post-accumulate-grad hook even when the gradient that arrived is undefined
+    # (p.grad stays None): the tracker counts no gradient there and does not fail
+    w = torch.nn.Parameter(torch.ones(64))
+    v = torch.nn.Parameter(torch.ones(16))
+    x = torch.ones(64, requires_grad=True)
+    tracker = LiveBytes()
+    tracker.register([w, v], "parameter")
+    hooks = tracker.watch_gradients([w, v])
+    with tracker:
+        (_NoGradFor.apply(x, w).sum() + (v * 3).sum()).backward()
+    for h in hooks:
+        h.remove()
+    assert w.grad is None and v.grad is not None
+    assert tracker.sums["gradient"] == 16 * 4

@@ -55,25 +55,30 @@ def _cases(rank: int, world: int) -> dict:
         return real(*a, **kw)
     fit.choose_remat = counted
 
-    def run(budget=None, device_budget=None) -> dict:
+    def broken(*a, **kw):
+        raise RuntimeError("no fake kernel for this op\nsecond line of the error")
+
+    def run(budget=None, device_budget=None, fail=False) -> dict:
         model = copy.deepcopy(ref)
         model.zero_grad(set_to_none=True)
         step = spdsl.sp_shard(seq=world, memory_budget=budget)(model)
-        saved = fit.device_budget
+        saved, simulate = fit.device_budget, fit.simulate
         if device_budget is not None:
             fit.device_budget = lambda device, resident=0: (device_budget, "test")
-        try:
-            with warnings.catch_warnings(record=True) as w:
-                warnings.simplefilter("always")
+        if fail:
+            fit.simulate = broken
+        with warnings.catch_warnings(record=True) as w:
+            warnings.simplefilter("always")
+            try:
                 loss = step(ids, labels)
-        finally:
-            fit.device_budget = saved
-        loss.backward()
-        out = _errs(model, ref, loss, loss_ref)
-        before = len(chosen_calls)
-        for _ in range(2):          # the same program again: built once, chosen once
-            model.zero_grad(set_to_none=True)
-            step(ids, labels).backward()
+            finally:
+                fit.device_budget, fit.simulate = saved, simulate
+            loss.backward()
+            out = _errs(model, ref, loss, loss_ref)
+            before = len(chosen_calls)
+            for _ in range(2):          # the same program again: built once, chosen once
+                model.zero_grad(set_to_none=True)
+                step(ids, labels).backward()
         plan = spdsl.plan(step, ids, labels)
         out.update(chosen=plan.remat.chosen, fits=plan.remat.fits,
                    considered=[m for m, _ in plan.remat.considered],
@@ -95,6 +100,8 @@ def _cases(rank: int, world: int) -> dict:
                                 ids, labels, rank=r).peak for r in range(world))
     out["peaks_differ"] = hi > lo
     out["between_ranks"] = run(budget=lo)
+    # rank 1's planner fails (rank 0 would pick auto): both run unplanned, without remat
+    out["unplanned"] = run(budget=peaks["none"] - 1, fail=rank == 1)
     fit.choose_remat = real
     return out
 
@@ -107,7 +114,7 @@ def results():
 @pytest.mark.parametrize("case,want", [("default", "none"), ("huge", "none"),
                                        ("between", "auto"), ("below_auto", "full"),
                                        ("nothing", "full"), ("agree", "auto"),
-                                       ("between_ranks", "auto")])
+                                       ("between_ranks", "auto"), ("unplanned", "none")])
 def test_the_default_is_exact_in_the_mode_it_picks(results, case, want):
     peaks = results[0]["peaks"]
     assert peaks["none"] > peaks["auto"] > peaks["full"], peaks
@@ -124,3 +131,15 @@ def test_the_default_is_exact_in_the_mode_it_picks(results, case, want):
     assert results[0]["between"]["considered"] == ["none", "auto"]
     assert "tightest rank" in results[0]["agree"]["text"]
     assert results[0]["peaks_differ"]
+
+
+def test_a_rank_whose_planner_fails_makes_every_rank_run_unplanned(results):
+    """One warning of one line per rank, once for the three calls; the failing rank names
+    the error, the other says another rank could not plan."""
+    why = {0: "another rank could not plan it", 1: "RuntimeError: no fake kernel for this op"}
+    for r, res in enumerate(results):
+        out = res["unplanned"]
+        said = [w for w in out["warned"] if "could not plan" in w]
+        assert len(said) == 1 and "\n" not in said[0], said
+        assert why[r] in said[0] and out["json"]["unplanned"] == why[r]
+        assert "unplanned" in out["text"]

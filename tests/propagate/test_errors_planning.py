@@ -85,4 +85,5 @@ def test_planning_on_a_mesh_works_without_running(fake_world):
     step = spdsl.shard(lambda t: (t * 2).sum(), mesh=mesh, in_specs=(P(None, "sp"),),
                        out_specs=P())
     plan = spdsl.plan(step, torch.randn(2, 8))
-    assert [(c.kind, c.purpose) for c in plan.collectives] == [("all_reduce", "loss")]
+    assert [(c.kind, c.purpose) for c in plan.collectives] == [("all_reduce", "loss"),
+                                                               ("all_reduce", "check")]

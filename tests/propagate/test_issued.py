@@ -26,6 +26,8 @@ def test_halo_rows_by_hand():
 def test_a_slice_from_the_end_plans_the_same_halo_as_from_the_start():
     x = torch.randn(2, 16, 8)
     row = 2 * 8 * 4                                # [2, 1 row, 8] f32
-    want = [("halo_exchange", 2 * row, "halo"), ("all_reduce", 4, "loss")]
+    # then the same-inputs check: the input's checksum, its largest and smallest over the ranks
+    want = [("halo_exchange", 2 * row, "halo"), ("all_reduce", 4, "loss"),
+            ("all_reduce", 16, "check")]
     assert _collectives(lambda x: (x[:, 2:] * 2).sum(), x) == want
     assert _collectives(lambda x: (x[:, -14:] * 2).sum(), x) == want

@@ -114,3 +114,55 @@ def test_marking_something_else_is_an_error():
         spdsl.token_wise(lambda x: x)
     with pytest.raises(spdsl.ShardingError, match="token_dims"):
         spdsl.token_wise(nn.Linear(2, 2), token_dims=0)
+
+
+def test_any_class_transformers_wraps_is_token_wise():
+    """Found by transformers' ``use_experts_implementation`` decorator, not by a list of class
+    names: a family spdsl has never heard of is captured too. (``functools.wraps`` hides the
+    decorator from the forward's ``__qualname__``; its code object still names it.)"""
+    pytest.importorskip("transformers")
+    from transformers.integrations import use_experts_implementation
+
+    class NewFamilyExperts(LoopExperts):
+        def __init__(self, config) -> None:
+            super().__init__()
+
+    assert "NewFamilyExperts" not in tokenwise._HF_NAMES
+    assert tokenwise.marked(NewFamilyExperts(None)) is None
+    wrapped = use_experts_implementation(NewFamilyExperts)
+    assert tokenwise.marked(wrapped(None)) == tokenwise.Marked(1, None)
+
+
+class GroupedExperts(nn.Module):
+    """Experts as one ``torch._grouped_mm`` over tokens sorted by expert, groups sized by
+    ``histc`` of the routing (Hugging Face's ``grouped_mm`` implementation, written out)."""
+
+    def __init__(self, dim: int = 16, experts: int = 4) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(experts, dim, dim) / dim ** 0.5)
+
+    def forward(self, x, idx, weight):               # [T, H], [T, k], [T, k]
+        k = idx.shape[-1]
+        ids, perm = idx.reshape(-1).sort()
+        counts = torch.histc(ids.float(), bins=self.w.shape[0], min=0, max=self.w.shape[0] - 1)
+        offs = counts.cumsum(0, dtype=torch.int32)
+        y = torch._grouped_mm(x[perm // k], self.w, offs=offs) * weight.reshape(-1)[perm, None]
+        out = torch.empty_like(y)
+        out[perm] = y
+        return out.view(-1, k, x.shape[-1]).sum(1)
+
+
+@pytest.mark.skipif(not hasattr(torch, "_grouped_mm"), reason="no torch._grouped_mm")
+def test_unmarked_grouped_mm_in_fp32_says_to_mark_the_module():
+    """fp32 ``grouped_mm`` has no fake kernel: the trace stops with spdsl's error naming the
+    fix, not PyTorch's ``Expected inputs of BF16 type``; marked, the same module plans."""
+    torch.manual_seed(0)
+    model = Model()
+    model.moe.experts = GroupedExperts()
+    with pytest.raises(spdsl.ShardingError, match=r"\[grouped_mm traced\]") as err:
+        _plan(model)
+    assert "f32[64,16], f32[4,16,16]" in str(err.value)
+    assert "test_tokenwise.py" in err.value.where and "_grouped_mm" in err.value.where
+    assert "spdsl.token_wise" in err.value.fix
+    spdsl.token_wise(model.moe.experts)
+    _check_token_wise(_plan(model))

@@ -105,10 +105,12 @@ def lookup(op: Any) -> Rule | None:
 
 from spdsl.propagate.rules import (  # noqa: F401  (registration side effects)
     attention,
+    counts,
     factory,
     index,
     loss,
     matmul,
+    mixers,
     pointwise,
     reduction,
     tokenwise,

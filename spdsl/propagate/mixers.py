@@ -1,0 +1,321 @@
+"""Sequence mixers beyond softmax attention, recognised at their call and traced as one node.
+
+Hybrid models interleave attention with linear-attention and state-space layers: Gated
+DeltaNet (Qwen3.5, Qwen3-Next), Mamba-2's SSD scan (Bamba, Falcon-H1, Nemotron-H, Granite-4,
+Mamba-2), and the short causal convolutions in front of them (and LFM's). Each is causal along
+the sequence and independent across heads (or channels). Hugging Face computes them with
+module-level functions (``torch_chunk_gated_delta_rule``, ``mamba2_chunk_scan``,
+``causal_conv1d_fn``), torch loops over chunks on CPU and the installed GPU kernels
+(flash-linear-attention, mamba_ssm, causal-conv1d) behind the same names on CUDA. Traced as
+they are, the loop unrolls into a graph that grows with the sequence; and nothing in the ops
+says the mixer could be split.
+
+While spdsl traces, every call of a registered function becomes one ``spdsl.mixer`` node: its
+tensor arguments and an integer naming the call site (the function, its other arguments, the
+form). Its fake output comes from the form (no loop runs while tracing, so a plan at 131,072
+tokens costs what one at 1,024 does). The rule (``spdsl.propagate.rules.mixers``) offers, by
+cost:
+
+==============  ==========================================================  ==============
+strategy        what each rank computes                                     exchanged
+==============  ==========================================================  ==============
+heads           the whole sequence for its heads (channels), after an      all-to-alls of
+                all-to-all from the sequence split (Ulysses, any mixer)     inputs, output
+state passing   its piece of the sequence from a zero state; the pieces'    per rank: the
+                state transitions go to every rank, each composes the       state, not the
+                ones before it and corrects its outputs with that state     sequence
+                (a short conv: its ``kernel - 1`` previous tokens, a halo)
+whole           the whole mixer, replicated (nothing split reaches it)      --
+==============  ==========================================================  ==============
+
+The lowering (``spdsl.lower.mixers``) calls the original function on the rank's tensors (so
+each rank runs what a single device runs, its GPU kernel included), and for state passing the
+form's exact correction around it.
+
+========================  =============================================  ==================
+form                      captured functions                             state per rank
+========================  =============================================  ==================
+``gated_delta_rule``      ``torch_chunk_gated_delta_rule``,              ``[B, Hv, dk, dk +
+                          ``torch_recurrent_gated_delta_rule``,          dv]`` (transition
+                          ``chunk_gated_delta_rule``,                    and state), fp32
+                          ``fused_recurrent_gated_delta_rule``
+``ssd``                   ``mamba2_chunk_scan``                          ``[B, H, p, n] +
+                                                                         [B, H]``, fp32
+``causal_conv1d``         ``causal_conv1d_fn``                           ``kernel - 1``
+                                                                         tokens (a halo)
+========================  =============================================  ==================
+
+A call with a carried state (``initial_state``, a final state asked for: generation with a
+cache) runs traced as ops, as before. Registering one's own mixer is one
+``register_mixer(MixerForm(...))`` and a state-passing function in ``spdsl.lower.mixers``
+(see docs/mixers.md).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import itertools
+import sys
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.fx.experimental.proxy_tensor import get_proxy_mode
+
+from spdsl._torch import tree_flatten, tree_unflatten
+
+
+@dataclass(frozen=True)
+class Role:
+    """The dims of one tensor argument: ``seq`` the sequence, ``heads`` the heads (or
+    channels) it is independent across, ``batch`` the batch (None where it has none: a
+    per-head parameter). ``split_heads``: its heads may be split only when their count is a
+    multiple of the degree (grouped B/C of SSD, shared by several heads, are replicated
+    otherwise)."""
+
+    seq: int | None = 1
+    heads: int | None = 2
+    batch: int | None = 0
+    optional_heads: bool = False
+
+
+@dataclass(frozen=True)
+class MixerForm:
+    name: str
+    functions: tuple[str, ...]             # module-level names it is captured under
+    roles: dict[str, Role]                 # argument name -> its dims
+    out: Role                              # the output's dims
+    output: Callable[[dict], tuple]        # bound arguments -> (shape, dtype) of the output
+    pack: Callable[[torch.Tensor], Any]    # the output as the function returns it
+    accepts: Callable[[dict], bool]        # bound arguments it splits (no carried state)
+    state_bytes: Callable[[dict, int], int] | None = None   # (bound, parts) -> per rank
+    exchange: str = "all_gather"           # how state passing exchanges: all_gather | halo
+    min_local: Callable[[dict], int] = field(default=lambda b: 1)  # tokens a rank needs
+
+
+MIXERS: dict[str, MixerForm] = {}
+
+
+def register_mixer(form: MixerForm) -> MixerForm:
+    """Add a mixer form: every function named in ``form.functions`` (a module-level name in
+    an imported module of ``transformers``, ``fla`` or ``mamba_ssm``, or the module given as
+    ``"package.module:name"``) becomes one ``spdsl.mixer`` node while spdsl traces.
+
+    Example::
+
+        register_mixer(MixerForm("my_scan", ("mylib.ops:scan",), roles={...}, ...))
+    """
+    if form.name in MIXERS and MIXERS[form.name] is not form:
+        raise ValueError(f"a mixer form named {form.name!r} is registered already")
+    MIXERS[form.name] = form
+    return form
+
+
+# -- the node ----------------------------------------------------------------------------------
+@dataclass
+class Site:
+    """One traced call of a mixer function: how to call it again on a rank."""
+
+    form: MixerForm
+    fn: Callable
+    names: list[str]                 # the argument name of each tensor input, in node order
+    arg_spec: Any                    # pytree spec of the bound arguments (a dict)
+    leaves: list                     # their leaves, tensors as TENSOR
+    shapes: list[tuple[int, ...]] = field(default_factory=list)   # the tensors' global shapes
+
+    def bound(self, tensors) -> dict:
+        it = iter(tensors)
+        leaves = [next(it) if x is TENSOR else x for x in self.leaves]
+        return tree_unflatten(leaves, self.arg_spec)
+
+    def call(self, tensors, **override) -> Any:
+        return self.fn(**{**self.bound(tensors), **override})
+
+    def role(self, i: int) -> Role | None:
+        return self.form.roles.get(self.names[i])
+
+
+TENSOR = object()                  # where a tensor argument stands in a site's leaves
+SITES: dict[int, Site] = {}
+_NEXT = itertools.count()
+
+
+@torch.library.custom_op("spdsl::mixer", mutates_args=())
+def mixer_op(args: list[torch.Tensor], site: int) -> torch.Tensor:
+    # only traced: the lowering runs the function itself (spdsl.lower.mixers)
+    raise RuntimeError("spdsl.mixer runs through spdsl.lower.mixers.run")
+
+
+@mixer_op.register_fake
+def _(args, site):
+    s = SITES[site]
+    shape, dtype = s.form.output(s.bound(args))
+    return args[0].new_empty(shape, dtype=dtype)
+
+
+def _signed(fn: Callable) -> Callable:
+    """The function whose signature ``fn``'s call binds to. With the ``kernels`` package
+    installed (transformers >= 5.25 depends on it), Hugging Face's hub-kernel decorators turn
+    a module-level function into an instance of a one-off ``nn.Module`` class whose
+    ``forward(*args, **kwargs)`` calls the function it closes over (``func``); the names and
+    defaults are that function's."""
+    if isinstance(fn, torch.nn.Module):
+        forward = type(fn).forward
+        cells = dict(zip(forward.__code__.co_freevars, forward.__closure__ or ()))
+        inner = cells.get("func")
+        if inner is not None and callable(inner.cell_contents):
+            return inner.cell_contents
+    return fn
+
+
+def _bind(fn: Callable, args: tuple, kwargs: dict) -> dict | None:
+    try:
+        sig = inspect.signature(_signed(fn))
+        b = sig.bind(*args, **kwargs)
+    except (TypeError, ValueError):
+        return None
+    b.apply_defaults()
+    out = dict(b.arguments)
+    extra = out.pop("kwargs", None) if any(
+        p.kind is p.VAR_KEYWORD for p in sig.parameters.values()) else None
+    if extra:
+        out.update(extra)
+    return out
+
+
+def _capture(form: MixerForm, fn: Callable, args: tuple, kwargs: dict):
+    if get_proxy_mode() is None:
+        return fn(*args, **kwargs)
+    bound = _bind(fn, args, kwargs)
+    if bound is None or not form.accepts(bound):
+        return fn(*args, **kwargs)
+    site, tensors = make_site(form, fn, bound)
+    key = next(_NEXT)
+    SITES[key] = site
+    return form.pack(torch.ops.spdsl.mixer(tensors, key))
+
+
+def make_site(form: MixerForm, fn: Callable, bound: dict) -> tuple[Site, list[torch.Tensor]]:
+    """The site of one call (``bound``: its arguments by name) and its tensor arguments, in
+    the order the site's ``call``/``bound`` take them."""
+    leaves, spec = tree_flatten(bound)
+    tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
+    names = [k for k, v in bound.items() for x in tree_flatten(v)[0]
+             if isinstance(x, torch.Tensor)]
+    return Site(form, fn, names, spec,
+                [TENSOR if isinstance(x, torch.Tensor) else x for x in leaves],
+                [tuple(x.shape) for x in tensors]), tensors
+
+
+_PACKAGES = ("transformers.", "fla.", "mamba_ssm.", "causal_conv1d")
+
+
+def _targets(form: MixerForm) -> Iterator[tuple[Any, str]]:
+    for name in form.functions:
+        if ":" in name:
+            mod, attr = name.split(":", 1)
+            m = sys.modules.get(mod)
+            if m is not None and hasattr(m, attr):
+                yield m, attr
+            continue
+        for mod_name, m in list(sys.modules.items()):
+            # the module's own names only: a lazy module's getattr (transformers') imports
+            # what it names, and optional dependencies with it (torchvision)
+            if m is not None and mod_name.startswith(_PACKAGES) and \
+                    callable(getattr(m, "__dict__", {}).get(name)):
+                yield m, name
+
+
+@contextlib.contextmanager
+def captured_mixers() -> Iterator[int]:
+    """For the length of a trace, every registered mixer function (in the modules imported so
+    far) calls ``spdsl.mixer`` instead. Yields how many names it replaced."""
+    done: list[tuple[Any, str, Any]] = []
+    for form in MIXERS.values():
+        for mod, attr in _targets(form):
+            orig = getattr(mod, attr)
+            if getattr(orig, "_spdsl_mixer", None) is not None:
+                continue
+
+            def wrapper(*args, _form=form, _fn=orig, **kwargs):
+                return _capture(_form, _fn, args, kwargs)
+            wrapper._spdsl_mixer = form.name
+            setattr(mod, attr, wrapper)
+            done.append((mod, attr, orig))
+    try:
+        yield len(done)
+    finally:
+        for mod, attr, orig in reversed(done):
+            setattr(mod, attr, orig)
+
+
+# -- the forms -----------------------------------------------------------------------------------
+def _no_state(*names: str) -> Callable[[dict], bool]:
+    return lambda b: all(b.get(n) is None or b.get(n) is False for n in names)
+
+
+def _gdn_output(b: dict) -> tuple:
+    v, q = b["value"], b["query"]
+    return tuple(v.shape), q.dtype
+
+
+def _gdn_state(b: dict, parts: int) -> int:
+    k, v = b["key"], b["value"]
+    batch, _, hv, dv = v.shape
+    dk = k.shape[-1]
+    return batch * hv * dk * (dk + dv) * 4
+
+
+register_mixer(MixerForm(
+    "gated_delta_rule",
+    ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule",
+     "chunk_gated_delta_rule", "fused_recurrent_gated_delta_rule"),
+    roles={"query": Role(), "key": Role(), "value": Role(), "g": Role(), "beta": Role()},
+    out=Role(), output=_gdn_output, pack=lambda o: (o, None),
+    accepts=lambda b: _no_state("initial_state", "output_final_state", "cu_seqlens")(b)
+    and all(isinstance(b.get(n), torch.Tensor) for n in ("query", "key", "value", "g", "beta"))
+    and b["g"].dim() == 3 and b["beta"].dim() == 3,
+    state_bytes=_gdn_state))
+
+
+def _ssd_output(b: dict) -> tuple:
+    return tuple(b["hidden_states"].shape), torch.float32
+
+
+def _ssd_state(b: dict, parts: int) -> int:
+    batch, _, h, p = b["hidden_states"].shape
+    n = b["B"].shape[-1]
+    return batch * h * (p * n + 1) * 4
+
+
+register_mixer(MixerForm(
+    "ssd", ("mamba2_chunk_scan",),
+    roles={"hidden_states": Role(), "dt": Role(), "A": Role(None, 0, None),
+           "B": Role(optional_heads=True), "C": Role(optional_heads=True),
+           "D": Role(None, 0, None), "dt_bias": Role(None, 0, None)},
+    out=Role(), output=_ssd_output, pack=lambda o: o,
+    accepts=lambda b: _no_state("initial_states", "return_final_states", "seq_idx",
+                                "cu_seqlens", "z")(b)
+    and isinstance(b.get("A"), torch.Tensor) and b["A"].dim() == 1
+    and b["hidden_states"].dim() == 4 and b["B"].dim() == 4,
+    state_bytes=_ssd_state))
+
+
+def _conv_output(b: dict) -> tuple:
+    x = b["hidden_states"]
+    return tuple(x.shape), x.dtype
+
+
+register_mixer(MixerForm(
+    "causal_conv1d", ("causal_conv1d_fn",),
+    roles={"hidden_states": Role(seq=2, heads=1), "weight": Role(None, 0, None),
+           "bias": Role(None, 0, None)},
+    out=Role(seq=2, heads=1), output=_conv_output, pack=lambda o: o,
+    accepts=lambda b: _no_state("seq_idx", "initial_states", "return_final_states")(b)
+    and isinstance(b.get("weight"), torch.Tensor) and b["weight"].dim() == 2
+    and b["hidden_states"].dim() == 3,
+    state_bytes=lambda b, parts: b["hidden_states"].shape[0] * b["hidden_states"].shape[1]
+    * (b["weight"].shape[-1] - 1) * b["hidden_states"].element_size(),
+    exchange="halo", min_local=lambda b: b["weight"].shape[-1] - 1))

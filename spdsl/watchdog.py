@@ -1,0 +1,173 @@
+"""A collective that never completes becomes an error: every wait of spdsl's collectives is
+watched, and one that outlasts the bound ends the process with what it was waiting in.
+
+Ranks that issue different collectives (or a rank that stopped) wait for each other for ever:
+gloo's default timeout is 30 minutes, NCCL's can be longer, and the job holds every device
+while saying nothing. Each rank numbers the collectives it issues; a daemon thread looks at the
+wait in progress once a second, and when one has lasted ``timeout()`` seconds
+(``SPDSL_COLLECTIVE_TIMEOUT``, default 600; ``set_timeout``) it writes one paragraph to stderr
+and exits the process with status ``HANG_EXIT``: the collective's number on this rank, its
+kind, bytes, group and direction, and the rank's Python stack. Each rank of a hung job writes
+its own, so the first number at which their kinds differ names the divergence::
+
+    spdsl: rank 1 waited 600 s in collective #57 (all_reduce, 4 B, group 2, backward) ...
+    spdsl: rank 0 waited 600 s in collective #57 (all_gather, 8.0 KiB, group 2, backward) ...
+
+The process cannot raise instead: the wait blocks inside the backend, where no Python
+exception reaches it. A rank whose peer ended first (gloo: "Connection closed by peer") raises
+``CollectiveError`` with the same description instead.
+
+Under ``debug=True`` (``set_check_order(True)``) each collective is first compared across its
+group (an all-gather of three integers: number, kind, bytes), and a difference raises a
+``ShardingError`` on every rank before the mismatched collective is issued. An all-to-all with
+uneven splits (a window's halo, a ragged batch) moves different bytes on different ranks by
+design: its bytes are not compared, its number and kind are.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+import traceback
+
+import torch
+
+HANG_EXIT = 124
+KINDS = ("all_to_all", "all_reduce", "all_gather", "reduce_scatter")
+
+_bound = [float(os.environ.get("SPDSL_COLLECTIVE_TIMEOUT", "600"))]
+_check = [False]
+
+
+def timeout() -> float:
+    return _bound[0]
+
+
+def set_timeout(seconds: float) -> None:
+    """The longest a collective may wait before the process ends with a report (seconds)."""
+    if seconds <= 0:
+        raise ValueError("the collective timeout must be positive")
+    _bound[0] = float(seconds)
+
+
+def set_check_order(on: bool) -> None:
+    """Compare every collective across its group before issuing it (``debug=True``)."""
+    _check[0] = bool(on)
+
+
+class _Waiting:
+    def __init__(self) -> None:
+        self.count = 0
+        self.now: tuple | None = None        # (number, kind, bytes, group, direction, since)
+        self.thread: threading.Thread | None = None
+        self.main = threading.main_thread().ident
+
+
+_STATE = _Waiting()
+
+
+def issued(kind: str, nbytes: int, group: str, even: bool = True) -> int:
+    """Number the collective about to be issued; under the order check, compare it across
+    the group first (its bytes too when ``even``: every rank moves the same amount). Under
+    ``torch.compile`` nothing (a compiled graph mutates no Python state; its waits are the
+    graph's)."""
+    if torch.compiler.is_compiling():
+        return 0
+    _STATE.count += 1
+    if _check[0]:
+        _compare(_STATE.count, kind, nbytes if even else -1, group)
+    return _STATE.count
+
+
+def wait(t: torch.Tensor, number: int, kind: str, nbytes: int, group: str):
+    """``wait_tensor(t)``, watched."""
+    from spdsl._torch import backward_task_id
+    from spdsl._torch import functional_collectives as fc
+    if torch.compiler.is_compiling():
+        return fc.wait_tensor(t)
+    _ensure_thread()
+    direction = "backward" if backward_task_id() >= 0 else "forward"
+    _STATE.now = now = (number, kind, nbytes, group, direction, time.monotonic())
+    try:
+        return fc.wait_tensor(t)
+    except RuntimeError as e:       # the backend gave up (a peer gone: its watchdog, a crash)
+        raise CollectiveError(f"spdsl: rank {_rank()}: {_what(now)} failed after "
+                              f"{time.monotonic() - now[-1]:.0f} s: "
+                              f"{str(e).strip().splitlines()[0]}") from e
+    finally:
+        _STATE.now = None
+
+
+class CollectiveError(RuntimeError):
+    """A collective the backend failed (a rank gone, a connection closed), with what it was."""
+
+
+def _what(now: tuple) -> str:
+    number, kind, nbytes, group, direction, _ = now
+    return f"collective #{number} ({kind}, {_size(nbytes)}, group {group}, {direction})"
+
+
+def _ensure_thread() -> None:
+    if _STATE.thread is None or not _STATE.thread.is_alive():
+        _STATE.thread = threading.Thread(target=_watch, name="spdsl-watchdog", daemon=True)
+        _STATE.thread.start()
+
+
+def _watch() -> None:
+    while True:
+        time.sleep(min(1.0, _bound[0] / 4))
+        now = _STATE.now
+        if now is not None and time.monotonic() - now[-1] > _bound[0] \
+                and _STATE.now is now:                 # still the same wait
+            _report(now)
+            os._exit(HANG_EXIT)
+
+
+def _size(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def _rank() -> str:
+    import torch.distributed as dist
+    return str(dist.get_rank()) if dist.is_available() and dist.is_initialized() else "?"
+
+
+def _report(now: tuple) -> None:
+    since = now[-1]
+    frame = sys._current_frames().get(_STATE.main)
+    # the frames of the program, not of torch's wait
+    frames = [f for f in traceback.extract_stack(frame) if os.sep + "torch" + os.sep
+              not in f.filename] if frame is not None else []
+    stack = "".join(traceback.format_list(frames[-6:]))
+    sys.stderr.write(
+        f"spdsl: rank {_rank()} waited {time.monotonic() - since:.0f} s in {_what(now)} "
+        f"without it completing: the ranks issued different collectives, or a rank stopped. Compare "
+        f"the ranks' lines: the first number whose kinds differ is where they diverged "
+        f"(debug=True raises there). Bound: SPDSL_COLLECTIVE_TIMEOUT={_bound[0]:g} s.\n"
+        f"{stack}")
+    sys.stderr.flush()
+
+
+def _compare(number: int, kind: str, nbytes: int, group: str) -> None:
+    from spdsl._torch import all_gather_single
+    from spdsl._torch import functional_collectives as fc
+    from spdsl.errors import ShardingError
+    mine = torch.tensor([number, KINDS.index(kind), nbytes], dtype=torch.int64)
+    every = fc.wait_tensor(all_gather_single(mine, 0, group)).view(-1, 3)
+    if bool((every == mine).all()):
+        return
+    issued_by = "; ".join(f"rank {r} of the group: #{int(n)} {KINDS[int(k)]}"
+                          + (f" of {_size(int(b))}" if b >= 0 else "")
+                          for r, (n, k, b) in enumerate(every.tolist()))
+    raise ShardingError(
+        rule="collective order",
+        detail=f"the ranks are about to issue different collectives ({issued_by})",
+        fix="every rank must run the same program: the same inputs' shapes (a batch that "
+            "differs per rank), the same Python branches on values; the plan's collective "
+            "list is the order every rank must follow")

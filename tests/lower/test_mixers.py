@@ -1,0 +1,156 @@
+"""State passing of the sequence mixers (``spdsl.lower.mixers``), in one process: the sequence
+cut into P pieces, each piece run as its rank runs it, the ranks as threads whose exchanges
+are the same stacking and slicing the collectives do (an all-gather's backward sums every
+rank's gradient of a piece into its owner's: here autograd through ``torch.stack`` does). The
+outputs and the gradient of every input against the function on the whole sequence, fp32.
+Hugging Face's torch implementations are the functions (the ones its models call on CPU); the
+process-group runs are ``tests/hf/test_hybrid_parity.py``."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytest.importorskip("transformers")
+
+from spdsl.lower.mixers import _PASSING
+from spdsl.propagate.mixers import MIXERS, _bind, make_site
+
+RTOL = 1e-5
+
+
+class _Threads:
+    """``spdsl.lower.mixers.Ranks`` for P threads of one process."""
+
+    def __init__(self, parts: int) -> None:
+        self.parts, self.slots = parts, {}
+        self.barrier = threading.Barrier(parts)
+
+    def rank(self, r: int):
+        sim = self
+
+        class _Rank:
+            parts, rank = sim.parts, r
+
+            def gather(self, x):
+                return sim._swap("gather", r, x, lambda xs: torch.stack(xs))
+
+            def from_previous(self, tail):
+                return sim._swap("prev", r, tail, lambda xs: xs[r - 1] if r else tail[:0])
+        return _Rank()
+
+    def _swap(self, what: str, r: int, x, combine):
+        self.slots[(what, r)] = x
+        self.barrier.wait()
+        got = combine([self.slots[(what, q)] for q in range(self.parts)])
+        self.barrier.wait()
+        return got
+
+
+def _split(bound: dict, seq: dict[str, int], parts: int, r: int) -> dict:
+    out = dict(bound)
+    for name, dim in seq.items():
+        x = bound[name]
+        n = x.shape[dim] // parts
+        out[name] = x.narrow(dim, r * n, n)
+    return out
+
+
+def _passing(form_name: str, fn, bound: dict, seq: dict[str, int], out_dim: int,
+             parts: int) -> torch.Tensor:
+    """The whole output, each piece computed as rank r does."""
+    form = MIXERS[form_name]
+    sim, outs, errors = _Threads(parts), [None] * parts, []
+
+    def one(r: int) -> None:
+        try:
+            site, tensors = make_site(form, fn, _split(bound, seq, parts, r))
+            outs[r] = _PASSING[form_name](site, tensors, sim.rank(r))
+        except BaseException as e:  # noqa: BLE001 - re-raised in the test's thread
+            errors.append(e)
+            sim.barrier.abort()
+    threads = [threading.Thread(target=one, args=(r,)) for r in range(parts)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    return torch.cat(outs, out_dim)
+
+
+def _check(fn, kwargs: dict, form: str, seq: dict[str, int], out_dim: int, parts: int,
+           first=lambda o: o[0] if isinstance(o, tuple) else o) -> None:
+    leaves = {k: v.clone().requires_grad_(v.is_floating_point())
+              if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
+    bound = _bind(fn, (), leaves)
+    ref = first(fn(**leaves))
+    w = torch.randn(ref.shape, generator=torch.Generator().manual_seed(9))
+    grads_ref = torch.autograd.grad((ref * w).sum(), [v for v in leaves.values()
+                                                       if isinstance(v, torch.Tensor)
+                                                       and v.requires_grad])
+    got = _passing(form, fn, bound, seq, out_dim, parts)
+    grads = torch.autograd.grad((got * w).sum(), [v for v in leaves.values()
+                                                  if isinstance(v, torch.Tensor)
+                                                  and v.requires_grad])
+    scale = ref.detach().abs().max()
+    assert float((got - ref).detach().abs().max() / scale) <= RTOL
+    for g, gr in zip(grads, grads_ref):
+        assert float((g - gr).abs().max() / gr.abs().max().clamp_min(1e-12)) <= 10 * RTOL
+    # the pieces from zero states alone are far off: the test sees a missing correction
+    with torch.no_grad():
+        alone = torch.cat([first(fn(**_split(leaves, seq, parts, r)))
+                           for r in range(parts)], out_dim)
+    assert float((alone - ref.detach()).abs().max() / scale) > 1e-3
+
+
+def _gdn_inputs(S=48, H=4, dk=8, dv=6, B=2):
+    g = torch.Generator().manual_seed(0)
+    return {"query": torch.randn(B, S, H, dk, generator=g),
+            "key": torch.randn(B, S, H, dk, generator=g),
+            "value": torch.randn(B, S, H, dv, generator=g),
+            "g": -F.softplus(torch.randn(B, S, H, generator=g)) * 0.3,
+            "beta": torch.sigmoid(torch.randn(B, S, H, generator=g))}
+
+
+@pytest.mark.parametrize("parts", [2, 3, 4])
+@pytest.mark.parametrize("fn_name", ["torch_chunk_gated_delta_rule",
+                                     "torch_recurrent_gated_delta_rule"])
+def test_gated_delta_rule(fn_name, parts):
+    from transformers.models.qwen3_5 import modeling_qwen3_5 as m
+    kw = {**_gdn_inputs(), "use_qk_l2norm_in_kernel": True}
+    if fn_name == "torch_chunk_gated_delta_rule":
+        kw["chunk_size"] = 8           # pieces of 12-24 tokens: several chunks, a ragged one
+    seq = {n: 1 for n in ("query", "key", "value", "g", "beta")}
+    _check(getattr(m, fn_name), kw, "gated_delta_rule", seq, 1, parts)
+
+
+@pytest.mark.parametrize("parts", [2, 4])
+@pytest.mark.parametrize("groups", [1, 2])
+def test_ssd(parts, groups):
+    from transformers.models.bamba import modeling_bamba as m
+    g = torch.Generator().manual_seed(1)
+    B, S, H, p, n = 2, 48, 4, 6, 5
+    kw = {"hidden_states": torch.randn(B, S, H, p, generator=g),
+          "dt": torch.randn(B, S, H, generator=g),
+          "A": -torch.rand(H, generator=g) - 0.1,
+          "B": torch.randn(B, S, groups, n, generator=g),
+          "C": torch.randn(B, S, groups, n, generator=g),
+          "chunk_size": 8, "D": torch.randn(H, generator=g),
+          "dt_bias": torch.randn(H, generator=g), "dt_softplus": True,
+          "dt_limit": (0.0, float("inf"))}
+    seq = {n: 1 for n in ("hidden_states", "dt", "B", "C")}
+    _check(m.mamba2_chunk_scan, kw, "ssd", seq, 1, parts)
+
+
+@pytest.mark.parametrize("parts", [2, 4])
+def test_causal_conv1d(parts):
+    from transformers.models.qwen3_5 import modeling_qwen3_5 as m
+    g = torch.Generator().manual_seed(2)
+    kw = {"hidden_states": torch.randn(2, 6, 32, generator=g),
+          "weight": torch.randn(6, 4, generator=g), "bias": torch.randn(6, generator=g),
+          "activation": "silu"}
+    _check(m.causal_conv1d_fn, kw, "causal_conv1d", {"hidden_states": 2}, 2, parts)

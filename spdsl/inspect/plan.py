@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from spdsl._torch import OpOverload
-from spdsl.propagate.engine import Decision, Propagator, nbytes, tensor_inputs
+from spdsl.propagate.engine import Decision, Propagator, gradient_reaches, nbytes, tensor_inputs
 from spdsl.propagate.forms import form_of, is_attention_node
 from spdsl.propagate.heads import kv_repeat
 from spdsl.propagate.masks import MASK
@@ -226,7 +226,10 @@ def render(plan: ShardingPlan) -> str:
 
 
 def _needs_grad(prop: Propagator, requires: dict[torch.fx.Node, bool]) -> dict:
+    """Values with a gradient in backward: computed from one that requires it, and with a
+    gradient coming back to them (``gradient_reaches``)."""
     out = dict(requires)
+    live = gradient_reaches(prop.gm.graph)
     for node in prop.gm.graph.nodes:
         if node.op != "call_function":
             continue
@@ -236,7 +239,7 @@ def _needs_grad(prop: Propagator, requires: dict[torch.fx.Node, bool]) -> dict:
         # no gradient flows through detach(): a parameter read only so keeps none
         out[node] = floating and node.target is not torch.ops.aten.detach.default and \
             any(out.get(a, False) for a in node.all_input_nodes)
-    return out
+    return {n: g and n in live for n, g in out.items()}
 
 
 def _op_name(node: torch.fx.Node) -> str:

@@ -21,7 +21,7 @@ from spdsl.lower import mixers, ops, ring, tokenwise
 from spdsl.lower.factories import VAL as REPLICATED_VAL
 from spdsl.lower.factories import split_factories
 from spdsl.propagate.eager_attention import COMPUTE_DTYPE, OUT_DTYPE
-from spdsl.propagate.engine import Propagator, tensor_inputs
+from spdsl.propagate.engine import Propagator, gradient_reaches, tensor_inputs
 from spdsl.propagate.forms import FORM, form_of
 from spdsl.propagate.issued import slice_window
 from spdsl.propagate.lowerings import AT_ONE_RANK, DATA_SHARED
@@ -72,6 +72,8 @@ class Lowering:
         self.graph = torch.fx.Graph()
         self.env: dict[torch.fx.Node, torch.fx.Node] = {}
         self.marked: dict[tuple, torch.fx.Node] = {}
+        # values no gradient comes back to: moved detached, their collectives have no backward
+        self.live = gradient_reaches(prop.gm.graph)
 
     def call(self, fn, *args) -> torch.fx.Node:
         return self.graph.call_function(fn, tuple(args))
@@ -194,6 +196,11 @@ class Lowering:
         moved, reduced = {}, set()
         for i, a in enumerate(ins):        # the data axis first
             x = self.env[a]
+            floating = a.meta["val"].is_floating_point() or a.meta["val"].is_complex()
+            if floating and a not in self.live and (i in d.redistribute or dd is not None and
+                                                    i in dd.redistribute):
+                x = self.call(aten.detach.default, x)
+                x.meta["spdsl_origin"] = a.name          # what the plan names it by
             if dd is not None and i in dd.redistribute:
                 sp_now = self.prop.decisions[a].output if a in self.prop.decisions else \
                     Replicate()
@@ -483,7 +490,7 @@ def bucket_gradient_reduces(graph: torch.fx.Graph, cap: int | None = None) -> in
     nodes = [m for m in (_marker_on_input(graph, n) for n in list(graph.nodes)
                          if n.target is C.grad_all_reduce) if m is not None]
     nodes = [n for n in nodes if n.args[0].op == "placeholder"]
-    live = _reaching_output(graph)
+    live = gradient_reaches(graph)
     for n in [n for n in nodes if n not in live]:    # read only through detach()
         n.replace_all_uses_with(n.args[0])
         graph.erase_node(n)
@@ -530,17 +537,6 @@ def move_markers_to_inputs(graph: torch.fx.Graph) -> None:
     for n in list(graph.nodes):
         if n.target is C.grad_all_reduce:
             _marker_on_input(graph, n)
-
-
-def _reaching_output(graph: torch.fx.Graph) -> set[torch.fx.Node]:
-    """Nodes a gradient can flow back into: some path of uses reaches the output without
-    passing a ``detach``. One pass, in reverse order."""
-    live: set[torch.fx.Node] = set()
-    for n in reversed(graph.nodes):
-        if n.op == "output" or any(u in live and u.target is not aten.detach.default
-                                   for u in n.users):
-            live.add(n)
-    return live
 
 
 def _marker_on_input(graph: torch.fx.Graph, n: torch.fx.Node) -> torch.fx.Node | None:

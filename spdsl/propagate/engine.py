@@ -70,6 +70,28 @@ def tensor_inputs(node: torch.fx.Node) -> list[torch.fx.Node]:
     return out
 
 
+def gradient_reaches(graph: torch.fx.Graph) -> set[torch.fx.Node]:
+    """Nodes a gradient can flow back into: some path of uses reaches the output through
+    floating values, without passing a ``detach``. An integer or boolean value carries none (the
+    indices of a ``topk`` whose values nothing reads: what produced its input gets no gradient,
+    and the collective that moved that input has no backward). One pass, in reverse order."""
+    live: set[torch.fx.Node] = set()
+    for n in reversed(graph.nodes):
+        if n.op == "output" or _may_carry_grad(n) and any(
+                u in live and u.target is not torch.ops.aten.detach.default for u in n.users):
+            live.add(n)
+    return live
+
+
+def _may_carry_grad(n: torch.fx.Node) -> bool:
+    val = n.meta.get("val")
+    if val is None:                 # a node made after tracing: assume it may
+        return True
+    vals = val if isinstance(val, (tuple, list)) else (val,)
+    return any(isinstance(v, torch.Tensor) and (v.is_floating_point() or v.is_complex())
+               for v in vals)
+
+
 def _walk(x: Any, out: list[torch.fx.Node]) -> None:
     # pytree's flatten costs ~0.3 ms a node; planning a 70B model walks 6,000 nodes 3 times
     if isinstance(x, torch.fx.Node):

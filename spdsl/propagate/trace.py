@@ -319,7 +319,9 @@ def trace(fn: Callable, args: tuple, kwargs: dict, breaks: Any = None) -> Traced
     def pre(mod, _args):
         if foreign(mod) or get_proxy_mode() is None:    # None: a segment runs (breaks)
             return
-        stack.append(names.get(id(mod), type(mod).__name__))
+        # a module outside the model (a hub kernel's function wrapper) is part of its caller
+        name = names.get(id(mod))
+        stack.append(name if name is not None else stack[-1] if stack else type(mod).__name__)
         events.append((graph_len(), stack[-1]))
 
     def post(mod, _args, _out):

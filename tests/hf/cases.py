@@ -194,7 +194,8 @@ EXPECTED_ALL_TO_ALL = 4 * LAYERS      # per layer and head group: q/k/v in and o
 def expected_all_to_alls(name: str, world: int) -> int:
     """Per layer, one exchange in and one out, forward and backward, for each of the head
     groups a rank pipelines its Ulysses attention in (``spdsl.lower.ops.head_groups``; one
-    unless ``SPDSL_ULYSSES_GROUPS`` says more). Hugging Face models gather their (integer) labels
+    unless ``SPDSL_ULYSSES_GROUPS`` says more), and a halo each way for a split convolution
+    (LFM2's, ``Family.halo_layers``). Hugging Face models gather their (integer) labels
     for the in-model shift; spdsl's own Llama shifts them by a halo exchange, one more gloo
     all-to-all in forward."""
     from spdsl.lower.ops import head_groups
@@ -206,4 +207,5 @@ def expected_all_to_alls(name: str, world: int) -> int:
     groups = len(head_groups(hq, hk, world))
     per_layer = EXPECTED_ALL_TO_ALL // LAYERS
     layers = fam.attention_layers if fam is not None else LAYERS
-    return per_layer * layers * groups + (1 if name.startswith("plain_tied") else 0)
+    halos = 2 * fam.halo_layers if fam is not None else 0     # gloo: halos go as all-to-alls
+    return per_layer * layers * groups + halos + (1 if name.startswith("plain_tied") else 0)

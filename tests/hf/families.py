@@ -23,6 +23,18 @@ class Family:
     exercises: str = ""
     train: bool = True          # built in training mode (False: eval, see OPT)
     attention_layers: int = 2   # layers with attention (the rest: LFM2's convolutions)
+    halo_layers: int = 0        # layers whose convolution exchanges a halo (one each way)
+
+
+def _lfm2_named_conv() -> int:
+    """1 where transformers' LFM2 calls its short convolution through ``causal_conv1d_fn``
+    (5.2x: spdsl splits it, a halo of ``kernel - 1`` tokens), 0 where it runs ``nn.Conv1d``
+    itself (5.17: its input gathered, no halo rule for ``aten.convolution``)."""
+    try:
+        from transformers.models.lfm2 import modeling_lfm2
+    except ImportError:
+        return 0
+    return int(hasattr(modeling_lfm2, "causal_conv1d_fn"))
 
 
 def _llama_like(**kw) -> dict:
@@ -118,9 +130,10 @@ FAMILIES: dict[str, Family] = {f.name: f for f in [
     Family("lfm2", "Lfm2Config", "Lfm2ForCausalLM",
            _llama_like(layer_types=["conv", "full_attention"], block_ff_dim=128,
                        conv_L_cache=3),
-           "a short causal convolution along the sequence in one layer (its input gathered "
-           "whole on every rank: no halo rule for convolutions yet, 1.34x the Ulysses floor at "
-           "this shape), attention in the other", attention_layers=1),
+           "a short causal convolution along the sequence in one layer (split, the previous "
+           "rank's last 2 tokens exchanged, where transformers calls it as causal_conv1d_fn; "
+           "its input gathered whole where it runs nn.Conv1d itself, 5.17), attention in the "
+           "other", attention_layers=1, halo_layers=_lfm2_named_conv()),
 ]}
 
 

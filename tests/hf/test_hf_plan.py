@@ -76,7 +76,8 @@ def test_a_returned_key_value_cache_is_a_clear_error():
     assert "use_cache=False" in str(e.value)
 
 
-# a convolution along the sequence gathers its input (no halo rule for convolutions yet)
+# a convolution along the sequence exchanges a halo (a gather of its input on transformers
+# 5.17, which runs nn.Conv1d itself)
 _GATHERS_IN_LAYERS = {"lfm2"}
 
 

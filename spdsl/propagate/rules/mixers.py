@@ -38,9 +38,9 @@ def mixer(ctx: RuleCtx) -> list[Strategy]:
     name = f"mixer.{form.name}"
     n = len(ctx.inputs)
     whole = Strategy((REPLICATE,) * n, REPLICATE, None, f"{name}.whole")
-    if P == 1:
-        return [whole]
     found: list[Strategy] = []
+    if P == 1:      # one rank plans as several would: the pieces stay where they are
+        return _state(ctx, site, roles, shapes, out, name, P) + [whole]
 
     # batch rows (a dp axis, or rows already split)
     if any(isinstance(p, Shard) and r is not None and r.batch is not None and p.dim == r.batch
@@ -59,17 +59,24 @@ def mixer(ctx: RuleCtx) -> list[Strategy]:
                      for s, r in zip(shapes, roles))
         found.append(Strategy(reqs, shard_of(out, form.out.heads), None, f"{name}.heads"))
 
-    # state passing: the pieces stay where they are
+    return found + _state(ctx, site, roles, shapes, out, name, P) + [whole]
+
+
+def _state(ctx: RuleCtx, site, roles, shapes, out, name: str, P: int) -> list[Strategy]:
+    """State passing: every argument split on its sequence dim as it arrives, the output too;
+    priced as the states exchanged (none on one rank)."""
+    form, n = site.form, len(ctx.inputs)
     seq = form.out.seq
-    if form.state_bytes is not None and seq is not None:
-        bound = site.bound([ctx.meta(i) for i in range(n)])
-        S = out[seq]
-        smallest = min(b - a for a, b in (chunk_bounds(S, P, r) for r in range(P)))
-        if smallest >= form.min_local(bound):
-            reqs = tuple(shard_of(s, r.seq) if r is not None and r.seq is not None
-                         else REPLICATE for s, r in zip(shapes, roles))
-            state = form.state_bytes(bound, P)
-            cost = state * (P - 1) if form.exchange == "all_gather" else state
-            found.append(Strategy(reqs, shard_of(out, seq), Lowering.MIXER_STATE,
-                                  f"{name}.state", extra_cost=float(cost)))
-    return found + [whole]
+    if form.state_bytes is None or seq is None:
+        return []
+    bound = site.bound([ctx.meta(i) for i in range(n)])
+    S = out[seq]
+    smallest = min(b - a for a, b in (chunk_bounds(S, P, r) for r in range(P)))
+    if smallest < form.min_local(bound):
+        return []
+    reqs = tuple(shard_of(s, r.seq) if r is not None and r.seq is not None
+                 else REPLICATE for s, r in zip(shapes, roles))
+    state = form.state_bytes(bound, P)
+    cost = 0 if P == 1 else state * (P - 1) if form.exchange == "all_gather" else state
+    return [Strategy(reqs, shard_of(out, seq), Lowering.MIXER_STATE, f"{name}.state",
+                     extra_cost=float(cost))]

@@ -74,13 +74,47 @@ def gradient_reaches(graph: torch.fx.Graph) -> set[torch.fx.Node]:
     """Nodes a gradient can flow back into: some path of uses reaches the output through
     floating values, without passing a ``detach``. An integer or boolean value carries none (the
     indices of a ``topk`` whose values nothing reads: what produced its input gets no gradient,
-    and the collective that moved that input has no backward). One pass, in reverse order."""
+    and the collective that moved that input has no backward). An in-place op whose result is
+    unread still carries a gradient into the tensor it writes (``buf[..., i] = x`` in a chunked
+    recurrence): it counts where what it writes does. Reverse passes until nothing changes
+    (one, in a graph without in-place writes)."""
+    writes = {n: _written(n) for n in graph.nodes if n.op == "call_function"}
+    writes = {n: w for n, w in writes.items() if w}
     live: set[torch.fx.Node] = set()
-    for n in reversed(graph.nodes):
-        if n.op == "output" or _may_carry_grad(n) and any(
-                u in live and u.target is not torch.ops.aten.detach.default for u in n.users):
-            live.add(n)
-    return live
+    while True:
+        before = len(live)
+        for n in reversed(graph.nodes):
+            if n in live:
+                continue
+            if n.op == "output" or _may_carry_grad(n) and (
+                    any(u in live and u.target is not torch.ops.aten.detach.default
+                        for u in n.users) or any(w in live for w in writes.get(n, ()))):
+                live.add(n)
+        if len(live) == before:
+            return live
+
+
+def _written(n: torch.fx.Node) -> list[torch.fx.Node]:
+    """The tensors an in-place or ``out=`` op writes: each written argument and, where it is
+    a view (``buf[:, i]``), the tensors it views."""
+    schema = getattr(n.target, "_schema", None)
+    if schema is None or not schema.is_mutable:
+        return []
+    out = []
+    for i, arg in enumerate(schema.arguments):
+        if arg.alias_info is None or not arg.alias_info.is_write:
+            continue
+        x = n.args[i] if i < len(n.args) and not arg.kwarg_only else n.kwargs.get(arg.name)
+        while isinstance(x, torch.fx.Node):
+            out.append(x)
+            x = x.args[0] if _is_view(x) and x.args else None
+    return out
+
+
+def _is_view(n: torch.fx.Node) -> bool:
+    schema = getattr(n.target, "_schema", None)
+    return schema is not None and not schema.is_mutable and bool(schema.returns) and \
+        schema.returns[0].alias_info is not None
 
 
 def _may_carry_grad(n: torch.fx.Node) -> bool:

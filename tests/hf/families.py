@@ -23,7 +23,14 @@ class Family:
     exercises: str = ""
     train: bool = True          # built in training mode (False: eval, see OPT)
     attention_layers: int = 2   # layers with attention (the rest: LFM2's convolutions)
-    halo_layers: int = 0        # layers whose convolution exchanges a halo (one each way)
+    halo: bool = False          # a convolution layer that may exchange a halo (halo_layers)
+
+    @property
+    def halo_layers(self) -> int:
+        """Layers whose convolution exchanges a halo (one each way). Read when a test asks,
+        not at import: importing a modeling file imports torch._dynamo, and with it triton,
+        which must not happen before the kernel tests set ``TRITON_INTERPRET``."""
+        return _lfm2_named_conv() if self.halo else 0
 
 
 def _lfm2_named_conv() -> int:
@@ -133,7 +140,7 @@ FAMILIES: dict[str, Family] = {f.name: f for f in [
            "a short causal convolution along the sequence in one layer (split, the previous "
            "rank's last 2 tokens exchanged, where transformers calls it as causal_conv1d_fn; "
            "its input gathered whole where it runs nn.Conv1d itself, 5.17), attention in the "
-           "other", attention_layers=1, halo_layers=_lfm2_named_conv()),
+           "other", attention_layers=1, halo=True),
 ]}
 
 

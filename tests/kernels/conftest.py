@@ -1,7 +1,7 @@
 """Kernel-test setup: run Triton under its CPU interpreter when there is no GPU.
 
-``TRITON_INTERPRET`` must be set before a ``@triton.jit`` kernel is defined; spdsl's kernel
-modules load lazily (on first launch), so setting it here, at collection, is early enough.
+``TRITON_INTERPRET`` must be set before triton is first imported (``tests/conftest.py`` sets
+it, before any test module loads); set here too for a run of this folder from elsewhere.
 """
 
 from __future__ import annotations

@@ -36,7 +36,9 @@ references). The device figure is then c10's CPU allocator's (``spdsl.memory.mea
 the step's peak above its start, against the plan's ``one_pool`` (offloaded copies are CPU
 tensors too) less parameters, optimizer state and inputs, as ``planner_check.py`` and
 ``tests/memory/test_measured_mesh.py`` compare; nothing is pinned, and its timings mean
-nothing.
+nothing. It runs on one CPU thread: with more, each thread of a bf16 matmul keeps scratch of its
+own in the same pool (141 KiB over a 2.0 MiB plan on 2 threads), which no plan of the step
+models and a GPU does not have.
 
     python -m bench.gpu.bigstep --out bench/results/gpu/bigstep.json
     python -m bench.gpu.bigstep --tiny --out /tmp/bigstep.json        # CPU, seconds
@@ -298,6 +300,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     device = "cpu" if args.tiny or not torch.cuda.is_available() else "cuda"
     if device == "cpu":
+        torch.set_num_threads(1)        # no per-thread kernel scratch in the measured pool
         track_cpu_allocations()         # before any tensor: the allocator's totals exact
     result = {"env": device_info(device)}
     try:

@@ -112,9 +112,9 @@ def test_dry_run_writes_every_result(tmp_path):
     for row in (big["device_peak"], big["host"]):
         assert row["planned"] > 0 and row["measured"] > 0, row
         assert row["ratio"] == row["planned"] / row["measured"], row
-    # the tiny step on CPU: the planner within 2% of c10's allocator (bf16 CPU kernels keep
-    # scratch the planner cannot see: 0.984 measured), the host copies exact
-    assert 0.95 < big["device_peak"]["ratio"] <= 1.05, big["device_peak"]
+    # the tiny step on one CPU thread: the planner within 1% of c10's allocator (1.0 measured;
+    # each further thread of a bf16 matmul keeps scratch no plan models), the host copies exact
+    assert 0.99 < big["device_peak"]["ratio"] <= 1.01, big["device_peak"]
     assert big["host"]["ratio"] == 1, big["host"]
     assert big["timings"]["step_s"] > 0 and big["loss"] > 0
     text = (tmp_path / "summary.md").read_text()

@@ -169,7 +169,8 @@ def _conv(s, args, ranks: Ranks) -> torch.Tensor:
     return out[:, :, halo:]
 
 
-_PASSING = {"gated_delta_rule": _gdn, "ssd": _ssd, "causal_conv1d": _conv}
+_PASSING = {"gated_delta_rule": _gdn, "kimi_delta_attention": _gdn, "ssd": _ssd,
+            "causal_conv1d": _conv}
 
 
 # -- what the plan lists -------------------------------------------------------------------------

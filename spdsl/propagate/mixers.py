@@ -39,6 +39,8 @@ form                      captured functions                             state p
                           ``torch_recurrent_gated_delta_rule``,          dv]`` (transition
                           ``chunk_gated_delta_rule``,                    and state), fp32
                           ``fused_recurrent_gated_delta_rule``
+``kimi_delta_attention``  ``chunk_kimi_delta_attention``,                the same
+                          ``recurrent_kimi_delta_attention``
 ``ssd``                   ``mamba2_chunk_scan``                          ``[B, H, p, n] +
                                                                          [B, H]``, fp32
 ``causal_conv1d``         ``causal_conv1d_fn``                           ``kernel - 1``
@@ -277,6 +279,21 @@ register_mixer(MixerForm(
     accepts=lambda b: _no_state("initial_state", "output_final_state", "cu_seqlens")(b)
     and all(isinstance(b.get(n), torch.Tensor) for n in ("query", "key", "value", "g", "beta"))
     and b["g"].dim() == 3 and b["beta"].dim() == 3,
+    state_bytes=_gdn_state))
+
+
+# Kimi delta attention (Kimi-Linear): the gated delta rule with a decay per key channel,
+# ``S_t = (I - b_t k_t k_t^T) diag(exp g_t) S_{t-1} + b_t k_t v_t^T`` (``g``: [B, S, H, dk]).
+# Still affine in the state and acting on each column of it alone, so the gated delta rule's
+# state passing applies unchanged.
+register_mixer(MixerForm(
+    "kimi_delta_attention",
+    ("chunk_kimi_delta_attention", "recurrent_kimi_delta_attention"),
+    roles={"query": Role(), "key": Role(), "value": Role(), "g": Role(), "beta": Role()},
+    out=Role(), output=_gdn_output, pack=lambda o: (o, None),
+    accepts=lambda b: _no_state("initial_state", "output_final_state", "cu_seqlens")(b)
+    and all(isinstance(b.get(n), torch.Tensor) for n in ("query", "key", "value", "g", "beta"))
+    and b["g"].dim() == 4 and b["beta"].dim() == 3,
     state_bytes=_gdn_state))
 
 

@@ -59,6 +59,16 @@ HYBRIDS: dict[str, tuple[str, str, dict, str]] = {
                 "num_heads": 4, "head_dim": 32, "n_groups": 1, "state_size": 8,
                 "conv_kernel": 4, "expand": 2, "chunk_size": 16},
                "Mamba-2 only (no attention)"),
+    "kimi_linear": ("KimiLinearConfig", "KimiLinearForCausalLM",
+                    {**_BASE, "num_hidden_layers": 2, "num_key_value_heads": 4,
+                     "kv_lora_rank": 16, "q_lora_rank": None, "qk_rope_head_dim": 8,
+                     "qk_nope_head_dim": 8, "v_head_dim": 16, "linear_head_dim": 16,
+                     "linear_num_heads": 4, "linear_conv_kernel_dim": 4,
+                     "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2,
+                     "layer_types": ["linear_attention", "full_attention"],
+                     "mlp_layer_types": ["dense", "dense"]},
+                    "Kimi delta attention (a decay per key channel; conv before it) and "
+                    "multi-head latent attention"),
 }
 
 

@@ -128,6 +128,22 @@ def test_gated_delta_rule(fn_name, parts):
     _check(getattr(m, fn_name), kw, "gated_delta_rule", seq, 1, parts)
 
 
+@pytest.mark.parametrize("parts", [2, 3])
+@pytest.mark.parametrize("fn_name", ["chunk_kimi_delta_attention",
+                                     "recurrent_kimi_delta_attention"])
+def test_kimi_delta_attention(fn_name, parts):
+    """The gated delta rule with a decay per key channel (``g``: [B, S, H, dk])."""
+    from transformers.models.kimi_linear import modeling_kimi_linear as m
+    kw = _gdn_inputs()
+    gen = torch.Generator().manual_seed(3)
+    kw["g"] = -F.softplus(torch.randn(kw["key"].shape, generator=gen)) * 0.3
+    kw.update(initial_state=None, output_final_state=False, use_qk_l2norm_in_kernel=True)
+    if fn_name == "chunk_kimi_delta_attention":
+        kw["chunk_size"] = 8
+    seq = {n: 1 for n in ("query", "key", "value", "g", "beta")}
+    _check(getattr(m, fn_name), kw, "kimi_delta_attention", seq, 1, parts)
+
+
 @pytest.mark.parametrize("parts", [2, 4])
 @pytest.mark.parametrize("groups", [1, 2])
 def test_ssd(parts, groups):

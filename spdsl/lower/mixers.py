@@ -19,6 +19,10 @@ State passing, exact because each mixer's state is affine in the state before it
   One call from a zero state gives the outputs and the piece's final state ``C``; its decay is
   ``exp(sum dt A)``, computed as the function does. The ranks all-gather ``(decay, C)``, each
   composes ``S_in`` and adds ``exp(cumsum dt A)_t * (C_t . S_in)``.
+- **Selective scan** (Mamba-1: ``h_t = exp(dt_t A) * h_{t-1} + dt_t B_t x_t``, a decay per
+  channel and state element). As SSD, with the decay ``exp(A * cumsum dt)`` of ``[D, n]`` per
+  token: the ranks all-gather ``(C, log decay)``, ``[B, D, n]`` each, and each adds
+  ``C_t . (decay_t * S_in)`` (times ``silu(z)``, as the function gates its output).
 - **Short causal conv**: the previous rank's last ``kernel - 1`` tokens (a halo, zeros on
   the first rank), the function run on ``[halo, piece]``, the piece's outputs kept.
 
@@ -156,6 +160,25 @@ def _ssd(s, args, ranks: Ranks) -> torch.Tensor:
     return out + fix.to(out.dtype)
 
 
+def _scan(s, args, ranks: Ranks) -> torch.Tensor:
+    b = s.bound(args)
+    dt, A, Cm, z = b["dt"], b["A"], b["C"], b.get("z")
+    out, final = s.call(args, return_last_state=True)             # final: [B, D, n]
+    # the decay as the function takes it: bias, softplus, times A
+    if b.get("delta_bias") is not None:
+        dt = dt + b["delta_bias"].to(dt.dtype)[..., None]
+    if b.get("delta_softplus"):
+        dt = F.softplus(dt)
+    log_decay = A.float()[None, :, None, :] * dt.float().cumsum(-1)[..., None]  # [B, D, L, n]
+    piece = torch.stack([final.float(), log_decay[:, :, -1]])     # [2, B, D, n]
+    both = ranks.gather(piece.contiguous())                        # [P, 2, B, D, n]
+    s_in = _compose(both[:, 1].exp(), both[:, 0], ranks.rank, torch.mul)
+    fix = torch.einsum("bnl,bdln,bdn->bdl", Cm.float(), log_decay.exp(), s_in)
+    if z is not None:
+        fix = fix * F.silu(z.float())
+    return out + fix.to(out.dtype)
+
+
 def _conv(s, args, ranks: Ranks) -> torch.Tensor:
     b = s.bound(args)
     x = b["hidden_states"]                                         # [B, C, S_local]
@@ -170,7 +193,7 @@ def _conv(s, args, ranks: Ranks) -> torch.Tensor:
 
 
 _PASSING = {"gated_delta_rule": _gdn, "kimi_delta_attention": _gdn, "ssd": _ssd,
-            "causal_conv1d": _conv}
+            "selective_scan": _scan, "causal_conv1d": _conv}
 
 
 # -- what the plan lists -------------------------------------------------------------------------

@@ -1,8 +1,9 @@
 """Sequence mixers beyond softmax attention, recognised at their call and traced as one node.
 
 Hybrid models interleave attention with linear-attention and state-space layers: Gated
-DeltaNet (Qwen3.5, Qwen3-Next), Mamba-2's SSD scan (Bamba, Falcon-H1, Nemotron-H, Granite-4,
-Mamba-2), and the short causal convolutions in front of them (and LFM's). Each is causal along
+DeltaNet (Qwen3.5, Qwen3-Next), Kimi delta attention (Kimi-Linear), Mamba-2's SSD scan (Bamba,
+Falcon-H1, Nemotron-H, Granite-4, Mamba-2), Mamba-1's selective scan (Mamba, Jamba), and the
+short causal convolutions in front of them (and LFM's). Each is causal along
 the sequence and independent across heads (or channels). Hugging Face computes them with
 module-level functions (``torch_chunk_gated_delta_rule``, ``mamba2_chunk_scan``,
 ``causal_conv1d_fn``), torch loops over chunks on CPU and the installed GPU kernels
@@ -43,6 +44,8 @@ form                      captured functions                             state p
                           ``recurrent_kimi_delta_attention``
 ``ssd``                   ``mamba2_chunk_scan``                          ``[B, H, p, n] +
                                                                          [B, H]``, fp32
+``selective_scan``        ``mamba_selective_scan`` (Mamba-1)             ``[B, D, n]`` x 2,
+                                                                         fp32
 ``causal_conv1d``         ``causal_conv1d_fn``                           ``kernel - 1``
                                                                          tokens (a halo)
 ========================  =============================================  ==================
@@ -318,6 +321,32 @@ register_mixer(MixerForm(
     and isinstance(b.get("A"), torch.Tensor) and b["A"].dim() == 1
     and b["hidden_states"].dim() == 4 and b["B"].dim() == 4,
     state_bytes=_ssd_state))
+
+
+# Mamba-1's selective scan (Mamba, Falcon-Mamba, Jamba): ``h_t = exp(dt_t A) * h_{t-1} +
+# dt_t B_t x_t``, a decay per channel and state element (``A``: [D, n]); ``x``, ``dt``, ``z``:
+# [B, D, L] (channels, then the sequence); ``B``, ``C``: [B, n, L], shared by every channel.
+def _scan_output(b: dict) -> tuple:
+    return tuple(b["hidden_states"].shape), b["hidden_states"].dtype
+
+
+def _scan_state(b: dict, parts: int) -> int:
+    batch, d, _ = b["hidden_states"].shape
+    return 2 * batch * d * b["A"].shape[-1] * 4           # the piece's state and its decay
+
+
+register_mixer(MixerForm(
+    "selective_scan", ("mamba_selective_scan",),
+    roles={"hidden_states": Role(seq=2, heads=1), "dt": Role(seq=2, heads=1),
+           "z": Role(seq=2, heads=1), "B": Role(seq=2, heads=None), "C": Role(seq=2, heads=None),
+           "A": Role(None, 0, None), "D": Role(None, 0, None),
+           "delta_bias": Role(None, 0, None)},
+    out=Role(seq=2, heads=1), output=_scan_output, pack=lambda o: o,
+    accepts=lambda b: _no_state("return_last_state")(b)
+    and all(isinstance(b.get(n), torch.Tensor) for n in ("hidden_states", "dt", "A", "B", "C"))
+    and b["hidden_states"].dim() == 3 and b["A"].dim() == 2 and b["B"].dim() == 3
+    and b["C"].dim() == 3,
+    state_bytes=_scan_state))
 
 
 def _conv_output(b: dict) -> tuple:

@@ -69,6 +69,15 @@ HYBRIDS: dict[str, tuple[str, str, dict, str]] = {
                      "mlp_layer_types": ["dense", "dense"]},
                     "Kimi delta attention (a decay per key channel; conv before it) and "
                     "multi-head latent attention"),
+    "jamba": ("JambaConfig", "JambaForCausalLM",
+              {**_BASE, "num_hidden_layers": 2, "num_experts": 1, "attn_layer_period": 2,
+               "attn_layer_offset": 1, "mamba_d_state": 8, "mamba_d_conv": 4,
+               "mamba_expand": 2, "mamba_dt_rank": 8},
+              "Mamba-1 selective scan (a decay per channel and state element) and attention"),
+    "mamba": ("MambaConfig", "MambaForCausalLM",
+              {"vocab_size": VOCAB, "hidden_size": 64, "num_hidden_layers": 2,
+               "state_size": 8, "expand": 2, "conv_kernel": 4, "time_step_rank": 8},
+              "Mamba-1 only (no attention)"),
 }
 
 

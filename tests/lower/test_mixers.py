@@ -162,6 +162,25 @@ def test_ssd(parts, groups):
     _check(m.mamba2_chunk_scan, kw, "ssd", seq, 1, parts)
 
 
+@pytest.mark.parametrize("parts", [2, 3])
+@pytest.mark.parametrize("gated", [True, False])
+def test_selective_scan(parts, gated):
+    """Mamba-1: a decay per channel and state element; the output gated by ``silu(z)``."""
+    from transformers.models.mamba import modeling_mamba as m
+    g = torch.Generator().manual_seed(4)
+    B, D, L, n = 2, 6, 36, 4
+    kw = {"hidden_states": torch.randn(B, D, L, generator=g),
+          "dt": torch.randn(B, D, L, generator=g) - 1,
+          "A": -torch.rand(D, n, generator=g) - 0.1,
+          "B": torch.randn(B, n, L, generator=g), "C": torch.randn(B, n, L, generator=g),
+          "D": torch.randn(D, generator=g), "delta_bias": torch.randn(D, generator=g),
+          "delta_softplus": True, "use_associative_scan": False}
+    if gated:
+        kw["z"] = torch.randn(B, D, L, generator=g)
+    seq = {n: 2 for n in ("hidden_states", "dt", "z", "B", "C") if n in kw}
+    _check(m.mamba_selective_scan, kw, "selective_scan", seq, 2, parts)
+
+
 @pytest.mark.parametrize("parts", [2, 4])
 def test_causal_conv1d(parts):
     from transformers.models.qwen3_5 import modeling_qwen3_5 as m

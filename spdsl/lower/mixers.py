@@ -23,6 +23,10 @@ State passing, exact because each mixer's state is affine in the state before it
   channel and state element). As SSD, with the decay ``exp(A * cumsum dt)`` of ``[D, n]`` per
   token: the ranks all-gather ``(C, log decay)``, ``[B, D, n]`` each, and each adds
   ``C_t . (decay_t * S_in)`` (times ``silu(z)``, as the function gates its output).
+- **Lightning attention** (MiniMax: ``S_t = l S_{t-1} + k_t v_t^T``, a fixed decay ``l`` per
+  head). One call from a zero state gives the outputs and the final state ``C``; the piece's
+  decay is ``l ** L``. The ranks all-gather ``(C, log decay)`` and each adds
+  ``l ** (t + 1) q_t^T S_in``.
 - **Short causal conv**: the previous rank's last ``kernel - 1`` tokens (a halo, zeros on
   the first rank), the function run on ``[halo, piece]``, the piece's outputs kept.
 
@@ -179,6 +183,24 @@ def _scan(s, args, ranks: Ranks) -> torch.Tensor:
     return out + fix.to(out.dtype)
 
 
+def _lightning(s, args, ranks: Ranks) -> torch.Tensor:
+    b = s.bound(args)
+    q, slope = b["query"], b["slope_rate"].float().flatten()       # [B, L, H, d], [H]
+    out, final = s.call(args, output_final_state=True)            # final: [B, H, d, dv]
+    batch, length, heads, _ = q.shape
+    log_decay = (-slope * length).expand(batch, heads).unsqueeze(-1)  # the piece's, [B, H, 1]
+    piece = torch.cat([final.float().flatten(2), log_decay], -1)
+    both = ranks.gather(piece.contiguous())                        # [P, B, H, d*dv + 1]
+    dd = final.shape[-2] * final.shape[-1]
+    trans = both[..., dd:].exp().unsqueeze(-1)                     # [P, B, H, 1, 1]
+    states = both[..., :dd].unflatten(-1, final.shape[-2:])        # [P, B, H, d, dv]
+    s_in = _compose(trans, states, ranks.rank, torch.mul)
+    steps = torch.arange(1, length + 1, dtype=torch.float32, device=q.device)
+    decay = torch.exp(-slope[None, :] * steps[:, None])           # l ** (t + 1): [L, H]
+    fix = torch.einsum("blhd,bhde->blhe", q.float(), s_in) * decay[None, :, :, None]
+    return out + fix.to(out.dtype)
+
+
 def _conv(s, args, ranks: Ranks) -> torch.Tensor:
     b = s.bound(args)
     x = b["hidden_states"]                                         # [B, C, S_local]
@@ -193,7 +215,8 @@ def _conv(s, args, ranks: Ranks) -> torch.Tensor:
 
 
 _PASSING = {"gated_delta_rule": _gdn, "kimi_delta_attention": _gdn, "ssd": _ssd,
-            "selective_scan": _scan, "causal_conv1d": _conv}
+            "selective_scan": _scan, "lightning_attention": _lightning,
+            "causal_conv1d": _conv}
 
 
 # -- what the plan lists -------------------------------------------------------------------------

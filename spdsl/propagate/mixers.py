@@ -2,8 +2,8 @@
 
 Hybrid models interleave attention with linear-attention and state-space layers: Gated
 DeltaNet (Qwen3.5, Qwen3-Next), Kimi delta attention (Kimi-Linear), Mamba-2's SSD scan (Bamba,
-Falcon-H1, Nemotron-H, Granite-4, Mamba-2), Mamba-1's selective scan (Mamba, Jamba), and the
-short causal convolutions in front of them (and LFM's). Each is causal along
+Falcon-H1, Nemotron-H, Granite-4, Mamba-2), Mamba-1's selective scan (Mamba, Jamba), MiniMax's
+lightning attention, and the short causal convolutions in front of them (and LFM's). Each is causal along
 the sequence and independent across heads (or channels). Hugging Face computes them with
 module-level functions (``torch_chunk_gated_delta_rule``, ``mamba2_chunk_scan``,
 ``causal_conv1d_fn``), torch loops over chunks on CPU and the installed GPU kernels
@@ -46,6 +46,8 @@ form                      captured functions                             state p
                                                                          [B, H]``, fp32
 ``selective_scan``        ``mamba_selective_scan`` (Mamba-1)             ``[B, D, n]`` x 2,
                                                                          fp32
+``lightning_attention``   ``lightning.lightning_attention`` (MiniMax's   ``[B, H, d, d]``
+                          forward, traced in its place)                  + ``[B, H]``, fp32
 ``causal_conv1d``         ``causal_conv1d_fn``                           ``kernel - 1``
                                                                          tokens (a halo)
 ========================  =============================================  ==================
@@ -70,6 +72,7 @@ import torch
 from torch.fx.experimental.proxy_tensor import get_proxy_mode
 
 from spdsl._torch import tree_flatten, tree_unflatten
+from spdsl.propagate import lightning
 
 
 @dataclass(frozen=True)
@@ -233,11 +236,27 @@ def _targets(form: MixerForm) -> Iterator[tuple[Any, str]]:
                 yield m, name
 
 
+# module classes whose forward computes a mixer inline: "module:Class" -> a function of the
+# original forward giving the forward to trace (the mixer moved into a registered function)
+FORWARDS: dict[str, Callable[[Callable], Callable]] = {
+    "transformers.models.minimax.modeling_minimax:MiniMaxLightningAttention":
+        lightning.traced_forward,
+}
+
+
 @contextlib.contextmanager
 def captured_mixers() -> Iterator[int]:
     """For the length of a trace, every registered mixer function (in the modules imported so
-    far) calls ``spdsl.mixer`` instead. Yields how many names it replaced."""
+    far) calls ``spdsl.mixer`` instead, and the forwards of ``FORWARDS`` call such a function.
+    Yields how many names it replaced."""
     done: list[tuple[Any, str, Any]] = []
+    for target, build in FORWARDS.items():
+        mod, cls_name = target.split(":")
+        cls = getattr(sys.modules.get(mod), "__dict__", {}).get(cls_name)
+        if cls is not None and "forward" in vars(cls):
+            orig = vars(cls)["forward"]
+            setattr(cls, "forward", build(orig))
+            done.append((cls, "forward", orig))
     for form in MIXERS.values():
         for mod, attr in _targets(form):
             orig = getattr(mod, attr)
@@ -347,6 +366,24 @@ register_mixer(MixerForm(
     and b["hidden_states"].dim() == 3 and b["A"].dim() == 2 and b["B"].dim() == 3
     and b["C"].dim() == 3,
     state_bytes=_scan_state))
+
+
+# MiniMax's lightning attention (``spdsl.propagate.lightning``): a fixed decay per head
+def _lightning_state(b: dict, parts: int) -> int:
+    batch, _, h, d = b["key"].shape
+    return batch * h * (d * b["value"].shape[-1] + 1) * 4
+
+
+register_mixer(MixerForm(
+    "lightning_attention", ("spdsl.propagate.lightning:lightning_attention",),
+    roles={"query": Role(), "key": Role(), "value": Role(), "slope_rate": Role(None, 0, None),
+           "query_decay": Role(None, 0, None), "key_decay": Role(None, 0, None),
+           "diagonal_decay": Role(None, 1, None)},
+    out=Role(), output=_gdn_output, pack=lambda o: (o, None),
+    accepts=lambda b: _no_state("initial_state", "output_final_state")(b)
+    and all(isinstance(b.get(n), torch.Tensor) for n in ("query", "key", "value"))
+    and b["query"].dim() == 4,
+    state_bytes=_lightning_state))
 
 
 def _conv_output(b: dict) -> tuple:

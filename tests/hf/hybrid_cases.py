@@ -78,6 +78,12 @@ HYBRIDS: dict[str, tuple[str, str, dict, str]] = {
               {"vocab_size": VOCAB, "hidden_size": 64, "num_hidden_layers": 2,
                "state_size": 8, "expand": 2, "conv_kernel": 4, "time_step_rank": 8},
               "Mamba-1 only (no attention)"),
+    "minimax": ("MiniMaxConfig", "MiniMaxForCausalLM",
+                {**_BASE, "num_hidden_layers": 2, "head_dim": 16, "intermediate_size": 32,
+                 "num_local_experts": 4, "num_experts_per_tok": 2, "block_size": 8,
+                 "layer_types": ["linear_attention", "full_attention"]},
+                "lightning attention in blocks of 8 (inline in its module's forward), then "
+                "softmax attention; experts"),
 }
 
 

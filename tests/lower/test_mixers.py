@@ -83,8 +83,9 @@ def _passing(form_name: str, fn, bound: dict, seq: dict[str, int], out_dim: int,
 
 
 def _check(fn, kwargs: dict, form: str, seq: dict[str, int], out_dim: int, parts: int,
-           first=lambda o: o[0] if isinstance(o, tuple) else o) -> None:
-    leaves = {k: v.clone().requires_grad_(v.is_floating_point())
+           first=lambda o: o[0] if isinstance(o, tuple) else o, constants=()) -> None:
+    """``constants``: tensors no gradient is asked of (a module's buffers)."""
+    leaves = {k: v.clone().requires_grad_(v.is_floating_point() and k not in constants)
               if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
     bound = _bind(fn, (), leaves)
     ref = first(fn(**leaves))
@@ -179,6 +180,42 @@ def test_selective_scan(parts, gated):
         kw["z"] = torch.randn(B, D, L, generator=g)
     seq = {n: 2 for n in ("hidden_states", "dt", "z", "B", "C") if n in kw}
     _check(m.mamba_selective_scan, kw, "selective_scan", seq, 2, parts)
+
+
+@pytest.mark.parametrize("parts", [2, 3])
+def test_lightning_attention(parts):
+    """MiniMax: a fixed decay per head, in blocks of 8 (pieces of 12-18 tokens: ragged
+    blocks), with the buffers its module computes."""
+    from spdsl.propagate.lightning import lightning_attention
+    from transformers import MiniMaxConfig
+    from transformers.models.minimax.modeling_minimax import MiniMaxLightningAttention
+    cfg = MiniMaxConfig(hidden_size=32, num_attention_heads=4, head_dim=8, block_size=8,
+                        num_hidden_layers=2, layer_types=["linear_attention", "full_attention"])
+    mod = MiniMaxLightningAttention(cfg, layer_idx=0)
+    g = torch.Generator().manual_seed(5)
+    kw = {n: torch.randn(2, 36, 4, 8, generator=g) * 0.5 for n in ("query", "key", "value")}
+    kw.update(slope_rate=mod.slope_rate, query_decay=mod.query_decay, key_decay=mod.key_decay,
+              diagonal_decay=mod.diagonal_decay, block_size=8)
+    seq = {n: 1 for n in ("query", "key", "value")}
+    _check(lightning_attention, kw, "lightning_attention", seq, 1, parts,
+           constants=("slope_rate", "query_decay", "key_decay", "diagonal_decay"))
+
+
+def test_lightning_forward_is_minimax_own():
+    """The forward traced in place of MiniMax's: the same outputs as its own (fp32)."""
+    from spdsl.propagate.lightning import traced_forward
+    from transformers import MiniMaxConfig
+    from transformers.models.minimax.modeling_minimax import MiniMaxLightningAttention
+    cfg = MiniMaxConfig(hidden_size=32, num_attention_heads=4, head_dim=8, block_size=8,
+                        num_hidden_layers=2, layer_types=["linear_attention", "full_attention"])
+    torch.manual_seed(0)
+    mod = MiniMaxLightningAttention(cfg, layer_idx=1)
+    x = torch.randn(2, 37, 32)
+    mask = torch.ones(2, 37, dtype=torch.long)
+    mask[1, 30:] = 0
+    ref = MiniMaxLightningAttention.forward(mod, x, None, mask)[0]
+    got = traced_forward(MiniMaxLightningAttention.forward)(mod, x, None, mask)[0]
+    assert float((got - ref).detach().abs().max() / ref.detach().abs().max()) <= 1e-6
 
 
 @pytest.mark.parametrize("parts", [2, 4])

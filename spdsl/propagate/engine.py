@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import math
+import operator
 import warnings
 from dataclasses import dataclass, field
 from typing import Any
@@ -112,6 +113,8 @@ def _written(n: torch.fx.Node) -> list[torch.fx.Node]:
 
 
 def _is_view(n: torch.fx.Node) -> bool:
+    if n.target is operator.getitem:          # a piece of a split / unbind: a view too
+        return True
     schema = getattr(n.target, "_schema", None)
     return schema is not None and not schema.is_mutable and bool(schema.returns) and \
         schema.returns[0].alias_info is not None

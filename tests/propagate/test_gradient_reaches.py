@@ -63,3 +63,17 @@ def test_a_write_into_a_buffer_nothing_reads_carries_none():
     graph, live = _names(f, torch.randn(4), torch.randn(4))
     copy, = _by_target(graph, aten.copy_.default)
     assert copy.name not in live and "g_1" not in live and "x_1" in live
+
+
+def test_a_write_into_a_piece_of_a_split_counts_too():
+    aten = torch.ops.aten
+
+    def f(x, g):
+        buf = torch.zeros(4, 4)
+        top, _ = buf.split(2)
+        top.copy_(x * g)                   # written through split's first piece
+        return buf.sum()
+
+    graph, live = _names(f, torch.randn(2, 4), torch.randn(4))
+    copy, = _by_target(graph, aten.copy_.default)
+    assert copy.name in live and "g_1" in live

@@ -124,6 +124,18 @@ def _compose(trans: torch.Tensor, states: torch.Tensor, rank: int, apply) -> tor
     return total
 
 
+def _incoming(final: torch.Tensor, log_decay: torch.Tensor, ranks: Ranks) -> torch.Tensor:
+    """The state entering this rank's piece where a piece's transition is one decay per head:
+    every piece's final state (``[B, H, ...]``, from a zero state) and log decay (``[B, H]``),
+    all-gathered in one collective, composed over the pieces before this one."""
+    n = final[0, 0].numel()
+    piece = torch.cat([final.float().flatten(2), log_decay.float().unsqueeze(-1)], -1)
+    both = ranks.gather(piece.contiguous())                        # [P, B, H, n + 1]
+    trans = both[..., n:].exp().reshape(both.shape[:3] + (1,) * (final.dim() - 2))
+    states = both[..., :n].unflatten(-1, final.shape[2:])
+    return _compose(trans, states, ranks.rank, torch.mul)
+
+
 def _gdn(s, args, ranks: Ranks) -> torch.Tensor:
     b = s.bound(args)
     k, v = b["key"], b["value"]
@@ -153,12 +165,7 @@ def _ssd(s, args, ranks: Ranks) -> torch.Tensor:
     lo, hi = b.get("dt_limit") or (0.0, float("inf"))
     dt = torch.clamp(dt, min=lo, max=hi)
     log_decay = (A.float() * dt.float()).cumsum(1)                 # [B, S_local, H]
-    piece = torch.cat([final.float().flatten(2), log_decay[:, -1:].transpose(1, 2)], -1)
-    both = ranks.gather(piece.contiguous())                        # [P, B, H, p*n + 1]
-    pn = final.shape[-2] * final.shape[-1]
-    trans = both[..., pn:].exp().unsqueeze(-1)                     # [P, B, H, 1, 1]
-    states = both[..., :pn].unflatten(-1, final.shape[-2:])        # [P, B, H, p, n]
-    s_in = _compose(trans, states, ranks.rank, torch.mul)
+    s_in = _incoming(final, log_decay[:, -1], ranks)               # [B, H, p, n]
     c = Cm.float().repeat_interleave(heads // groups, dim=2)       # [B, S, H, n]
     fix = torch.einsum("bshn,bhpn->bshp", c, s_in) * log_decay.exp().unsqueeze(-1)
     return out + fix.to(out.dtype)
@@ -188,13 +195,7 @@ def _lightning(s, args, ranks: Ranks) -> torch.Tensor:
     q, slope = b["query"], b["slope_rate"].float().flatten()       # [B, L, H, d], [H]
     out, final = s.call(args, output_final_state=True)            # final: [B, H, d, dv]
     batch, length, heads, _ = q.shape
-    log_decay = (-slope * length).expand(batch, heads).unsqueeze(-1)  # the piece's, [B, H, 1]
-    piece = torch.cat([final.float().flatten(2), log_decay], -1)
-    both = ranks.gather(piece.contiguous())                        # [P, B, H, d*dv + 1]
-    dd = final.shape[-2] * final.shape[-1]
-    trans = both[..., dd:].exp().unsqueeze(-1)                     # [P, B, H, 1, 1]
-    states = both[..., :dd].unflatten(-1, final.shape[-2:])        # [P, B, H, d, dv]
-    s_in = _compose(trans, states, ranks.rank, torch.mul)
+    s_in = _incoming(final, (-slope * length).expand(batch, heads), ranks)   # [B, H, d, dv]
     steps = torch.arange(1, length + 1, dtype=torch.float32, device=q.device)
     decay = torch.exp(-slope[None, :] * steps[:, None])           # l ** (t + 1): [L, H]
     fix = torch.einsum("blhd,bhde->blhe", q.float(), s_in) * decay[None, :, :, None]

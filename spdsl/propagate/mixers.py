@@ -342,7 +342,7 @@ register_mixer(MixerForm(
     state_bytes=_ssd_state))
 
 
-# Mamba-1's selective scan (Mamba, Jamba): ``h_t = exp(dt_t A) * h_{t-1} +
+# Mamba-1's selective scan (Mamba, Falcon-Mamba, Jamba): ``h_t = exp(dt_t A) * h_{t-1} +
 # dt_t B_t x_t``, a decay per channel and state element (``A``: [D, n]); ``x``, ``dt``, ``z``:
 # [B, D, L] (channels, then the sequence); ``B``, ``C``: [B, n, L], shared by every channel.
 def _scan_output(b: dict) -> tuple:

@@ -21,7 +21,7 @@ import torch
 from spdsl.annotate.api import sp_shard
 from spdsl.memory.planner import plan_memory
 from spdsl.memory.report import MemoryPlan
-from spdsl.modelspec import field, model_class_for, with_layers
+from spdsl.modelspec import FIELDS, field, model_class_for, with_layers
 from spdsl.pipeline import planning_group
 from spdsl.remat import Remat
 from spdsl.remat.segments import layer_of
@@ -91,7 +91,9 @@ def kernel_workspace(cfg, tokens: int, sp: int, dtype: torch.dtype) -> dict[str,
     v, e = field(cfg, "vocab"), field(cfg, "hidden")
     rows = min(tokens, default_chunk_size(tokens, v, e))
     loss = rows * v * item + (v * e * item if item < 4 else 0)
-    delta = tokens * sp * max(1, field(cfg, "heads") // sp) * 4
+    # a model without attention heads (Mamba-2, Mamba) runs no flash attention: no delta
+    heads = next((int(getattr(cfg, a)) for a in FIELDS["heads"] if hasattr(cfg, a)), 0)
+    delta = tokens * sp * max(1, heads // sp) * 4 if heads else 0
     return {"forward": loss, "backward": delta}
 
 

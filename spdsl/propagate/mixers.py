@@ -292,31 +292,28 @@ def _gdn_state(b: dict, parts: int) -> int:
     return batch * hv * dk * (dk + dv) * 4
 
 
-register_mixer(MixerForm(
-    "gated_delta_rule",
-    ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule",
-     "chunk_gated_delta_rule", "fused_recurrent_gated_delta_rule"),
-    roles={"query": Role(), "key": Role(), "value": Role(), "g": Role(), "beta": Role()},
-    out=Role(), output=_gdn_output, pack=lambda o: (o, None),
-    accepts=lambda b: _no_state("initial_state", "output_final_state", "cu_seqlens")(b)
-    and all(isinstance(b.get(n), torch.Tensor) for n in ("query", "key", "value", "g", "beta"))
-    and b["g"].dim() == 3 and b["beta"].dim() == 3,
-    state_bytes=_gdn_state))
+def _delta_rule(name: str, functions: tuple[str, ...], g_dims: int) -> MixerForm:
+    """A delta-rule form: q/k/v/g/beta of [B, S, H, ...], the output as ``value``, the
+    ``[B, Hv, dk, dk + dv]`` transition and state passed (``g``: ``g_dims`` dims)."""
+    names = ("query", "key", "value", "g", "beta")
+    return register_mixer(MixerForm(
+        name, functions, roles={n: Role() for n in names},
+        out=Role(), output=_gdn_output, pack=lambda o: (o, None),
+        accepts=lambda b: _no_state("initial_state", "output_final_state", "cu_seqlens")(b)
+        and all(isinstance(b.get(n), torch.Tensor) for n in names)
+        and b["g"].dim() == g_dims and b["beta"].dim() == 3,
+        state_bytes=_gdn_state))
 
 
+_delta_rule("gated_delta_rule",
+            ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule",
+             "chunk_gated_delta_rule", "fused_recurrent_gated_delta_rule"), g_dims=3)
 # Kimi delta attention (Kimi-Linear): the gated delta rule with a decay per key channel,
 # ``S_t = (I - b_t k_t k_t^T) diag(exp g_t) S_{t-1} + b_t k_t v_t^T`` (``g``: [B, S, H, dk]).
 # Still affine in the state and acting on each column of it alone, so the gated delta rule's
 # state passing applies unchanged.
-register_mixer(MixerForm(
-    "kimi_delta_attention",
-    ("chunk_kimi_delta_attention", "recurrent_kimi_delta_attention"),
-    roles={"query": Role(), "key": Role(), "value": Role(), "g": Role(), "beta": Role()},
-    out=Role(), output=_gdn_output, pack=lambda o: (o, None),
-    accepts=lambda b: _no_state("initial_state", "output_final_state", "cu_seqlens")(b)
-    and all(isinstance(b.get(n), torch.Tensor) for n in ("query", "key", "value", "g", "beta"))
-    and b["g"].dim() == 4 and b["beta"].dim() == 3,
-    state_bytes=_gdn_state))
+_delta_rule("kimi_delta_attention",
+            ("chunk_kimi_delta_attention", "recurrent_kimi_delta_attention"), g_dims=4)
 
 
 def _ssd_output(b: dict) -> tuple:

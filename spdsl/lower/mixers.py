@@ -14,7 +14,9 @@ State passing, exact because each mixer's state is affine in the state before it
   is ``[M | C]``, the piece's transition ``S_out = M S_in + C``, and its outputs
   ``[q^T M_t | o_t]``: the read of an incoming state and the output from a zero one. The ranks
   all-gather ``(M, C)`` (``[B, Hv, dk, dk + dv]`` fp32, independent of the sequence), each
-  composes those before it into ``S_in`` and outputs ``o_t + (q^T M_t) S_in``.
+  composes those before it into ``S_in`` and outputs ``o_t + (q^T M_t) S_in``. Packed
+  documents (``cu_seqlens``): one initial state per document of the piece, ``[I | 0]`` only
+  for a first one continuing from the ranks before, the last one's final state passed on.
 - **SSD** (Mamba-2: ``h_t = exp(dt_t A) h_{t-1} + dt_t x_t B_t^T``, a scalar decay per head).
   One call from a zero state gives the outputs and the piece's final state ``C``; its decay is
   ``exp(sum dt A)``, computed as the function does. The ranks all-gather ``(decay, C)``, each
@@ -43,6 +45,7 @@ import spdsl.collectives as C
 from spdsl._torch import FakeTensor
 from spdsl.lower.calls import Call, register
 from spdsl.propagate.mixers import SITES
+from spdsl.propagate.placement import chunk_bounds
 
 
 def run(args: list[torch.Tensor], site: int) -> torch.Tensor:
@@ -144,12 +147,37 @@ def _gdn(s, args, ranks: Ranks) -> torch.Tensor:
     eye = torch.eye(dk, dtype=torch.float32, device=v.device).expand(batch, hv, dk, dk)
     start = torch.cat([eye, eye.new_zeros(batch, hv, dk, dv)], -1)
     wide = torch.cat([v.new_zeros(v.shape[:-1] + (dk,)), v], -1)
-    out, final = s.call(args, value=wide, initial_state=start, output_final_state=True)
+    docs = {}
+    if b.get("cu_seqlens") is not None:
+        start, docs["cu_seqlens"] = _documents(s, b["cu_seqlens"], start, ranks)
+    out, final = s.call(args, value=wide, initial_state=start, output_final_state=True,
+                        **docs)
+    final = final[-1:] if docs else final        # the piece's last document goes on
     read, own = out[..., :dk], out[..., dk:]
     both = ranks.gather(final.float().contiguous())                # [P, B, Hv, dk, dk+dv]
     trans, states = both[..., :dk], both[..., dk:]
     s_in = _compose(trans, states, ranks.rank, torch.matmul)          # [B, Hv, dk, dv]
     return own + torch.matmul(read.float().transpose(1, 2), s_in).transpose(1, 2).to(own.dtype)
+
+
+def _documents(s, cu: torch.Tensor, start: torch.Tensor,
+               ranks: Ranks) -> tuple[torch.Tensor, torch.Tensor]:
+    """Packed documents in a delta rule's state passing (``cu``: the row's document bounds):
+    the initial states and the bounds of this rank's piece. The rank runs its piece with the
+    boundaries inside it, one state per document: ``[I | 0]`` for the first where it
+    continues a document of the ranks before (it reads their state), zeros for every other
+    (they start fresh, reading nothing from before). The piece's transition is its last
+    document's final state: ``[0 | C]`` where a document starts in the piece, so no state
+    crosses a boundary."""
+    length = s.shapes[s.names.index("value")][1]
+    first, stop = chunk_bounds(length, ranks.parts, ranks.rank)
+    bounds = [int(c) for c in cu.tolist()]
+    inner = [c - first for c in bounds if first < c < stop]
+    local = torch.tensor([0, *inner, stop - first], dtype=cu.dtype, device=cu.device)
+    states = start.new_zeros((len(local) - 1,) + start.shape[1:])
+    if first not in bounds:
+        states[0] = start[0]
+    return states, local
 
 
 def _ssd(s, args, ranks: Ranks) -> torch.Tensor:

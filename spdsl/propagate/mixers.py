@@ -53,7 +53,8 @@ form                      captured functions                             state p
 ========================  =============================================  ==================
 
 A call with a carried state (``initial_state``, a final state asked for: generation with a
-cache) runs traced as ops, as before. Registering one's own mixer is one
+cache) runs traced as ops, as before; a delta rule given packed documents' bounds
+(``cu_seqlens``) is captured, each rank given the bounds in its piece. Registering one's own mixer is one
 ``register_mixer(MixerForm(...))`` and a state-passing function in ``spdsl.lower.mixers``
 (see docs/mixers.md).
 """
@@ -132,6 +133,7 @@ class Site:
     arg_spec: Any                    # pytree spec of the bound arguments (a dict)
     leaves: list                     # their leaves, tensors as TENSOR
     shapes: list[tuple[int, ...]] = field(default_factory=list)   # the tensors' global shapes
+    positional: int = 0              # leading arguments the call passed by position
 
     def bound(self, tensors) -> dict:
         it = iter(tensors)
@@ -139,7 +141,14 @@ class Site:
         return tree_unflatten(leaves, self.arg_spec)
 
     def call(self, tensors, **override) -> Any:
-        return self.fn(**{**self.bound(tensors), **override})
+        """The function on ``tensors``, ``override`` replacing arguments by name. The leading
+        arguments go by position, as the model passed them: Hugging Face's kernel dispatch
+        passes keywords on only where the implementation it picked has a parameter of that
+        name (flash-linear-attention's ``chunk_gated_delta_rule`` takes ``q, k, v``, the torch
+        function it stands for ``query, key, value``)."""
+        items = list({**self.bound(tensors), **override}.items())
+        n = self.positional
+        return self.fn(*(v for _, v in items[:n]), **dict(items[n:]))
 
     def role(self, i: int) -> Role | None:
         return self.form.roles.get(self.names[i])
@@ -152,8 +161,11 @@ _NEXT = itertools.count()
 
 @torch.library.custom_op("spdsl::mixer", mutates_args=())
 def mixer_op(args: list[torch.Tensor], site: int) -> torch.Tensor:
-    # only traced: the lowering runs the function itself (spdsl.lower.mixers)
-    raise RuntimeError("spdsl.mixer runs through spdsl.lower.mixers.run")
+    # a step runs the lowering (spdsl.lower.mixers); a traced graph run as it is (a plan's
+    # segments before a graph break) computes the whole mixer, as one device does
+    out = SITES[site].call(args)
+    out = out[0] if isinstance(out, (tuple, list)) else out
+    return out.clone() if any(out is a for a in args) else out
 
 
 @mixer_op.register_fake
@@ -199,22 +211,24 @@ def _capture(form: MixerForm, fn: Callable, args: tuple, kwargs: dict):
     bound = _bind(fn, args, kwargs)
     if bound is None or not form.accepts(bound):
         return fn(*args, **kwargs)
-    site, tensors = make_site(form, fn, bound)
+    site, tensors = make_site(form, fn, bound, positional=len(args))
     key = next(_NEXT)
     SITES[key] = site
     return form.pack(torch.ops.spdsl.mixer(tensors, key))
 
 
-def make_site(form: MixerForm, fn: Callable, bound: dict) -> tuple[Site, list[torch.Tensor]]:
-    """The site of one call (``bound``: its arguments by name) and its tensor arguments, in
-    the order the site's ``call``/``bound`` take them."""
+def make_site(form: MixerForm, fn: Callable, bound: dict,
+              positional: int = 0) -> tuple[Site, list[torch.Tensor]]:
+    """The site of one call (``bound``: its arguments by name, the first ``positional`` of
+    them passed by position) and its tensor arguments, in the order the site's
+    ``call``/``bound`` take them."""
     leaves, spec = tree_flatten(bound)
     tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
     names = [k for k, v in bound.items() for x in tree_flatten(v)[0]
              if isinstance(x, torch.Tensor)]
     return Site(form, fn, names, spec,
                 [TENSOR if isinstance(x, torch.Tensor) else x for x in leaves],
-                [tuple(x.shape) for x in tensors]), tensors
+                [tuple(x.shape) for x in tensors], positional), tensors
 
 
 _PACKAGES = ("transformers.", "fla.", "mamba_ssm.", "causal_conv1d")
@@ -292,6 +306,15 @@ def _gdn_state(b: dict, parts: int) -> int:
     return batch * hv * dk * (dk + dv) * 4
 
 
+def _packed(b: dict) -> bool:
+    """No ``cu_seqlens``, or the documents of one packed row as a 1-D tensor: the recurrence
+    restarts at each (flash-linear-attention's kernels; Hugging Face passes the packing
+    collator's ``cu_seq_lens_q``). The lowering gives each rank the boundaries in its piece."""
+    cu = b.get("cu_seqlens")
+    return cu is None or (isinstance(cu, torch.Tensor) and cu.dim() == 1
+                          and b["value"].shape[0] == 1)
+
+
 def _delta_rule(name: str, functions: tuple[str, ...], g_dims: int) -> MixerForm:
     """A delta-rule form: q/k/v/g/beta of [B, S, H, ...], the output as ``value``, the
     ``[B, Hv, dk, dk + dv]`` transition and state passed (``g``: ``g_dims`` dims)."""
@@ -299,9 +322,9 @@ def _delta_rule(name: str, functions: tuple[str, ...], g_dims: int) -> MixerForm
     return register_mixer(MixerForm(
         name, functions, roles={n: Role() for n in names},
         out=Role(), output=_gdn_output, pack=lambda o: (o, None),
-        accepts=lambda b: _no_state("initial_state", "output_final_state", "cu_seqlens")(b)
+        accepts=lambda b: _no_state("initial_state", "output_final_state")(b)
         and all(isinstance(b.get(n), torch.Tensor) for n in names)
-        and b["g"].dim() == g_dims and b["beta"].dim() == 3,
+        and b["g"].dim() == g_dims and b["beta"].dim() == 3 and _packed(b),
         state_bytes=_gdn_state))
 
 

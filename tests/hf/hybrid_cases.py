@@ -18,6 +18,7 @@ from torch.profiler import ProfilerActivity, profile
 import spdsl
 from tests.hf.cases import GRAD_FLOOR, grad_errors, inputs, loss_fn
 from tests.hf.families import VOCAB, batch, packed, padded
+from tests.hf.varlen import fla_on_cpu, varlen_batch
 
 _BASE = {"vocab_size": VOCAB, "hidden_size": 64, "intermediate_size": 128,
          "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256,
@@ -142,6 +143,10 @@ GLOO = ("gloo:all_to_all", "gloo:all_gather", "gloo:reduce_scatter", "gloo:all_r
 # tokens the engine rightly runs Gated DeltaNet whole at SP 4 (its state, [B, 4, 16, 32] fp32
 # from each of 3 ranks, is more than the sequence's q/k/v)
 SEQ = 128
+VARLEN_DOCS = (32, 45, 51)
+# families whose Gated DeltaNet keeps packed documents apart given their bounds (with
+# flash-linear-attention; on CPU ``tests.hf.varlen.fla_on_cpu`` stands in)
+VARLEN = ("qwen3_5", "qwen3_next")
 
 
 def _inputs(data: str):
@@ -152,6 +157,12 @@ def _inputs(data: str):
         return ("input_ids", "labels", "attention_mask"), padded(2, SEQ, "right")
     if data == "packed":
         return ("input_ids", "labels", "position_ids"), packed(SEQ, (37, 51, 40))
+    if data == "varlen":
+        # the packing collator's document bounds too (the recurrence restarts at each); at SP 4
+        # one piece starts on a document boundary (32), two inside a document (64, 96)
+        ids, labels, pos, cu = varlen_batch(SEQ, VARLEN_DOCS)
+        return ("input_ids", "labels", "position_ids", "cu_seq_lens_q", "cu_seq_lens_k"), \
+            (ids, labels, pos, cu, cu)
     if data == "short":
         ids, labels = batch(2, 32)
         return ("input_ids", "labels"), (ids, labels)
@@ -194,6 +205,13 @@ def rounding_floor(family: str, names, xs, ref) -> dict[str, float]:
 
 
 def run_case(family: str, data: str, world: int, remat=None) -> dict:
+    if data == "varlen":
+        with fla_on_cpu(family):
+            return _run_case(family, data, world, remat)
+    return _run_case(family, data, world, remat)
+
+
+def _run_case(family: str, data: str, world: int, remat=None) -> dict:
     names, xs = _inputs(data)
     ref = build(family)
     model = copy.deepcopy(ref)

@@ -1,15 +1,16 @@
 """Unchanged Hugging Face hybrids (Gated DeltaNet, Kimi delta attention, Mamba-2 SSD, Mamba-1
 selective scans and short causal convolutions beside attention) under ``sp_shard(seq=P)`` with
 its defaults: loss and every parameter gradient equal single-device PyTorch (fp32) at SP 2 on
-plain, right-padded and packed batches, at SP 4 on every family's plain batch and Qwen3.5's
-three, and every sequence mixer split over the ranks: the plan runs it by heads or by state
-passing (never whole), and no call of a mixer function on any rank gets more than its share
-of the sequence's elements (counted where the lowering calls the function, not from the
-plan). Every gradient within 1e-4 relative, except where fp32 rounding alone moves the
-single device's own gradient further (``hybrid_cases.rounding_floor``: Hugging Face's chunked
-Gated DeltaNet in other chunks; the first layer's ``A_log`` of Qwen3.5 and Qwen3-Next): there,
-within twice that floor. One launch per degree. The state-passing algebra alone, in one process:
-``tests/lower/test_mixers.py``."""
+plain, right-padded and packed batches (Gated DeltaNet also packed with the documents' bounds,
+the recurrence restarting at each as flash-linear-attention's kernel does: ``tests.hf.varlen``),
+at SP 4 on every family's plain batch and Qwen3.5's four, and every sequence mixer split over
+the ranks: the plan runs it by heads or by state passing (never whole), and no call of a mixer
+function on any rank gets more than its share of the sequence's elements (counted where the
+lowering calls the function, not from the plan). Every gradient within 1e-4 relative, except
+where fp32 rounding alone moves the single device's own gradient further
+(``hybrid_cases.rounding_floor``: Hugging Face's chunked Gated DeltaNet in other chunks; the
+first layer's ``A_log`` of Qwen3.5 and Qwen3-Next): there, within twice that floor. One launch
+per degree. The state-passing algebra alone, in one process: ``tests/lower/test_mixers.py``."""
 
 from __future__ import annotations
 
@@ -18,17 +19,18 @@ import pytest
 pytest.importorskip("transformers")
 
 from tests.dist import spawn
-from tests.hf.hybrid_cases import HYBRIDS, run_all
+from tests.hf.hybrid_cases import HYBRIDS, VARLEN, run_all
 
 pytestmark = [pytest.mark.multirank, pytest.mark.slow]
 
 LOSS_RTOL, GRAD_RTOL = 1e-5, 1e-4
 DATA = ["plain", "pad_right", "packed"]
-SPLIT = [(f, d) for f in HYBRIDS for d in DATA]
+# "varlen": packed with the documents' bounds passed, the recurrence restarting at each
+SPLIT = [(f, d) for f in HYBRIDS for d in DATA] + [(f, "varlen") for f in VARLEN]
 # 32 tokens: gathering Gated DeltaNet's inputs moves fewer bytes than its states, so the
 # engine runs it by heads at SP 2 (and whole at SP 4, where 2 key heads cannot split)
 CASES = SPLIT + [("qwen3_5", "short")]
-# at SP 4 (three and more pieces composed): every family's plain batch, Qwen3.5 on all three
+# at SP 4 (three and more pieces composed): every family's plain batch, Qwen3.5 on all four
 AT_SP4 = [(f, d) for f, d in CASES if d == "plain" or f == "qwen3_5"]
 # a call's largest tensor argument times P over the whole one's: 1 split, P gathered (SSD's
 # grouped B/C, replicated under heads when their groups do not divide P, may be the largest)

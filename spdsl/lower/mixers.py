@@ -20,7 +20,9 @@ State passing, exact because each mixer's state is affine in the state before it
 - **SSD** (Mamba-2: ``h_t = exp(dt_t A) h_{t-1} + dt_t x_t B_t^T``, a scalar decay per head).
   One call from a zero state gives the outputs and the piece's final state ``C``; its decay is
   ``exp(sum dt A)``, computed as the function does. The ranks all-gather ``(decay, C)``, each
-  composes ``S_in`` and adds ``exp(cumsum dt A)_t * (C_t . S_in)``.
+  composes ``S_in`` and adds ``exp(cumsum dt A)_t * (C_t . S_in)``. Packed documents
+  (``seq_idx``): only the tokens of the document the previous piece ends in add it, and a
+  piece in which a document starts passes a decay of zero.
 - **Selective scan** (Mamba-1: ``h_t = exp(dt_t A) * h_{t-1} + dt_t B_t x_t``, a decay per
   channel and state element). As SSD, with the decay ``exp(A * cumsum dt)`` of ``[D, n]`` per
   token: the ranks all-gather ``(C, log decay)``, ``[B, D, n]`` each, and each adds
@@ -30,7 +32,8 @@ State passing, exact because each mixer's state is affine in the state before it
   decay is ``l ** L``. The ranks all-gather ``(C, log decay)`` and each adds
   ``l ** (t + 1) q_t^T S_in``.
 - **Short causal conv**: the previous rank's last ``kernel - 1`` tokens (a halo, zeros on
-  the first rank), the function run on ``[halo, piece]``, the piece's outputs kept.
+  the first rank), the function run on ``[halo, piece]``, the piece's outputs kept (with
+  ``seq_idx``, the halo's document indices too: the kernel masks other documents itself).
 
 The all-gather's backward sums each rank's gradient of every piece's state and gives each
 rank its own (a reduce-scatter): every rank's outputs depend on every state before it.
@@ -193,10 +196,26 @@ def _ssd(s, args, ranks: Ranks) -> torch.Tensor:
     lo, hi = b.get("dt_limit") or (0.0, float("inf"))
     dt = torch.clamp(dt, min=lo, max=hi)
     log_decay = (A.float() * dt.float()).cumsum(1)                 # [B, S_local, H]
-    s_in = _incoming(final, log_decay[:, -1], ranks)               # [B, H, p, n]
+    passed = log_decay[:, -1]
+    reads = None
+    if b.get("seq_idx") is not None:
+        reads = _continues(b["seq_idx"], ranks)                    # [B, S_local]
+        # a piece in which a document starts passes on only that document's state
+        passed = passed.masked_fill(~reads[:, -1:], float("-inf"))
+    s_in = _incoming(final, passed, ranks)                         # [B, H, p, n]
     c = Cm.float().repeat_interleave(heads // groups, dim=2)       # [B, S, H, n]
     fix = torch.einsum("bshn,bhpn->bshp", c, s_in) * log_decay.exp().unsqueeze(-1)
+    if reads is not None:
+        fix = fix * reads[:, :, None, None]
     return out + fix.to(out.dtype)
+
+
+def _continues(idx: torch.Tensor, ranks: Ranks) -> torch.Tensor:
+    """Packed documents (``idx``: each token's document, ``[B, S_local]``): which tokens of the
+    piece belong to the document the previous rank's piece ends in (they read the state
+    passed in; none on the first rank)."""
+    before = _halo(ranks, idx, 1, 1, idx[:, :1] - 1)[:, :1]          # the previous token's
+    return (idx == before).long().cumprod(1).bool()
 
 
 def _scan(s, args, ranks: Ranks) -> torch.Tensor:
@@ -230,16 +249,25 @@ def _lightning(s, args, ranks: Ranks) -> torch.Tensor:
     return out + fix.to(out.dtype)
 
 
+def _halo(ranks: Ranks, x: torch.Tensor, n: int, dim: int, first: torch.Tensor) -> torch.Tensor:
+    """``x`` (split on ``dim``) with the previous rank's last ``n`` entries in front; on the
+    first rank, ``first`` (``n`` entries long on ``dim``)."""
+    recv = ranks.from_previous(x.narrow(dim, x.shape[dim] - n, n).movedim(dim, 0)).movedim(0, dim)
+    return torch.cat([first if ranks.rank == 0 else recv, x], dim)
+
+
 def _conv(s, args, ranks: Ranks) -> torch.Tensor:
     b = s.bound(args)
     x = b["hidden_states"]                                         # [B, C, S_local]
     halo = b["weight"].shape[-1] - 1
     if halo == 0:
         return s.call(args)
-    recv = ranks.from_previous(x.narrow(2, x.shape[2] - halo, halo).movedim(2, 0)).movedim(0, 2)
-    if ranks.rank == 0:         # the sequence's first tokens read zeros, as on one device
-        recv = torch.cat([x.new_zeros(x.shape[:2] + (halo,)), recv], 2)
-    out = s.call(args, hidden_states=torch.cat([recv, x], 2))
+    # the sequence's first tokens read zeros, as on one device
+    over = {"hidden_states": _halo(ranks, x, halo, 2, x.new_zeros(x.shape[:2] + (halo,)))}
+    idx = b.get("seq_idx")
+    if idx is not None:     # the halo's documents too: the kernel reads no other document
+        over["seq_idx"] = _halo(ranks, idx, halo, 1, idx[:, :1].expand(-1, halo))
+    out = s.call(args, **over)
     return out[:, :, halo:]
 
 
@@ -255,13 +283,21 @@ def _(node, grad):
     if parts == 1:
         return []
     s = SITES[site]
-    state = s.form.state_bytes(s.bound([a.meta["val"] for a in args]), parts)
+    bound = s.bound([a.meta["val"] for a in args])
+    state = s.form.state_bytes(bound, parts)
     back = any(grad(a) for a in args)
     name = f"{s.form.name} state"
+    last = rank < parts - 1
+    # packed documents' indices: the conv's halo of them, the scan's previous token's
+    idx = bound.get("seq_idx")
+    docs = [] if idx is None else [Call(
+        "halo_exchange", group, idx.shape[0] * idx.element_size()
+        * (bound["weight"].shape[-1] - 1 if s.form.exchange == "halo" else 1) if last else 0,
+        0, "halo", (args[s.names.index("seq_idx")],))]
     if s.form.exchange == "halo":     # to the next rank; its gradient back to the previous
-        sent = state if rank < parts - 1 else 0
         back_bytes = state if back and rank > 0 else 0
-        return [Call("halo_exchange", group, sent, back_bytes, "halo", (args[0],))]
-    return [Call("all_gather", group, state, 0, "mixer state", (name,)),
-            Call("reduce_scatter", group, 0, state * parts if back else 0, "mixer state",
-                 (name,))]
+        return [Call("halo_exchange", group, state if last else 0, back_bytes, "halo",
+                     (args[0],))] + docs
+    return docs + [Call("all_gather", group, state, 0, "mixer state", (name,)),
+                   Call("reduce_scatter", group, 0, state * parts if back else 0,
+                        "mixer state", (name,))]

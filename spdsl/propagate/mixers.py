@@ -53,10 +53,11 @@ form                      captured functions                             state p
 ========================  =============================================  ==================
 
 A call with a carried state (``initial_state``, a final state asked for: generation with a
-cache) runs traced as ops, as before; a delta rule given packed documents' bounds
-(``cu_seqlens``) is captured, each rank given the bounds in its piece. Registering one's own mixer is one
-``register_mixer(MixerForm(...))`` and a state-passing function in ``spdsl.lower.mixers``
-(see docs/mixers.md).
+cache) runs traced as ops, as before. Packed documents are captured: a delta rule given their
+bounds (``cu_seqlens``), the SSD scan and the conv given each token's document (``seq_idx``).
+Fused kernels of ``FUSED`` decline while traced (their callers take the unfused path).
+Registering one's own mixer is one ``register_mixer(MixerForm(...))`` and a state-passing
+function in ``spdsl.lower.mixers`` (see docs/mixers.md).
 """
 
 from __future__ import annotations
@@ -236,18 +237,23 @@ _PACKAGES = ("transformers.", "fla.", "mamba_ssm.", "causal_conv1d")
 
 def _targets(form: MixerForm) -> Iterator[tuple[Any, str]]:
     for name in form.functions:
-        if ":" in name:
-            mod, attr = name.split(":", 1)
-            m = sys.modules.get(mod)
-            if m is not None and hasattr(m, attr):
-                yield m, attr
-            continue
-        for mod_name, m in list(sys.modules.items()):
-            # the module's own names only: a lazy module's getattr (transformers') imports
-            # what it names, and optional dependencies with it (torchvision)
-            if m is not None and mod_name.startswith(_PACKAGES) and \
-                    callable(getattr(m, "__dict__", {}).get(name)):
-                yield m, name
+        yield from _named(name)
+
+
+def _named(name: str) -> Iterator[tuple[Any, str]]:
+    """Where the module-level function ``name`` (or ``"module:name"``) is defined."""
+    if ":" in name:
+        mod, attr = name.split(":", 1)
+        m = sys.modules.get(mod)
+        if m is not None and hasattr(m, attr):
+            yield m, attr
+        return
+    for mod_name, m in list(sys.modules.items()):
+        # the module's own names only: a lazy module's getattr (transformers') imports what
+        # it names, and optional dependencies with it (torchvision)
+        if m is not None and mod_name.startswith(_PACKAGES) and \
+                callable(getattr(m, "__dict__", {}).get(name)):
+            yield m, name
 
 
 # module classes whose forward computes a mixer inline: "module:Class" -> a function of the
@@ -258,12 +264,28 @@ FORWARDS: dict[str, Callable[[Callable], Callable]] = {
 }
 
 
+# fused kernels whose callers take their unfused path (made of captured mixers) when the call
+# returns None, as Hugging Face's torch stand-ins for them do: mamba_ssm's training kernel from
+# the in-projection's output to the out-projection (Bamba, Falcon-H1, Granite 4, Mamba-2,
+# Nemotron-H, Zamba 2). While spdsl traces, they return None; each rank then runs the
+# convolution and the scan kernels on its piece.
+FUSED = ("mamba2_split_conv1d_scan_combined",)
+
+
+def _declined(*args, **kwargs) -> None:
+    return None
+
+
 @contextlib.contextmanager
 def captured_mixers() -> Iterator[int]:
     """For the length of a trace, every registered mixer function (in the modules imported so
-    far) calls ``spdsl.mixer`` instead, and the forwards of ``FORWARDS`` call such a function.
-    Yields how many names it replaced."""
+    far) calls ``spdsl.mixer`` instead, the forwards of ``FORWARDS`` call such a function, and
+    the fused kernels of ``FUSED`` decline. Yields how many names it replaced."""
     done: list[tuple[Any, str, Any]] = []
+    for name in FUSED:
+        for mod, attr in _named(name):
+            done.append((mod, attr, getattr(mod, attr)))
+            setattr(mod, attr, _declined)
     for target, build in FORWARDS.items():
         mod, cls_name = target.split(":")
         cls = getattr(sys.modules.get(mod), "__dict__", {}).get(cls_name)
@@ -349,16 +371,27 @@ def _ssd_state(b: dict, parts: int) -> int:
     return batch * h * (p * n + 1) * 4
 
 
+def _seq_idx(b: dict, length_dim: int) -> bool:
+    """No ``seq_idx``, or each token's document index (``[B, S]``, mamba_ssm's and
+    causal-conv1d's kernels restart at each; ``DataCollatorWithFlattening(return_seq_idx=
+    True)``): split with the sequence, as the tokens are."""
+    idx = b.get("seq_idx")
+    return idx is None or (isinstance(idx, torch.Tensor) and idx.dim() == 2
+                           and idx.shape[1] == b["hidden_states"].shape[length_dim])
+
+
+# a [B, S] tensor of one value per token and no heads (``seq_idx``)
+_TOKENS = Role(seq=1, heads=None)
+
 register_mixer(MixerForm(
     "ssd", ("mamba2_chunk_scan",),
     roles={"hidden_states": Role(), "dt": Role(), "A": Role(None, 0, None),
            "B": Role(optional_heads=True), "C": Role(optional_heads=True),
-           "D": Role(None, 0, None), "dt_bias": Role(None, 0, None)},
+           "D": Role(None, 0, None), "dt_bias": Role(None, 0, None), "seq_idx": _TOKENS},
     out=Role(), output=_ssd_output, pack=lambda o: o,
-    accepts=lambda b: _no_state("initial_states", "return_final_states", "seq_idx",
-                                "cu_seqlens", "z")(b)
+    accepts=lambda b: _no_state("initial_states", "return_final_states", "cu_seqlens", "z")(b)
     and isinstance(b.get("A"), torch.Tensor) and b["A"].dim() == 1
-    and b["hidden_states"].dim() == 4 and b["B"].dim() == 4,
+    and b["hidden_states"].dim() == 4 and b["B"].dim() == 4 and _seq_idx(b, 1),
     state_bytes=_ssd_state))
 
 
@@ -414,11 +447,11 @@ def _conv_output(b: dict) -> tuple:
 register_mixer(MixerForm(
     "causal_conv1d", ("causal_conv1d_fn",),
     roles={"hidden_states": Role(seq=2, heads=1), "weight": Role(None, 0, None),
-           "bias": Role(None, 0, None)},
+           "bias": Role(None, 0, None), "seq_idx": _TOKENS},
     out=Role(seq=2, heads=1), output=_conv_output, pack=lambda o: o,
-    accepts=lambda b: _no_state("seq_idx", "initial_states", "return_final_states")(b)
+    accepts=lambda b: _no_state("initial_states", "return_final_states")(b)
     and isinstance(b.get("weight"), torch.Tensor) and b["weight"].dim() == 2
-    and b["hidden_states"].dim() == 3,
+    and b["hidden_states"].dim() == 3 and _seq_idx(b, 2),
     state_bytes=lambda b, parts: b["hidden_states"].shape[0] * b["hidden_states"].shape[1]
     * (b["weight"].shape[-1] - 1) * b["hidden_states"].element_size(),
     exchange="halo", min_local=lambda b: b["weight"].shape[-1] - 1))

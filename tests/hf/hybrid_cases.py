@@ -18,7 +18,7 @@ from torch.profiler import ProfilerActivity, profile
 import spdsl
 from tests.hf.cases import GRAD_FLOOR, grad_errors, inputs, loss_fn
 from tests.hf.families import VOCAB, batch, packed, padded
-from tests.hf.varlen import fla_on_cpu, varlen_batch
+from tests.hf.varlen import fla_on_cpu, mamba_on_cpu, varlen_batch
 
 _BASE = {"vocab_size": VOCAB, "hidden_size": 64, "intermediate_size": 128,
          "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256,
@@ -144,12 +144,15 @@ GLOO = ("gloo:all_to_all", "gloo:all_gather", "gloo:reduce_scatter", "gloo:all_r
 # from each of 3 ranks, is more than the sequence's q/k/v)
 SEQ = 128
 VARLEN_DOCS = (32, 45, 51)
-# families whose Gated DeltaNet keeps packed documents apart given their bounds (with
-# flash-linear-attention; on CPU ``tests.hf.varlen.fla_on_cpu`` stands in)
-VARLEN = ("qwen3_5", "qwen3_next")
+# families whose mixers keep packed documents apart given them: Gated DeltaNet the bounds
+# (with flash-linear-attention), Mamba-2's scan and conv each token's document (with mamba_ssm
+# and causal-conv1d); on CPU ``tests.hf.varlen`` stands in for the packages
+VARLEN_FLA = ("qwen3_5", "qwen3_next")
+VARLEN_MAMBA = ("bamba", "nemotron_h")
+VARLEN = VARLEN_FLA + VARLEN_MAMBA
 
 
-def _inputs(data: str):
+def _inputs(data: str, family: str = ""):
     if data == "plain":
         ids, labels = batch(2, SEQ)
         return ("input_ids", "labels"), (ids, labels)
@@ -158,11 +161,13 @@ def _inputs(data: str):
     if data == "packed":
         return ("input_ids", "labels", "position_ids"), packed(SEQ, (37, 51, 40))
     if data == "varlen":
-        # the packing collator's document bounds too (the recurrence restarts at each); at SP 4
-        # one piece starts on a document boundary (32), two inside a document (64, 96)
-        ids, labels, pos, cu = varlen_batch(SEQ, VARLEN_DOCS)
-        return ("input_ids", "labels", "position_ids", "cu_seq_lens_q", "cu_seq_lens_k"), \
-            (ids, labels, pos, cu, cu)
+        # the packing collator's documents too (the recurrences restart at each); at SP 4 one
+        # piece starts on a document boundary (32), two inside a document (64, 96)
+        ids, labels, pos, cu, seq_idx = varlen_batch(SEQ, VARLEN_DOCS)
+        if family in VARLEN_FLA:
+            return ("input_ids", "labels", "position_ids", "cu_seq_lens_q",
+                    "cu_seq_lens_k"), (ids, labels, pos, cu, cu)
+        return ("input_ids", "labels", "position_ids", "seq_idx"), (ids, labels, pos, seq_idx)
     if data == "short":
         ids, labels = batch(2, 32)
         return ("input_ids", "labels"), (ids, labels)
@@ -206,14 +211,30 @@ def rounding_floor(family: str, names, xs, ref) -> dict[str, float]:
 
 def run_case(family: str, data: str, world: int, remat=None) -> dict:
     if data == "varlen":
-        with fla_on_cpu(family):
+        with (fla_on_cpu if family in VARLEN_FLA else mamba_on_cpu)(family):
             return _run_case(family, data, world, remat)
     return _run_case(family, data, world, remat)
 
 
+def long_memory(model: torch.nn.Module) -> None:
+    """Mamba-2 layers that carry their state across many tokens: ``dt`` drawn as Mamba-2
+    draws it (log-uniform in [1e-3, 1e-1]; Hugging Face's random init gives ~1.3, forgetting
+    within two tokens) and the in-projection 20x (states as large as the skip path). Then
+    whether a document boundary stops the state moves gradients by ~6%, not 2e-5."""
+    g = torch.Generator().manual_seed(3)
+    for m in model.modules():
+        if isinstance(getattr(m, "dt_bias", None), torch.nn.Parameter):
+            dt = torch.exp(torch.empty(m.dt_bias.shape).uniform_(-6.9, -2.3, generator=g))
+            with torch.no_grad():
+                m.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))      # softplus^-1
+                m.in_proj.weight.mul_(20.0)
+
+
 def _run_case(family: str, data: str, world: int, remat=None) -> dict:
-    names, xs = _inputs(data)
+    names, xs = _inputs(data, family)
     ref = build(family)
+    if data == "varlen" and family in VARLEN_MAMBA:
+        long_memory(ref)
     model = copy.deepcopy(ref)
     loss_ref = loss_fn(ref, names)(*xs)
     loss_ref.backward()

@@ -1,13 +1,15 @@
 """Packed documents as Hugging Face's hybrids keep them apart on a GPU, run on CPU.
 
 With flash-linear-attention installed, Hugging Face calls its ``chunk_gated_delta_rule`` with
-``cu_seqlens`` (the packing collator's ``cu_seq_lens_q``): the recurrence restarts at every
-document. Without it (any CPU), such a call raises. ``fla_on_cpu()`` stands in for the
-package: a ``fla`` module whose ``chunk_gated_delta_rule`` has the package's signature and
-semantics (``q, k, v, ...``, ``initial_state`` of one state per document, the final states the
-same), computed document by document with Hugging Face's own torch function, and the model's
-module-level function decorated again with Hugging Face's hub-kernel decorator, CPU allowed.
-The single-device run and spdsl's both call it, as both would call the real kernel on a GPU.
+``cu_seqlens`` (the packing collator's ``cu_seq_lens_q``); with mamba_ssm and causal-conv1d,
+``mamba_chunk_scan_combined`` and ``causal_conv1d_fn`` with ``seq_idx`` (each token's
+document): the recurrences and the convolution restart at every document. Without the
+packages (any CPU), such a call raises. ``fla_on_cpu()`` and ``mamba_on_cpu()`` stand in for
+them: modules under the packages' names whose functions have the packages' signatures and
+semantics, computed document by document with Hugging Face's own torch functions, and the
+model's module-level functions decorated again with Hugging Face's hub-kernel decorator, CPU
+allowed. The single-device run and spdsl's both call them, as both would call the kernels on a
+GPU.
 """
 
 from __future__ import annotations
@@ -21,12 +23,16 @@ import types
 import torch
 
 
-def _torch_rule(mod):
-    fn = mod.torch_chunk_gated_delta_rule
+def _torch_fn(fn):
+    """The torch function behind a module-level name Hugging Face decorated."""
     if isinstance(fn, torch.nn.Module):      # hub-kernel decorators wrap it in a module
         from spdsl.propagate.mixers import _signed
         fn = _signed(fn)
     return inspect.unwrap(fn)
+
+
+def _torch_rule(mod):
+    return _torch_fn(mod.torch_chunk_gated_delta_rule)
 
 
 def chunk_gated_delta_rule_varlen(torch_rule):
@@ -57,32 +63,82 @@ def chunk_gated_delta_rule_varlen(torch_rule):
     return chunk_gated_delta_rule
 
 
+def causal_conv1d_fn_varlen(x, weight, bias=None, seq_idx=None, initial_states=None,
+                            return_final_states=False, final_states_out=None, activation=None):
+    """causal-conv1d's ``causal_conv1d_fn`` (``x``: [B, C, L], ``weight``: [C, k]): each
+    output reads only the inputs of its own document (``seq_idx``: [B, L])."""
+    assert initial_states is None and not return_final_states
+    k = weight.shape[-1]
+    out = torch.zeros_like(x, dtype=weight.dtype)
+    for j in range(k):                      # tap j reads the token k - 1 - j before
+        shift = k - 1 - j
+        xs = torch.nn.functional.pad(x, (shift, 0))[..., :x.shape[-1]].to(weight.dtype)
+        if seq_idx is not None:
+            same = seq_idx == torch.nn.functional.pad(seq_idx, (shift, 0), value=-1)[..., :x.shape[-1]]
+            xs = xs * same[:, None, :]
+        out = out + weight[None, :, j, None] * xs
+    if bias is not None:
+        out = out + bias[None, :, None]
+    if activation in ("silu", "swish"):
+        out = torch.nn.functional.silu(out)
+    return out.to(x.dtype)
+
+
+def mamba_chunk_scan_combined_varlen(torch_scan):
+    """mamba_ssm's ``mamba_chunk_scan_combined``, document by document (``seq_idx``)."""
+
+    def mamba_chunk_scan_combined(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None,
+                                  initial_states=None, seq_idx=None, cu_seqlens=None,
+                                  dt_softplus=False, dt_limit=(0.0, float("inf")),
+                                  return_final_states=False, return_varlen_states=False):
+        assert z is None and cu_seqlens is None and not return_varlen_states
+
+        def scan(*xs, h0):
+            return torch_scan(*xs, chunk_size=chunk_size, D=D, dt_bias=dt_bias,
+                              initial_states=h0, dt_softplus=dt_softplus, dt_limit=dt_limit,
+                              return_final_states=True)
+        if seq_idx is None:
+            out, final = scan(x, dt, A, B, C, h0=initial_states)
+            return (out, final) if return_final_states else out
+        rows, finals = [], []
+        for r in range(x.shape[0]):
+            ids = seq_idx[r].tolist()
+            cuts = [0] + [t for t in range(1, len(ids)) if ids[t] != ids[t - 1]] + [len(ids)]
+            outs, h = [], None
+            for i, (a, b) in enumerate(zip(cuts[:-1], cuts[1:])):
+                h0 = initial_states[r:r + 1] if i == 0 and initial_states is not None else None
+                o, h = scan(x[r:r + 1, a:b], dt[r:r + 1, a:b], A, B[r:r + 1, a:b],
+                            C[r:r + 1, a:b], h0=h0)
+                outs.append(o)
+            rows.append(torch.cat(outs, 1))
+            finals.append(h)
+        out = torch.cat(rows, 0)
+        return (out, torch.cat(finals, 0)) if return_final_states else out
+    return mamba_chunk_scan_combined
+
+
 @contextlib.contextmanager
-def fla_on_cpu(family: str):
-    """Inside: the family's modeling module calls a ``chunk_gated_delta_rule`` that keeps
-    packed documents apart (``cu_seqlens``), through Hugging Face's own kernel dispatch."""
+def _packages(mod, replaced: dict[str, tuple[str, str, object]], modules: dict[str, object]):
+    """Inside: ``modules`` in ``sys.modules``, their packages allowed on CPU, and each name of
+    ``replaced`` (-> the kernel's name, its package, the torch function) in ``mod`` decorated
+    again by Hugging Face's dispatch, which then picks the stand-ins."""
     from transformers.integrations import hub_kernels
-    mod = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
-    torch_rule = _torch_rule(mod)
-    fla = types.ModuleType("fla")
-    ops = types.ModuleType("fla.ops")
-    gdr = types.ModuleType("fla.ops.gated_delta_rule")
-    gdr.chunk_gated_delta_rule = chunk_gated_delta_rule_varlen(torch_rule)
-    fla.ops, ops.gated_delta_rule = ops, gdr
-    modules = {"fla": fla, "fla.ops": ops, "fla.ops.gated_delta_rule": gdr}
     saved_modules = {n: sys.modules.get(n) for n in modules}
     # the devices each package runs on (transformers >= 5.2x; earlier releases do not ask)
     devices = getattr(hub_kernels, "_PACKAGE_SUPPORTED_DEVICES", {})
     saved_devices = dict(devices)
-    saved_fn = mod.torch_chunk_gated_delta_rule
+    saved_fns = {name: getattr(mod, name) for name in replaced}
     sys.modules.update(modules)
-    devices["fla"] = ("cuda", "cpu")
+    for _, package, _ in replaced.values():
+        devices[package] = ("cuda", "cpu")
     try:
-        mod.torch_chunk_gated_delta_rule = hub_kernels.use_kernel_func_from_hub_with_fallback(
-            "chunk_gated_delta_rule", "fla")(torch_rule)
+        for name, (kernel, package, fn) in replaced.items():
+            setattr(mod, name, hub_kernels.use_kernel_func_from_hub_with_fallback(
+                kernel, package)(fn))
         yield mod
     finally:
-        mod.torch_chunk_gated_delta_rule = saved_fn
+        for name, fn in saved_fns.items():
+            setattr(mod, name, fn)
         devices.clear()
         devices.update(saved_devices)
         for n, m in saved_modules.items():
@@ -92,10 +148,63 @@ def fla_on_cpu(family: str):
                 sys.modules[n] = m
 
 
+def _package(name: str, **attrs) -> types.ModuleType:
+    m = types.ModuleType(name)
+    for k, v in attrs.items():
+        setattr(m, k, v)
+    return m
+
+
+@contextlib.contextmanager
+def fla_on_cpu(family: str):
+    """Inside: the family's modeling module calls a ``chunk_gated_delta_rule`` that keeps
+    packed documents apart (``cu_seqlens``), through Hugging Face's own kernel dispatch."""
+    mod = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
+    torch_rule = _torch_rule(mod)
+    gdr = _package("fla.ops.gated_delta_rule",
+                   chunk_gated_delta_rule=chunk_gated_delta_rule_varlen(torch_rule))
+    ops = _package("fla.ops", gated_delta_rule=gdr)
+    fla = _package("fla", ops=ops)
+    with _packages(mod, {"torch_chunk_gated_delta_rule": ("chunk_gated_delta_rule", "fla",
+                                                          torch_rule)},
+                   {"fla": fla, "fla.ops": ops, "fla.ops.gated_delta_rule": gdr}):
+        yield mod
+
+
+@contextlib.contextmanager
+def mamba_on_cpu(family: str):
+    """Inside: the family's modeling module calls a ``mamba_chunk_scan_combined`` and a
+    ``causal_conv1d_fn`` that keep packed documents apart (``seq_idx``), through Hugging
+    Face's own kernel dispatch."""
+    mod = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
+    torch_scan, torch_conv = _torch_fn(mod.mamba2_chunk_scan), _torch_fn(mod.causal_conv1d_fn)
+    # the fused training kernel (in-projection output to out-projection) declines here, as
+    # Hugging Face's torch stand-in for it does: the model takes its unfused path
+    combined = _package("mamba_ssm.ops.triton.ssd_combined",
+                        mamba_chunk_scan_combined=mamba_chunk_scan_combined_varlen(torch_scan),
+                        mamba_split_conv1d_scan_combined=lambda *a, **k: None)
+    triton = _package("mamba_ssm.ops.triton", ssd_combined=combined)
+    ops = _package("mamba_ssm.ops", triton=triton)
+    mamba = _package("mamba_ssm", ops=ops)
+    conv = _package("causal_conv1d", causal_conv1d_fn=causal_conv1d_fn_varlen)
+    fused = _torch_fn(mod.mamba2_split_conv1d_scan_combined)
+    with _packages(mod, {"mamba2_chunk_scan": ("mamba_chunk_scan_combined", "mamba_ssm",
+                                               torch_scan),
+                         "causal_conv1d_fn": ("causal_conv1d_fn", "causal_conv1d", torch_conv),
+                         "mamba2_split_conv1d_scan_combined": (
+                             "mamba_split_conv1d_scan_combined", "mamba_ssm", fused)},
+                   {"mamba_ssm": mamba, "mamba_ssm.ops": ops, "mamba_ssm.ops.triton": triton,
+                    "mamba_ssm.ops.triton.ssd_combined": combined, "causal_conv1d": conv}):
+        yield mod
+
+
 def varlen_batch(s: int, docs: tuple[int, ...]):
-    """One packed row as ``DataCollatorWithFlattening(return_flash_attn_kwargs=True)`` gives
-    it: ids, labels, position ids, and the documents' cumulative lengths."""
+    """One packed row as ``DataCollatorWithFlattening(return_flash_attn_kwargs=True,
+    return_seq_idx=True)`` gives it: ids, labels, position ids, the documents' cumulative
+    lengths and each token's document."""
     from tests.hf.families import packed
     ids, labels, pos = packed(s, docs)
     cu = torch.tensor([0, *torch.tensor(docs).cumsum(0).tolist()], dtype=torch.int32)
-    return ids, labels, pos, cu
+    seq_idx = torch.cat([torch.full((n,), i, dtype=torch.int32)
+                         for i, n in enumerate(docs)]).unsqueeze(0)
+    return ids, labels, pos, cu, seq_idx

@@ -226,3 +226,22 @@ def test_causal_conv1d(parts):
           "weight": torch.randn(6, 4, generator=g), "bias": torch.randn(6, generator=g),
           "activation": "silu"}
     _check(m.causal_conv1d_fn, kw, "causal_conv1d", {"hidden_states": 2}, 2, parts)
+
+
+def test_fused_kernels_decline_while_traced():
+    """mamba_ssm's fused training kernel (in-projection output to out-projection) returns None
+    while spdsl traces, as Hugging Face's torch stand-in for it does, so the model takes its
+    unfused path of captured mixers; outside a trace the function is the model's again."""
+    from transformers.models.bamba import modeling_bamba as m
+    from spdsl.propagate.mixers import captured_mixers
+
+    def kernel(*args, **kwargs):
+        raise AssertionError("the fused kernel ran while traced")
+    orig = m.mamba2_split_conv1d_scan_combined
+    m.mamba2_split_conv1d_scan_combined = kernel
+    try:
+        with captured_mixers():
+            assert m.mamba2_split_conv1d_scan_combined(torch.zeros(1, 4, 8), None) is None
+        assert m.mamba2_split_conv1d_scan_combined is kernel
+    finally:
+        m.mamba2_split_conv1d_scan_combined = orig

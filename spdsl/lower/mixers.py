@@ -28,7 +28,10 @@ State passing, exact because each mixer's state is affine in the state before it
   decay is ``l ** L``. The ranks all-gather ``(C, log decay)`` and each adds
   ``l ** (t + 1) q_t^T S_in``.
 - **Short causal conv**: the previous rank's last ``kernel - 1`` tokens (a halo, zeros on
-  the first rank), the function run on ``[halo, piece]``, the piece's outputs kept.
+  the first rank), the function run on ``[halo, piece]``, the piece's outputs kept. A
+  convolution written as ATen ops (``conv1d``, ``spdsl.propagate.convs``) reads ``a`` tokens
+  before each output and ``b`` after: the halo has both, zeros past the sequence's ends,
+  and the convolution runs on ``[before, piece, after]`` without padding.
 
 The all-gather's backward sums each rank's gradient of every piece's state and gives each
 rank its own (a reduce-scatter): every rank's outputs depend on every state before it.
@@ -105,15 +108,34 @@ class Ranks:
         into its owner's)."""
         return C.all_gather_pieces(x, self.group)
 
-    def from_previous(self, tail: torch.Tensor) -> torch.Tensor:
-        """The previous rank's ``tail`` (rows on dim 0; none on the first rank). Every rank
-        takes part (the last sends nothing), so every rank's backward has the exchange too."""
-        n = tail.shape[0]
-        send = [n if q == self.rank + 1 else 0 for q in range(self.parts)]
-        got = [n if q == self.rank - 1 else 0 for q in range(self.parts)]
-        if self.rank == self.parts - 1:
-            tail = tail[:0]
-        return C.all_to_all_rows(tail.contiguous(), got, send, self.group)
+    def neighbours(self, to_prev: torch.Tensor, to_next: torch.Tensor
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rows (dim 0) to the previous rank and to the next, in one all-to-all; returns the
+        previous rank's ``to_next`` and the next rank's ``to_prev`` (no rows from beyond the
+        first or the last rank). Every rank sends as many rows each way, and every rank takes
+        part (the ends send nothing outwards), so every rank's backward has the exchange too."""
+        P, r = self.parts, self.rank
+        a, b = to_next.shape[0], to_prev.shape[0]
+        send = [b if q == r - 1 else a if q == r + 1 else 0 for q in range(P)]
+        got = [a if q == r - 1 else b if q == r + 1 else 0 for q in range(P)]
+        buf = torch.cat([to_prev if r > 0 else to_prev[:0],
+                         to_next if r < P - 1 else to_next[:0]])
+        recv = C.all_to_all_rows(buf.contiguous(), got, send, self.group)
+        first = a if r > 0 else 0
+        return recv[:first], recv[first:]
+
+
+def with_halo(x: torch.Tensor, dim: int, before: int, after: int, ranks: Ranks) -> torch.Tensor:
+    """This rank's piece of the sequence (``dim`` of ``x``) with the previous rank's last
+    ``before`` tokens in front and the next rank's first ``after`` behind: zeros past the
+    sequence's ends, as a convolution's padding reads them."""
+    rows = x.movedim(dim, 0)
+    prev, nxt = ranks.neighbours(rows[:after], rows[rows.shape[0] - before:])
+    if ranks.rank == 0:
+        prev = rows.new_zeros((before,) + rows.shape[1:])
+    if ranks.rank == ranks.parts - 1:
+        nxt = rows.new_zeros((after,) + rows.shape[1:])
+    return torch.cat([prev, rows, nxt]).movedim(0, dim)
 
 
 def _compose(trans: torch.Tensor, states: torch.Tensor, rank: int, apply) -> torch.Tensor:
@@ -204,20 +226,24 @@ def _lightning(s, args, ranks: Ranks) -> torch.Tensor:
 
 def _conv(s, args, ranks: Ranks) -> torch.Tensor:
     b = s.bound(args)
-    x = b["hidden_states"]                                         # [B, C, S_local]
     halo = b["weight"].shape[-1] - 1
     if halo == 0:
         return s.call(args)
-    recv = ranks.from_previous(x.narrow(2, x.shape[2] - halo, halo).movedim(2, 0)).movedim(0, 2)
-    if ranks.rank == 0:         # the sequence's first tokens read zeros, as on one device
-        recv = torch.cat([x.new_zeros(x.shape[:2] + (halo,)), recv], 2)
-    out = s.call(args, hidden_states=torch.cat([recv, x], 2))
-    return out[:, :, halo:]
+    x = with_halo(b["hidden_states"], 2, halo, 0, ranks)          # [B, C, halo + S_local]
+    return s.call(args, hidden_states=x)[:, :, halo:]
+
+
+def _conv1d(s, args, ranks: Ranks) -> torch.Tensor:
+    """A convolution written as ATen ops (``spdsl.propagate.convs``): the halo in place of the
+    padding."""
+    b = s.bound(args)
+    x = with_halo(b["input"], 2, b["before"], b["after"], ranks)
+    return s.call(args, input=x, before=0, after=0)
 
 
 _PASSING = {"gated_delta_rule": _gdn, "kimi_delta_attention": _gdn, "ssd": _ssd,
             "selective_scan": _scan, "lightning_attention": _lightning,
-            "causal_conv1d": _conv}
+            "causal_conv1d": _conv, "conv1d": _conv1d}
 
 
 # -- what the plan lists -------------------------------------------------------------------------
@@ -230,10 +256,12 @@ def _(node, grad):
     state = s.form.state_bytes(s.bound([a.meta["val"] for a in args]), parts)
     back = any(grad(a) for a in args)
     name = f"{s.form.name} state"
-    if s.form.exchange == "halo":     # to the next rank; its gradient back to the previous
-        sent = state if rank < parts - 1 else 0
-        back_bytes = state if back and rank > 0 else 0
-        return [Call("halo_exchange", group, sent, back_bytes, "halo", (args[0],))]
+    if s.form.exchange == "halo":     # tokens each way; their gradients back the same way
+        before, after = s.form.halo(s.bound([a.meta["val"] for a in args]))
+        row = state // max(1, before + after)
+        sent = row * (before * (rank < parts - 1) + after * (rank > 0))
+        got = row * (before * (rank > 0) + after * (rank < parts - 1))
+        return [Call("halo_exchange", group, sent, got if back else 0, "halo", (args[0],))]
     return [Call("all_gather", group, state, 0, "mixer state", (name,)),
             Call("reduce_scatter", group, 0, state * parts if back else 0, "mixer state",
                  (name,))]

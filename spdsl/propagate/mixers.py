@@ -100,6 +100,8 @@ class MixerForm:
     accepts: Callable[[dict], bool]        # bound arguments it splits (no carried state)
     state_bytes: Callable[[dict, int], int] | None = None   # (bound, parts) -> per rank
     exchange: str = "all_gather"           # how state passing exchanges: all_gather | halo
+    # halo: (tokens from the previous rank, from the next) its state passing exchanges
+    halo: Callable[[dict], tuple[int, int]] | None = None
     min_local: Callable[[dict], int] = field(default=lambda b: 1)  # tokens a rank needs
 
 
@@ -200,9 +202,14 @@ def _capture(form: MixerForm, fn: Callable, args: tuple, kwargs: dict):
     if bound is None or not form.accepts(bound):
         return fn(*args, **kwargs)
     site, tensors = make_site(form, fn, bound)
+    return form.pack(torch.ops.spdsl.mixer(tensors, add_site(site)))
+
+
+def add_site(site: Site) -> int:
+    """Record ``site``; the integer a ``spdsl.mixer`` node names it by."""
     key = next(_NEXT)
     SITES[key] = site
-    return form.pack(torch.ops.spdsl.mixer(tensors, key))
+    return key
 
 
 def make_site(form: MixerForm, fn: Callable, bound: dict) -> tuple[Site, list[torch.Tensor]]:
@@ -398,4 +405,5 @@ register_mixer(MixerForm(
     and b["hidden_states"].dim() == 3,
     state_bytes=lambda b, parts: b["hidden_states"].shape[0] * b["hidden_states"].shape[1]
     * (b["weight"].shape[-1] - 1) * b["hidden_states"].element_size(),
-    exchange="halo", min_local=lambda b: b["weight"].shape[-1] - 1))
+    exchange="halo", halo=lambda b: (b["weight"].shape[-1] - 1, 0),
+    min_local=lambda b: b["weight"].shape[-1] - 1))

@@ -122,7 +122,7 @@ def _rewrite(gm: torch.fx.GraphModule, conv: torch.fx.Node) -> int:
     if len(conv.users) == 1:
         (user,) = conv.users
         if user.target is aten.slice.Tensor and user.args[0] is conv and \
-                (len(user.args) < 2 or user.args[1] % 3 == 2) and \
+                len(user.args) > 1 and user.args[1] % 3 == 2 and \
                 (len(user.args) < 5 or user.args[4] == 1):
             sa = list(user.args) + [None] * (5 - len(user.args))
             start = sa[2] or 0

@@ -3,9 +3,9 @@
 Hybrid models interleave attention with linear-attention and state-space layers: Gated
 DeltaNet (Qwen3.5, Qwen3-Next), Kimi delta attention (Kimi-Linear), Mamba-2's SSD scan (Bamba,
 Falcon-H1, Nemotron-H, Granite-4, Mamba-2), Mamba-1's selective scan (Mamba, Jamba), MiniMax's
-lightning attention, and the short causal convolutions in front of them (and LFM's). Each is causal along
-the sequence and independent across heads (or channels). Hugging Face computes them with
-module-level functions (``torch_chunk_gated_delta_rule``, ``mamba2_chunk_scan``,
+lightning attention, and the short causal convolutions in front of them (and LFM's). Each is
+causal along the sequence and independent across heads (or channels). Hugging Face computes
+them with module-level functions (``torch_chunk_gated_delta_rule``, ``mamba2_chunk_scan``,
 ``causal_conv1d_fn``), torch loops over chunks on CPU and the installed GPU kernels
 (flash-linear-attention, mamba_ssm, causal-conv1d) behind the same names on CUDA. Traced as
 they are, the loop unrolls into a graph that grows with the sequence; and nothing in the ops
@@ -50,6 +50,8 @@ form                      captured functions                             state p
                           forward, traced in its place)                  + ``[B, H]``, fp32
 ``causal_conv1d``         ``causal_conv1d_fn``                           ``kernel - 1``
                                                                          tokens (a halo)
+``conv1d``                none: ``aten.convolution`` along the sequence  the tokens read
+                          recognised in the graph (``propagate.convs``)  across an edge
 ========================  =============================================  ==================
 
 A call with a carried state (``initial_state``, a final state asked for: generation with a

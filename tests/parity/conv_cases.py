@@ -14,8 +14,9 @@ import spdsl
 from tests.parity.cases import _errs, ran_and_planned
 
 # (spelling, kernel, dilation, groups, bias): "slice" is nn.Conv1d(padding=d (k - 1)) then
-# ``[..., :L]`` (LFM2's, Mamba's); "pad" is F.pad(x, (d (k - 1), 0)) then a convolution
-# without padding; "same" is the symmetric padding kept whole (``padding=d (k - 1) / 2``)
+# ``[..., :L]`` (as Hugging Face's torch causal_conv1d_fn); "pad" is F.pad(x, (d (k - 1), 0))
+# then a convolution without padding; "same" is the symmetric padding kept whole
+# (``padding=d (k - 1) / 2``)
 LAYERS = (("slice", 4, 1, "depthwise", True),
           ("pad", 3, 1, "depthwise", True),
           ("pad", 3, 2, "depthwise", False),

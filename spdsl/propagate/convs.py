@@ -7,20 +7,24 @@ convolution itself is traced as ops::
     y = nn.Conv1d(C, C, k, groups=C, padding=k - 1)(x)[..., :L]        # symmetric pad, slice
     y = F.conv1d(F.pad(x, (k - 1, 0)), w, b, groups=C)                 # left pad, no padding
 
-``aten.convolution`` has no sequence rule: its input was gathered on every rank (DTensor's
-strategy keeps a convolution's input whole along its length). Yet output ``t`` of such a
-convolution reads the inputs ``t - a .. t + b`` only (``a + b = dilation * (kernel - 1)``; the
-causal ones above: ``a = d (k - 1)``, ``b = 0``), so a rank holding tokens ``[lo, hi)`` computes
-its outputs from those and ``a`` tokens of the previous rank, ``b`` of the next: a halo
-exchange of ``(a + b)`` tokens, zeros past the sequence's ends (the padding's zeros).
+``aten.convolution`` has no sequence rule: the DTensor strategy the engine falls back to
+gathered its input on every rank (LFM2's convolution traced as ops, SP 2, 2 x 64 tokens of 64
+channels: a 16 KiB all-gather forward and another backward, against a 1 KiB halo). Yet output
+``t`` of such a convolution reads the inputs ``t - a .. t + b`` only (``a + b = dilation *
+(kernel - 1)``; the causal ones above: ``a = d (k - 1)``, ``b = 0``), so a rank holding tokens
+``[lo, hi)`` computes its outputs from those and ``a`` tokens of the previous rank, ``b`` of the
+next: a halo exchange of ``(a + b)`` tokens, zeros past the sequence's ends (the padding's
+zeros).
 
 Recognised: a 1-D ``aten.convolution`` (stride 1, any groups, dilation, bias) on ``x`` of
 ``L`` tokens, optionally after ``constant_pad_nd(x, [pl, pr], 0)`` (and slices that keep all of
 it), whose output (optionally sliced along its length, step 1) has exactly ``L`` tokens: the
 padding in front (``pl`` plus the convolution's own, less the slice's start) is ``a``. A
-symmetric ``same`` convolution (``padding=d (k - 1) / 2``) is the case ``a = b``. Anything else
-(a stride, an output shorter or longer than its input, a pad read by others too only keeps
-the pad) is left as traced: exact, gathered as before.
+symmetric ``same`` convolution (``padding=d (k - 1) / 2``) is the case ``a = b``
+(``padding="same"`` with an even kernel traces as a pad of one token more behind). Anything
+else (a stride, an output shorter or longer than its input, another padding value or mode, a
+convolution output read before its slice too) is left as traced: exact, gathered as before.
+A pad that other ops read as well stays for them.
 
 The node runs :func:`conv1d` (``F.pad`` then ``F.conv1d``, as one device computes it); its
 state passing (``spdsl.lower.mixers``) exchanges the halo and runs it without padding.

@@ -16,12 +16,14 @@ from tests.parity.cases import _errs, ran_and_planned
 # (spelling, kernel, dilation, groups, bias): "slice" is nn.Conv1d(padding=d (k - 1)) then
 # ``[..., :L]`` (as Hugging Face's torch causal_conv1d_fn); "pad" is F.pad(x, (d (k - 1), 0))
 # then a convolution without padding; "same" is the symmetric padding kept whole
-# (``padding=d (k - 1) / 2``)
+# (``padding=d (k - 1) / 2``), "same_str" ``padding="same"`` (an even kernel: one token more
+# behind than in front)
 LAYERS = (("slice", 4, 1, "depthwise", True),
           ("pad", 3, 1, "depthwise", True),
           ("pad", 3, 2, "depthwise", False),
           ("slice", 2, 1, "dense", True),
-          ("same", 3, 1, 4, True))
+          ("same", 3, 1, 4, True),
+          ("same_str", 4, 1, "depthwise", True))
 
 
 class ConvNet(nn.Module):
@@ -35,7 +37,8 @@ class ConvNet(nn.Module):
         self.convs = nn.ModuleList()
         for spelling, k, d, groups, bias in layers:
             groups = dim if groups == "depthwise" else 1 if groups == "dense" else groups
-            pad = {"slice": d * (k - 1), "pad": 0, "same": d * (k - 1) // 2}[spelling]
+            pad = {"slice": d * (k - 1), "pad": 0, "same": d * (k - 1) // 2,
+                   "same_str": "same"}[spelling]
             self.convs.append(nn.Conv1d(dim, dim, k, padding=pad, dilation=d, groups=groups,
                                         bias=bias))
         self.head = nn.Linear(dim, vocab)

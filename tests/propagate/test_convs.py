@@ -35,18 +35,20 @@ def test_every_spelling_becomes_one_mixer_node():
 
 
 def test_plan_names_the_halo_and_its_bytes():
-    """Rank 0's buffer of each exchange: ``d (k - 1)`` tokens in front of each causal output
-    (to the next rank), the symmetric one's one token each way (rank 0 has no previous)."""
+    """Rank 0's buffer of each exchange: the ``d (k - 1)`` tokens each causal output reads
+    before it (to the next rank); of the "same" ones, those read before it, and the gradients
+    of those read after it in backward (rank 0 has no previous rank)."""
     B, L, C, P = 2, 64, 16, 4
     plan = spdsl.plan(spdsl.sp_shard(seq=P)(ConvNet()), *batch(B, L))
     convs = [v for v in plan.values if v.origin.startswith("mixer.")]
     assert [v.origin for v in convs] == ["mixer.conv1d.state"] * len(LAYERS)
     assert all(v.typed == f"f32[{B},{C},{L}@sp]" for v in convs)
     halos = [c for c in plan.collectives if c.kind == "halo_exchange"]
-    before = [d * (k - 1) if s != "same" else d * (k - 1) // 2 for s, k, d, _g, _b in LAYERS]
-    assert [(c.purpose, c.bytes, c.module) for c in halos] == [
-        ("halo", B * C * n * 4, f"convs.{i}") for i, n in enumerate(before)]
-    assert [c.bytes_bwd for c in halos] == [0, 0, 0, 0, B * C * 1 * 4]   # "same": 1 back
+    read = [(d * (k - 1) // 2, d * (k - 1) - d * (k - 1) // 2) if s.startswith("same")
+            else (d * (k - 1), 0) for s, k, d, _g, _b in LAYERS]
+    assert [(c.purpose, c.bytes, c.bytes_bwd, c.module) for c in halos] == [
+        ("halo", B * C * a * 4, B * C * b * 4, f"convs.{i}") for i, (a, b) in enumerate(read)]
+    assert read[-1] == (1, 2)                 # padding="same", kernel 4
     assert not [c for c in plan.collectives if c.kind in ("all_gather", "all_to_all")]
 
 
@@ -57,7 +59,7 @@ def test_pieces_shorter_than_the_halo_run_whole():
     plan = spdsl.plan(spdsl.sp_shard(seq=4)(ConvNet()), *batch(2, 8))
     origins = [v.origin.removeprefix("mixer.conv1d.") for v in plan.values
                if v.origin.startswith("mixer.")]
-    assert origins == ["whole", "state", "whole", "state", "state"]
+    assert origins == ["whole", "state", "whole", "state", "state", "state"]
 
 
 class _Other(nn.Module):

@@ -342,12 +342,14 @@ class _Cut:
         n_out = len(outs)
 
         def make() -> Traced:
+            from spdsl.propagate.convs import convs_as_mixers
             from spdsl.propagate.eager_attention import uncast_attention, unrepeat_kv
             from spdsl.propagate.fills import fills_as_cat
             from spdsl.propagate.forms import find_all
             from spdsl.propagate.masks import masks_as_functions
             fresh = graph(seg, outs, root)[0]
             fills_as_cat(fresh)
+            convs_as_mixers(fresh)
             find_all(fresh)
             unrepeat_kv(fresh)
             uncast_attention(fresh)

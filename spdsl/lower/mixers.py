@@ -33,7 +33,10 @@ State passing, exact because each mixer's state is affine in the state before it
   ``l ** (t + 1) q_t^T S_in``.
 - **Short causal conv**: the previous rank's last ``kernel - 1`` tokens (a halo, zeros on
   the first rank), the function run on ``[halo, piece]``, the piece's outputs kept (with
-  ``seq_idx``, the halo's document indices too: the kernel masks other documents itself).
+  ``seq_idx``, the halo's document indices too: the kernel masks other documents itself). A
+  convolution written as ATen ops (``conv1d``, ``spdsl.propagate.convs``) reads ``a`` tokens
+  before each output and ``b`` after: the halo has both, zeros past the sequence's ends,
+  and the convolution runs on ``[before, piece, after]`` without padding.
 
 The all-gather's backward sums each rank's gradient of every piece's state and gives each
 rank its own (a reduce-scatter): every rank's outputs depend on every state before it.
@@ -111,15 +114,34 @@ class Ranks:
         into its owner's)."""
         return C.all_gather_pieces(x, self.group)
 
-    def from_previous(self, tail: torch.Tensor) -> torch.Tensor:
-        """The previous rank's ``tail`` (rows on dim 0; none on the first rank). Every rank
-        takes part (the last sends nothing), so every rank's backward has the exchange too."""
-        n = tail.shape[0]
-        send = [n if q == self.rank + 1 else 0 for q in range(self.parts)]
-        got = [n if q == self.rank - 1 else 0 for q in range(self.parts)]
-        if self.rank == self.parts - 1:
-            tail = tail[:0]
-        return C.all_to_all_rows(tail.contiguous(), got, send, self.group)
+    def neighbours(self, to_prev: torch.Tensor, to_next: torch.Tensor
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rows (dim 0) to the previous rank and to the next, in one all-to-all; returns the
+        previous rank's ``to_next`` and the next rank's ``to_prev`` (no rows from beyond the
+        first or the last rank). Every rank sends as many rows each way, and every rank takes
+        part (the ends send nothing outwards), so every rank's backward has the exchange too."""
+        P, r = self.parts, self.rank
+        a, b = to_next.shape[0], to_prev.shape[0]
+        send = [b if q == r - 1 else a if q == r + 1 else 0 for q in range(P)]
+        got = [a if q == r - 1 else b if q == r + 1 else 0 for q in range(P)]
+        buf = torch.cat([to_prev if r > 0 else to_prev[:0],
+                         to_next if r < P - 1 else to_next[:0]])
+        recv = C.all_to_all_rows(buf.contiguous(), got, send, self.group)
+        first = a if r > 0 else 0
+        return recv[:first], recv[first:]
+
+
+def with_halo(x: torch.Tensor, dim: int, before: int, after: int, ranks: Ranks) -> torch.Tensor:
+    """This rank's piece of the sequence (``dim`` of ``x``) with the previous rank's last
+    ``before`` tokens in front and the next rank's first ``after`` behind: zeros past the
+    sequence's ends, as a convolution's padding reads them."""
+    rows = x.movedim(dim, 0)
+    prev, nxt = ranks.neighbours(rows[:after], rows[rows.shape[0] - before:])
+    if ranks.rank == 0:
+        prev = rows.new_zeros((before,) + rows.shape[1:])
+    if ranks.rank == ranks.parts - 1:
+        nxt = rows.new_zeros((after,) + rows.shape[1:])
+    return torch.cat([prev, rows, nxt]).movedim(0, dim)
 
 
 def _compose(trans: torch.Tensor, states: torch.Tensor, rank: int, apply) -> torch.Tensor:
@@ -214,7 +236,8 @@ def _continues(idx: torch.Tensor, ranks: Ranks) -> torch.Tensor:
     """Packed documents (``idx``: each token's document, ``[B, S_local]``): which tokens of the
     piece belong to the document the previous rank's piece ends in (they read the state
     passed in; none on the first rank)."""
-    before = _halo(ranks, idx, 1, 1, idx[:, :1] - 1)[:, :1]          # the previous token's
+    # the previous token's (zeros before the first rank's: it has no state to read)
+    before = with_halo(idx, 1, 1, 0, ranks)[:, :1]
     return (idx == before).long().cumprod(1).bool()
 
 
@@ -249,31 +272,30 @@ def _lightning(s, args, ranks: Ranks) -> torch.Tensor:
     return out + fix.to(out.dtype)
 
 
-def _halo(ranks: Ranks, x: torch.Tensor, n: int, dim: int, first: torch.Tensor) -> torch.Tensor:
-    """``x`` (split on ``dim``) with the previous rank's last ``n`` entries in front; on the
-    first rank, ``first`` (``n`` entries long on ``dim``)."""
-    recv = ranks.from_previous(x.narrow(dim, x.shape[dim] - n, n).movedim(dim, 0)).movedim(0, dim)
-    return torch.cat([first if ranks.rank == 0 else recv, x], dim)
-
-
 def _conv(s, args, ranks: Ranks) -> torch.Tensor:
     b = s.bound(args)
-    x = b["hidden_states"]                                         # [B, C, S_local]
     halo = b["weight"].shape[-1] - 1
     if halo == 0:
         return s.call(args)
     # the sequence's first tokens read zeros, as on one device
-    over = {"hidden_states": _halo(ranks, x, halo, 2, x.new_zeros(x.shape[:2] + (halo,)))}
+    over = {"hidden_states": with_halo(b["hidden_states"], 2, halo, 0, ranks)}
     idx = b.get("seq_idx")
     if idx is not None:     # the halo's documents too: the kernel reads no other document
-        over["seq_idx"] = _halo(ranks, idx, halo, 1, idx[:, :1].expand(-1, halo))
-    out = s.call(args, **over)
-    return out[:, :, halo:]
+        over["seq_idx"] = with_halo(idx, 1, halo, 0, ranks)
+    return s.call(args, **over)[:, :, halo:]
+
+
+def _conv1d(s, args, ranks: Ranks) -> torch.Tensor:
+    """A convolution written as ATen ops (``spdsl.propagate.convs``): the halo in place of the
+    padding."""
+    b = s.bound(args)
+    x = with_halo(b["input"], 2, b["before"], b["after"], ranks)
+    return s.call(args, input=x, before=0, after=0)
 
 
 _PASSING = {"gated_delta_rule": _gdn, "kimi_delta_attention": _gdn, "ssd": _ssd,
             "selective_scan": _scan, "lightning_attention": _lightning,
-            "causal_conv1d": _conv}
+            "causal_conv1d": _conv, "conv1d": _conv1d}
 
 
 # -- what the plan lists -------------------------------------------------------------------------
@@ -287,16 +309,18 @@ def _(node, grad):
     state = s.form.state_bytes(bound, parts)
     back = any(grad(a) for a in args)
     name = f"{s.form.name} state"
-    last = rank < parts - 1
     # packed documents' indices: the conv's halo of them, the scan's previous token's
     idx = bound.get("seq_idx")
     docs = [] if idx is None else [Call(
         "halo_exchange", group, idx.shape[0] * idx.element_size()
-        * (bound["weight"].shape[-1] - 1 if s.form.exchange == "halo" else 1) if last else 0,
-        0, "halo", (args[s.names.index("seq_idx")],))]
-    if s.form.exchange == "halo":     # to the next rank; its gradient back to the previous
-        back_bytes = state if back and rank > 0 else 0
-        return [Call("halo_exchange", group, state if last else 0, back_bytes, "halo",
+        * (bound["weight"].shape[-1] - 1 if s.form.exchange == "halo" else 1)
+        * (rank < parts - 1), 0, "halo", (args[s.names.index("seq_idx")],))]
+    if s.form.exchange == "halo":     # tokens each way; their gradients back the same way
+        before, after = s.form.halo(bound)
+        row = state // max(1, before + after)
+        sent = row * (before * (rank < parts - 1) + after * (rank > 0))
+        got = row * (before * (rank > 0) + after * (rank < parts - 1))
+        return [Call("halo_exchange", group, sent, got if back else 0, "halo",
                      (args[0],))] + docs
     return docs + [Call("all_gather", group, state, 0, "mixer state", (name,)),
                    Call("reduce_scatter", group, 0, state * parts if back else 0,

@@ -3,9 +3,9 @@
 Hybrid models interleave attention with linear-attention and state-space layers: Gated
 DeltaNet (Qwen3.5, Qwen3-Next), Kimi delta attention (Kimi-Linear), Mamba-2's SSD scan (Bamba,
 Falcon-H1, Nemotron-H, Granite-4, Mamba-2), Mamba-1's selective scan (Mamba, Jamba), MiniMax's
-lightning attention, and the short causal convolutions in front of them (and LFM's). Each is causal along
-the sequence and independent across heads (or channels). Hugging Face computes them with
-module-level functions (``torch_chunk_gated_delta_rule``, ``mamba2_chunk_scan``,
+lightning attention, and the short causal convolutions in front of them (and LFM's). Each is
+causal along the sequence and independent across heads (or channels). Hugging Face computes
+them with module-level functions (``torch_chunk_gated_delta_rule``, ``mamba2_chunk_scan``,
 ``causal_conv1d_fn``), torch loops over chunks on CPU and the installed GPU kernels
 (flash-linear-attention, mamba_ssm, causal-conv1d) behind the same names on CUDA. Traced as
 they are, the loop unrolls into a graph that grows with the sequence; and nothing in the ops
@@ -50,6 +50,8 @@ form                      captured functions                             state p
                           forward, traced in its place)                  + ``[B, H]``, fp32
 ``causal_conv1d``         ``causal_conv1d_fn``                           ``kernel - 1``
                                                                          tokens (a halo)
+``conv1d``                none: ``aten.convolution`` along the sequence  the tokens read
+                          recognised in the graph (``propagate.convs``)  across an edge
 ========================  =============================================  ==================
 
 A call with a carried state (``initial_state``, a final state asked for: generation with a
@@ -102,6 +104,8 @@ class MixerForm:
     accepts: Callable[[dict], bool]        # bound arguments it splits (no carried state)
     state_bytes: Callable[[dict, int], int] | None = None   # (bound, parts) -> per rank
     exchange: str = "all_gather"           # how state passing exchanges: all_gather | halo
+    # halo: (tokens from the previous rank, from the next) its state passing exchanges
+    halo: Callable[[dict], tuple[int, int]] | None = None
     min_local: Callable[[dict], int] = field(default=lambda b: 1)  # tokens a rank needs
 
 
@@ -213,9 +217,14 @@ def _capture(form: MixerForm, fn: Callable, args: tuple, kwargs: dict):
     if bound is None or not form.accepts(bound):
         return fn(*args, **kwargs)
     site, tensors = make_site(form, fn, bound, positional=len(args))
+    return form.pack(torch.ops.spdsl.mixer(tensors, add_site(site)))
+
+
+def add_site(site: Site) -> int:
+    """Record ``site``; the integer a ``spdsl.mixer`` node names it by."""
     key = next(_NEXT)
     SITES[key] = site
-    return form.pack(torch.ops.spdsl.mixer(tensors, key))
+    return key
 
 
 def make_site(form: MixerForm, fn: Callable, bound: dict,
@@ -454,4 +463,5 @@ register_mixer(MixerForm(
     and b["hidden_states"].dim() == 3 and _seq_idx(b, 2),
     state_bytes=lambda b, parts: b["hidden_states"].shape[0] * b["hidden_states"].shape[1]
     * (b["weight"].shape[-1] - 1) * b["hidden_states"].element_size(),
-    exchange="halo", min_local=lambda b: b["weight"].shape[-1] - 1))
+    exchange="halo", halo=lambda b: (b["weight"].shape[-1] - 1, 0),
+    min_local=lambda b: b["weight"].shape[-1] - 1))

@@ -37,6 +37,7 @@ from spdsl._torch import (
 )
 from spdsl._torch import functorch_config as _functorch_config
 from spdsl.errors import ShardingError
+from spdsl.propagate.convs import convs_as_mixers
 from spdsl.propagate.eager_attention import uncast_attention, unrepeat_kv
 from spdsl.propagate.fills import fills_as_cat
 from spdsl.propagate.forms import captured, find_all
@@ -365,6 +366,7 @@ def trace(fn: Callable, args: tuple, kwargs: dict, breaks: Any = None) -> Traced
         random.setstate(drawn)
         raise
     fills_as_cat(gm)               # buffers filled slice by slice: the cat of the pieces
+    convs_as_mixers(gm)            # short convolutions along the sequence: a halo, not a gather
     find_all(gm)                   # attention written out in ops becomes one node too (forms)
     unrepeat_kv(gm)                # grouped kv heads cross the all-to-all unrepeated
     uncast_attention(gm)           # and in their narrow dtype, where upcast just before

@@ -27,21 +27,11 @@ class Family:
 
     @property
     def halo_layers(self) -> int:
-        """Layers whose convolution exchanges a halo (one each way). Read when a test asks,
-        not at import: importing a modeling file imports torch._dynamo, and with it triton,
-        which must not happen before the kernel tests set ``TRITON_INTERPRET``."""
-        return _lfm2_named_conv() if self.halo else 0
-
-
-def _lfm2_named_conv() -> int:
-    """1 where transformers' LFM2 calls its short convolution through ``causal_conv1d_fn``
-    (5.2x: spdsl splits it, a halo of ``kernel - 1`` tokens), 0 where it runs ``nn.Conv1d``
-    itself (5.17: its input gathered, no halo rule for ``aten.convolution``)."""
-    try:
-        from transformers.models.lfm2 import modeling_lfm2
-    except ImportError:
-        return 0
-    return int(hasattr(modeling_lfm2, "causal_conv1d_fn"))
+        """Layers whose convolution exchanges a halo (one each way): LFM2's, whether
+        transformers calls it as ``causal_conv1d_fn`` (the ``causal_conv1d`` mixer) or its
+        torch fallback is traced as ops (``F.conv1d`` then a slice: the ``conv1d`` form of
+        ``spdsl.propagate.convs``)."""
+        return 1 if self.halo else 0
 
 
 def _llama_like(**kw) -> dict:
@@ -138,9 +128,9 @@ FAMILIES: dict[str, Family] = {f.name: f for f in [
            _llama_like(layer_types=["conv", "full_attention"], block_ff_dim=128,
                        conv_L_cache=3),
            "a short causal convolution along the sequence in one layer (split, the previous "
-           "rank's last 2 tokens exchanged, where transformers calls it as causal_conv1d_fn; "
-           "its input gathered whole where it runs nn.Conv1d itself, 5.17), attention in the "
-           "other", attention_layers=1, halo=True),
+           "rank's last 2 tokens exchanged: captured as causal_conv1d_fn, or traced as "
+           "F.conv1d and a slice where that call is not captured), attention in the other",
+           attention_layers=1, halo=True),
 ]}
 
 
@@ -150,15 +140,30 @@ MATRIX = list(FAMILIES)
 ATTN = {f: ("eager",) if f == "gptj" else ("sdpa", "eager") for f in FAMILIES}
 
 
-def unsupported(name: str, attn: str) -> str:
-    """Why the installed transformers builds no ``name`` model with ``attn`` ("" when it
-    does): Gemma 2 lost its SDPA path in 5.23 (SDPA cannot cap scores), so its capped scores
-    run through eager attention only there."""
+def unsupported(name: str, attn: str, data: str = "plain") -> str:
+    """Why the installed transformers builds no ``name`` model with ``attn`` or runs it on
+    ``data`` ("" when it does): Gemma 2 lost its SDPA path in 5.23 (SDPA cannot cap scores),
+    so its capped scores run through eager attention only there; from 5.2x, a ``seq_idx``
+    reaching ``causal_conv1d_fn`` without the ``causal_conv1d`` kernel is an error (the torch
+    fallback cannot keep documents apart), where 5.17's fallback ignores it."""
     import transformers
     cls = getattr(transformers, FAMILIES[name].model)
     if attn == "sdpa" and not getattr(cls, "_supports_sdpa", True):
         return f"transformers {transformers.__version__}: {cls.__name__} has no SDPA attention"
+    if data == "packed_seq_idx" and not _conv_takes_seq_idx():
+        return (f"transformers {transformers.__version__}: causal_conv1d_fn refuses seq_idx "
+                "without the causal_conv1d kernel")
     return ""
+
+
+def _conv_takes_seq_idx() -> bool:
+    from transformers.models.lfm2 import modeling_lfm2
+    try:
+        modeling_lfm2.causal_conv1d_fn(torch.zeros(1, 1, 2), torch.zeros(1, 2),
+                                       seq_idx=torch.zeros(1, 2, dtype=torch.int32))
+    except ValueError:
+        return False
+    return True
 
 
 def build(name: str, attn: str = "sdpa", seed: int = 0, **overrides) -> torch.nn.Module:

@@ -76,11 +76,6 @@ def test_a_returned_key_value_cache_is_a_clear_error():
     assert "use_cache=False" in str(e.value)
 
 
-# a convolution along the sequence exchanges a halo (a gather of its input on transformers
-# 5.17, which runs nn.Conv1d itself)
-_GATHERS_IN_LAYERS = {"lfm2"}
-
-
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_every_family_attends_at_the_floor(family):
     """Every family of the matrix, plain batch, eager attention where it has it (the
@@ -98,13 +93,39 @@ def test_every_family_attends_at_the_floor(family):
         assert [c.kind for c in moves] == ["all_to_all", "all_to_all"], (site.module, moves)
         assert sum(c.bytes for c in moves) == site.floor
         assert sum(c.bytes_bwd for c in moves) == site.floor
-    if family not in _GATHERS_IN_LAYERS:
-        inside = [c for c in plan.collectives if "layers" in c.module and
-                  c.purpose != "ulysses"]
-        assert inside == [], inside
-        # outside them, forward gathers only labels, masks and positions (integers, booleans);
-        # learned position embeddings (GPT-2, OPT, GPT-BigCode) gather their [S, D]
-        # gradient once in backward
-        floats = [c for c in plan.collectives if c.kind == "all_gather" and c.bytes and
-                  c.values[0].startswith(("f32", "f16", "bf16", "complex"))]
-        assert floats == [], floats
+    # a convolution along the sequence (LFM2's) exchanges a halo, one per layer that has one
+    halos = [c for c in plan.collectives if c.kind == "halo_exchange" and c.purpose == "halo"]
+    assert len(halos) == FAMILIES[family].halo_layers, halos
+    inside = [c for c in plan.collectives if "layers" in c.module and
+              c.purpose != "ulysses" and c not in halos]
+    assert inside == [], inside
+    # outside them, forward gathers only labels, masks and positions (integers, booleans);
+    # learned position embeddings (GPT-2, OPT, GPT-BigCode) gather their [S, D]
+    # gradient once in backward
+    floats = [c for c in plan.collectives if c.kind == "all_gather" and c.bytes and
+              c.values[0].startswith(("f32", "f16", "bf16", "complex"))]
+    assert floats == [], floats
+
+
+@pytest.mark.parametrize("data", ["plain", "packed_seq_idx"])
+def test_lfm2_convolution_exchanges_a_halo(data):
+    """LFM2's short convolution (kernel 3), captured as ``causal_conv1d_fn`` on a plain
+    batch, traced as ops where that call carries a ``seq_idx`` (``F.conv1d`` with padding 2,
+    then ``[:, :, :L]``: the ``conv1d`` form): split either way, rank 0 sending its last 2
+    tokens, nothing of the sequence gathered."""
+    from tests.hf.cases import inputs, loss_fn
+    from tests.hf.families import unsupported
+    why = unsupported("lfm2", "sdpa", data)
+    if why:
+        pytest.skip(why)
+    names, xs = inputs(data)
+    plan = spdsl.plan(spdsl.sp_shard(seq=2)(loss_fn(build("lfm2", "sdpa"), names)), *xs)
+    form = "causal_conv1d" if data == "plain" else "conv1d"
+    assert [v.origin for v in plan.values if v.origin.startswith("mixer.")] == \
+        [f"mixer.{form}.state"]
+    halos = [c for c in plan.collectives if c.kind == "halo_exchange"]
+    B, C = xs[0].shape[0], FAMILIES["lfm2"].kwargs["hidden_size"]
+    assert [(c.module, c.purpose, c.bytes) for c in halos] == [
+        ("model.layers.0.conv", "halo", B * C * 2 * 4)]
+    assert not [c for c in plan.collectives if c.kind == "all_gather" and
+                c.values[0].startswith("f32")]

@@ -38,8 +38,10 @@ class _Threads:
             def gather(self, x):
                 return sim._swap("gather", r, x, lambda xs: torch.stack(xs))
 
-            def from_previous(self, tail):
-                return sim._swap("prev", r, tail, lambda xs: xs[r - 1] if r else tail[:0])
+            def neighbours(self, to_prev, to_next):
+                got = sim._swap("near", r, (to_prev, to_next), lambda xs: xs)
+                return (got[r - 1][1] if r > 0 else to_next[:0],
+                        got[r + 1][0] if r < sim.parts - 1 else to_prev[:0])
         return _Rank()
 
     def _swap(self, what: str, r: int, x, combine):
@@ -226,6 +228,26 @@ def test_causal_conv1d(parts):
           "weight": torch.randn(6, 4, generator=g), "bias": torch.randn(6, generator=g),
           "activation": "silu"}
     _check(m.causal_conv1d_fn, kw, "causal_conv1d", {"hidden_states": 2}, 2, parts)
+
+
+@pytest.mark.parametrize("parts", [2, 3, 4])
+@pytest.mark.parametrize("before,after,dilation,groups", [
+    (3, 0, 1, 6),          # causal, depthwise, kernel 4
+    (4, 0, 2, 6),          # causal, dilated (kernel 3, dilation 2)
+    (2, 0, 1, 1),          # causal, dense
+    (1, 1, 1, 3),          # symmetric ("same"), grouped
+    (0, 2, 1, 6)])         # anti-causal: the next rank's tokens only
+def test_conv1d(parts, before, after, dilation, groups):
+    """A convolution written as ATen ops (``spdsl.propagate.convs``): each rank's halo from
+    both neighbours, zeros past the ends."""
+    from spdsl.propagate.convs import conv1d
+    g = torch.Generator().manual_seed(4)
+    k = (before + after) // dilation + 1
+    kw = {"input": torch.randn(2, 6, 36, generator=g),
+          "weight": torch.randn(6, 6 // groups, k, generator=g),
+          "bias": torch.randn(6, generator=g),
+          "before": before, "after": after, "dilation": dilation, "groups": groups}
+    _check(conv1d, kw, "conv1d", {"input": 2}, 2, parts)
 
 
 def test_fused_kernels_decline_while_traced():

@@ -52,9 +52,9 @@ def inputs(data: str):
         return ("input_ids", "labels", "position_ids"), packed()
     if data == "packed_seq_idx":
         # the document index of every token as well, as DataCollatorWithFlattening(
-        # return_seq_idx=True) passes it: Hugging Face's causal_conv1d_fn is then not captured
-        # as a mixer (it carries a document restart), and its torch fallback, which ignores
-        # seq_idx, is traced as ops (F.conv1d, then a slice)
+        # return_seq_idx=True) passes it: the causal_conv1d_fn mixer's halo carries the
+        # indices too (causal-conv1d's kernel restarts at documents; the torch fallback of
+        # transformers 5.17 ignores them, 5.2x refuses them without the kernel)
         ids, labels, pos = packed()
         return ("input_ids", "labels", "position_ids", "seq_idx"), (
             ids, labels, pos, (pos == 0).cumsum(1).to(torch.int32) - 1)
@@ -216,9 +216,9 @@ def expected_all_to_alls(name: str, world: int) -> int:
     """Per layer, one exchange in and one out, forward and backward, for each of the head
     groups a rank pipelines its Ulysses attention in (``spdsl.lower.ops.head_groups``; one
     unless ``SPDSL_ULYSSES_GROUPS`` says more), and a halo each way for a split convolution
-    (LFM2's, ``Family.halo_layers``). Hugging Face models gather their (integer) labels
-    for the in-model shift; spdsl's own Llama shifts them by a halo exchange, one more gloo
-    all-to-all in forward."""
+    (LFM2's, ``Family.halo_layers``; given ``seq_idx``, its halo too, in forward). Hugging
+    Face models gather their (integer) labels for the in-model shift; spdsl's own Llama
+    shifts them by a halo exchange, one more gloo all-to-all in forward."""
     from spdsl.lower.ops import head_groups
     from tests.hf.families import FAMILIES, HEADS
     fam = FAMILIES.get(name.split("/")[0])
@@ -229,4 +229,6 @@ def expected_all_to_alls(name: str, world: int) -> int:
     per_layer = EXPECTED_ALL_TO_ALL // LAYERS
     layers = fam.attention_layers if fam is not None else LAYERS
     halos = 2 * fam.halo_layers if fam is not None else 0     # gloo: halos go as all-to-alls
+    if name.endswith("/packed_seq_idx"):    # the document indices' halo, forward only
+        halos += fam.halo_layers
     return per_layer * layers * groups + halos + (1 if name.startswith("plain_tied") else 0)

@@ -49,6 +49,37 @@ def _gather(values: list[float]) -> list[list[float]]:
     return [o.tolist() for o in out]
 
 
+class MixerSaved:
+    """Bytes autograd keeps for backward inside the mixer calls of the steps run under it (the
+    chunk loops' intermediates, beyond the calls' own inputs): what the planner's stand-in for
+    a mixer (``spdsl.lower.mixers._Planned``: output, inputs kept) leaves out."""
+
+    def __enter__(self):
+        from spdsl.propagate.mixers import Site
+        self.bytes, self._orig = 0, Site.call
+        orig, me = self._orig, self
+
+        def call(site, tensors, **override):
+            inputs = {t.untyped_storage().data_ptr() for t in tensors
+                      if isinstance(t, torch.Tensor)}
+            seen = set()
+
+            def pack(t):
+                key = t.untyped_storage().data_ptr()
+                if key not in inputs and key not in seen:
+                    seen.add(key)
+                    me.bytes += t.untyped_storage().nbytes()
+                return t
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                return orig(site, tensors, **override)
+        Site.call = call
+        return self
+
+    def __exit__(self, *exc):
+        from spdsl.propagate.mixers import Site
+        Site.call = self._orig
+
+
 def point(family: str, seq: int, world: int, rank: int) -> dict:
     """One (family, length): planned and measured per rank, above the step's start."""
     import spdsl
@@ -74,15 +105,17 @@ def point(family: str, seq: int, world: int, rank: int) -> dict:
         opt.zero_grad(set_to_none=True)
 
     t0 = time.perf_counter()
-    step()                                          # traces, creates AdamW's states
+    with MixerSaved() as saved:
+        step()                                      # traces, creates AdamW's states
     warm_s = time.perf_counter() - t0
     t0 = time.perf_counter()
     m = measure_step(step, warmup=False)
     step_s = time.perf_counter() - t0
-    ranks = _gather([planned, m.peak, m.end, warm_s, step_s, plan_s])
+    ranks = _gather([planned, m.peak, m.end, warm_s, step_s, plan_s, saved.bytes])
     return {"family": family, "seq": seq, "strategies": strategies,
             "planned": [int(r[0]) for r in ranks], "planned_phase": mem.peak_phase,
             "measured": [int(r[1]) for r in ranks], "end": [int(r[2]) for r in ranks],
+            "mixer_saved": [int(r[6]) for r in ranks],
             "warm_s": round(max(r[3] for r in ranks), 1),
             "step_s": round(max(r[4] for r in ranks), 1),
             "plan_s": round(max(r[5] for r in ranks), 1)}
@@ -103,12 +136,14 @@ def ratios(rows: list[dict]) -> list[dict]:
 
 
 def render(result: dict) -> str:
-    lines = ["| model | tokens | measured | planned | measured / planned | strategies |",
-             "|---|---|---|---|---|---|"]
+    lines = ["| model | tokens | measured | planned | measured / planned | saved inside the "
+             "mixers | planned + saved inside | strategies |", "|---|---|---|---|---|---|---|---|"]
     for r in result["rows"]:
         m, p = max(r["measured"]) / MIB, max(r["planned"]) / MIB
+        x = max(r["mixer_saved"]) / MIB
         lines.append(f"| {r['family']} | {r['seq']:,} | {m:.2f} MiB | {p:.2f} MiB | "
-                     f"{m / p:.2f} | {', '.join(r['strategies'])} |")
+                     f"{m / p:.2f} | {x:.2f} MiB | {p + x:.2f} MiB | "
+                     f"{', '.join(r['strategies'])} |")
     lines += ["", "| model | doubling | measured | planned |", "|---|---|---|---|"]
     for q in result["ratios"]:
         lines.append(f"| {q['family']} | {q['seq']:,} -> {q['seq2']:,} | "

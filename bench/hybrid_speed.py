@@ -1,9 +1,9 @@
 """A hybrid's training step with its sequence mixers split over the ranks by spdsl, against the
 same step with the mixers gathered (every rank runs the whole sequence through every
 linear-attention and state-space layer: what spdsl did before it recognised them) and, for
-Qwen3.5, against a hand-written Megatron-style split (``bench/baselines/hybrid_handwritten.py``:
-all-to-alls to a head split around the conv and the recurrence, hand-written Ulysses at
-attention), in one launch.
+Qwen3.5 and Bamba, against a hand-written Megatron-style split
+(``bench/baselines/hybrid_handwritten.py``: all-to-alls to a head split around the conv and the
+recurrence, hand-written Ulysses at attention), in one launch.
 
 Hugging Face models on their torch paths (the CPU has no flash-linear-attention or mamba_ssm),
 fp32, ``sp_shard(seq=P)`` defaults; the gathered variant is the same model traced with the
@@ -22,8 +22,8 @@ recurrences are traced as ops and placed by the ops' rules. Per family:
   process group ran, read the same way for spdsl's functional collectives and the hand-written
   ``torch.distributed`` calls): bytes sent per rank by kind, and the allocator's peak::
 
-    torchrun --standalone --nproc_per_node=4 bench/hybrid_speed.py --seq 2048 \\
-        --families qwen3_5 --out bench/results/hybrid_handwritten_sp4.json
+    torchrun --standalone --nproc_per_node=4 bench/hybrid_speed.py --seq 2048 4096 \\
+        --families qwen3_5,bamba --out bench/results/hybrid_handwritten_sp4.json
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ import torch
 import torch.distributed as dist
 
 FAMILIES = ("qwen3_5", "bamba", "jamba", "minimax")
-HANDWRITTEN = ("qwen3_5",)           # families with a hand-written baseline
+HANDWRITTEN = ("qwen3_5", "bamba")         # families with a hand-written baseline
 LOSS_RTOL, GRAD_RTOL = 1e-5, 1e-4
 NAMES = ("input_ids", "labels")
 

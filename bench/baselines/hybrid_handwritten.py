@@ -1,4 +1,4 @@
-"""Hand-written sequence parallelism for Hugging Face's Qwen3.5, as Megatron-LM writes it.
+"""Hand-written sequence parallelism for Hugging Face's Qwen3.5 and Bamba, as Megatron-LM writes it.
 
 What a user writes without an automatic tool, following Megatron-LM's context parallelism for
 Gated DeltaNet and Mamba (its ``tensor_a2a_cp2hp`` / ``tensor_a2a_hp2cp``):
@@ -15,7 +15,9 @@ Gated DeltaNet and Mamba (its ``tensor_a2a_cp2hp`` / ``tensor_a2a_hp2cp``):
   on the local heads from a zero state; **one all-to-all** takes the output back to the
   sequence split, where the gated norm (per token and head) and ``out_proj`` run. When there
   are fewer key heads than ranks, a key head goes to every rank whose value heads read it (its
-  channels are sent more than once; the index's backward sums the copies);
+  channels are sent more than once; the index's backward sums the copies). A Bamba (Mamba-2)
+  layer the same way around its conv and HF's ``mamba2_chunk_scan``, its ``B``, ``C`` groups
+  sent to every rank whose heads read them;
 - attention layers are hand-written Ulysses: q, k, v from sequence to heads (kv heads repeated
   up to the SP degree first when fewer), a causal SDPA over the whole sequence, the output
   back; registered as an attention implementation (``AttentionInterface``) of the model's own
@@ -170,8 +172,67 @@ def gated_delta_net_forward(layer, group):
     return types.MethodType(forward, layer)
 
 
+def mamba2_mixer_forward(layer, group):
+    """A ``BambaMixer.forward`` for the rank's piece: the same cp2hp / hp2cp around the conv
+    and HF's ``mamba2_chunk_scan`` (SSD), the rank's heads of ``x``, ``dt``, ``A``, ``D``,
+    ``dt_bias``, and the ``B``, ``C`` groups they read (every group to every rank whose heads
+    read it); the gate stays with the piece, where the grouped norm and ``out_proj`` run."""
+    mod = importlib.import_module(type(layer).__module__)
+    p, me = dist.get_world_size(group), dist.get_rank(group)
+    nh, hd, ng, n = layer.num_heads, layer.head_dim, layer.n_groups, layer.ssm_state_size
+    inter = layer.intermediate_size
+    if nh % p or ng > 1 and ng % p:
+        raise ValueError(f"{nh} heads / {ng} groups do not split over {p} ranks")
+
+    def channels(r: int) -> tuple[list[int], list[int], list[int]]:
+        heads = list(range(r * nh // p, (r + 1) * nh // p))
+        groups = sorted({h // (nh // ng) for h in heads})
+        xbc = [h * hd + i for h in heads for i in range(hd)] \
+            + [inter + g * n + i for g in groups for i in range(n)] \
+            + [inter + ng * n + g * n + i for g in groups for i in range(n)]
+        return heads, groups, xbc
+    per_rank = [channels(r) for r in range(p)]
+    heads, groups, xbc = per_rank[me]
+    # channels of the in_proj output [gate | xBC | dt] each rank receives, [P, c]
+    index = torch.stack([torch.tensor([inter + c for c in x] + [inter + layer.conv_dim + h
+                                                                for h in hs])
+                         for hs, _, x in per_rank])
+    xbc_mine, hs = torch.tensor(xbc), torch.tensor(heads)
+    h_local, g_local = len(heads), len(groups)
+
+    def forward(self, hidden_states, cache=None, attention_mask=None, **kwargs):
+        if cache is not None or attention_mask is not None:
+            raise ValueError("hand-written Mamba-2 here takes the plain batch only")
+        b, s, _ = hidden_states.shape
+        projected = self.in_proj(hidden_states)
+        gate = projected[..., :inter]
+        mixed = projected.index_select(-1, index.flatten()).reshape(b, s, p, -1)
+        mixed = seq_to_heads(mixed, group)[:, :, 0]               # [B, S, c]: whole sequence
+        xbc_in, dt = mixed.split([xbc_mine.numel(), h_local], dim=-1)
+        weight = self.conv1d.weight.squeeze(1).index_select(0, xbc_mine)
+        bias = None if self.conv1d.bias is None else self.conv1d.bias.index_select(0, xbc_mine)
+        xbc_out = mod.causal_conv1d_fn(xbc_in.transpose(1, 2), weight, bias,
+                                       activation=self.activation).transpose(1, 2)
+        x, B, C = xbc_out.split([h_local * hd, g_local * n, g_local * n], dim=-1)
+        seq = x.shape[1]
+        out = mod.mamba2_chunk_scan(
+            x.reshape(b, seq, h_local, hd), dt, -torch.exp(self.A_log.index_select(0, hs).float()),
+            B.reshape(b, seq, g_local, n), C.reshape(b, seq, g_local, n),
+            chunk_size=self.chunk_size, D=self.D.index_select(0, hs), z=None,
+            return_final_states=False, dt_bias=self.dt_bias.index_select(0, hs),
+            dt_softplus=True, initial_states=None, dt_limit=self.time_step_limit)
+        out = heads_to_seq(out.reshape(b, seq, h_local, hd), group)    # [B, S/P, nh, hd]
+        out = self.norm(out.reshape(b, s, inter), gate)
+        return self.out_proj(out.to(hidden_states.dtype))
+    return types.MethodType(forward, layer)
+
+
+# the sequence-mixer classes split by hand (by class name), and their forwards
+MIXERS = {"Qwen3_5GatedDeltaNet": gated_delta_net_forward, "BambaMixer": mamba2_mixer_forward}
+
+
 class HybridHandwritten:
-    """Qwen3.5 split by hand over ``group``; ``step(ids, labels)`` -> the global loss, with
+    """Qwen3.5 or Bamba split by hand over ``group``; ``step(ids, labels)`` -> the global loss, with
     every parameter's gradient the single-device one on every rank."""
 
     def __init__(self, model: torch.nn.Module, group=None) -> None:
@@ -182,11 +243,11 @@ class HybridHandwritten:
         model.config._attn_implementation = ATTENTION
         patched = 0
         for m in model.modules():
-            if type(m).__name__.endswith("GatedDeltaNet"):
-                m.forward = gated_delta_net_forward(m, self.group)
+            if type(m).__name__ in MIXERS:
+                m.forward = MIXERS[type(m).__name__](m, self.group)
                 patched += 1
         if not patched:
-            raise ValueError(f"{type(model).__name__} has no Gated DeltaNet layer to split")
+            raise ValueError(f"{type(model).__name__} has none of {sorted(MIXERS)} to split")
 
     def prepare(self, ids: torch.Tensor, labels: torch.Tensor) -> tuple:
         """The rank's piece: ids, pre-shifted labels, global position ids."""

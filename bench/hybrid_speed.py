@@ -22,7 +22,7 @@ recurrences are traced as ops and placed by the ops' rules. Per family:
   process group ran, read the same way for spdsl's functional collectives and the hand-written
   ``torch.distributed`` calls): bytes sent per rank by kind, and the allocator's peak::
 
-    torchrun --standalone --nproc_per_node=4 bench/hybrid_speed.py --seq 2048 4096 \\
+    torchrun --standalone --nproc_per_node=4 bench/hybrid_speed.py --seq 2048 4096 --steps 7 \\
         --families qwen3_5,bamba --out bench/results/hybrid_handwritten_sp4.json
 """
 

@@ -116,7 +116,7 @@ def _gdn_heads(layer, rank: int, p: int) -> tuple[torch.Tensor, list[int], list[
     """The rank's value heads, the key heads they read, and its channels of ``in_proj_qkv``."""
     nk, nv, dk, dv = layer.num_k_heads, layer.num_v_heads, layer.head_k_dim, layer.head_v_dim
     rep = nv // nk                     # HF: key head i serves value heads i*rep .. i*rep+rep-1
-    if nv % p or (nv // p) % rep and rep % (nv // p):
+    if nv % p or ((nv // p) % rep and rep % (nv // p)):   # whole key heads, or shared
         raise ValueError(f"{nv} value / {nk} key heads do not split over {p} ranks")
     vheads = list(range(rank * nv // p, (rank + 1) * nv // p))
     kheads = sorted({h // rep for h in vheads})
@@ -181,8 +181,8 @@ def mamba2_mixer_forward(layer, group):
     p, me = dist.get_world_size(group), dist.get_rank(group)
     nh, hd, ng, n = layer.num_heads, layer.head_dim, layer.n_groups, layer.ssm_state_size
     inter = layer.intermediate_size
-    if nh % p or ng > 1 and ng % p:
-        raise ValueError(f"{nh} heads / {ng} groups do not split over {p} ranks")
+    if nh % p:
+        raise ValueError(f"{nh} heads do not split over {p} ranks")
 
     def channels(r: int) -> tuple[list[int], list[int], list[int]]:
         heads = list(range(r * nh // p, (r + 1) * nh // p))
@@ -192,6 +192,8 @@ def mamba2_mixer_forward(layer, group):
             + [inter + ng * n + g * n + i for g in groups for i in range(n)]
         return heads, groups, xbc
     per_rank = [channels(r) for r in range(p)]
+    if len({len(x) for _, _, x in per_rank}) > 1:      # one all-to-all: equal chunks
+        raise ValueError(f"{nh} heads in {ng} groups give the {p} ranks unequal channels")
     heads, groups, xbc = per_rank[me]
     # channels of the in_proj output [gate | xBC | dt] each rank receives, [P, c]
     index = torch.stack([torch.tensor([inter + c for c in x] + [inter + layer.conv_dim + h

@@ -137,13 +137,12 @@ def ratios(rows: list[dict]) -> list[dict]:
 
 def render(result: dict) -> str:
     lines = ["| model | tokens | measured | planned | measured / planned | saved inside the "
-             "mixers | planned + saved inside | strategies |", "|---|---|---|---|---|---|---|---|"]
+             "mixers | strategies |", "|---|---|---|---|---|---|---|"]
     for r in result["rows"]:
         m, p = max(r["measured"]) / MIB, max(r["planned"]) / MIB
         x = max(r["mixer_saved"]) / MIB
         lines.append(f"| {r['family']} | {r['seq']:,} | {m:.2f} MiB | {p:.2f} MiB | "
-                     f"{m / p:.2f} | {x:.2f} MiB | {p + x:.2f} MiB | "
-                     f"{', '.join(r['strategies'])} |")
+                     f"{m / p:.2f} | {x:.2f} MiB | {', '.join(r['strategies'])} |")
     lines += ["", "| model | doubling | measured | planned |", "|---|---|---|---|"]
     for q in result["ratios"]:
         lines.append(f"| {q['family']} | {q['seq']:,} -> {q['seq2']:,} | "

@@ -19,8 +19,9 @@ all_gather_single,              the wait the memory tracker and offload pass rec
 reduce_scatter_single           (the two: their names since torch 2.13, the old ones before)
 reparametrize_module            a module traced with its parameters swapped for fakes:
                                 tracing a module fails at its first parameter
-use_lazy_graph_module           graph modules compiled lazily: planning a 70B-shaped model
-                                recompiles code per layer (slow, not wrong)
+use_lazy_graph_module,          graph modules compiled lazily: planning a 70B-shaped model
+make_graph_module               recompiles code per layer, a plan generates the code of a
+                                program it never runs (slow, not wrong)
 disable_current_modes           HF's constant position ids evaluated on real tensors inside a
                                 trace: HF batches build ``[S, S]`` masks again
 TorchDispatchMode,              the planner's byte counter, the remat shape replay, offload
@@ -79,6 +80,7 @@ from torch._subclasses.fake_tensor import (
     FakeTensorMode,
 )
 from torch.fx._lazy_graph_module import _use_lazy_graph_module as use_lazy_graph_module
+from torch.fx._lazy_graph_module import _make_graph_module as make_graph_module
 from torch.nn.utils.stateless import _reparametrize_module as reparametrize_module
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._python_dispatch import _disable_current_modes as disable_current_modes
@@ -309,6 +311,7 @@ __all__ = [
     "graph_break_reasons",
     "inductor_programs",
     "is_traceable_wrapper_subclass",
+    "make_graph_module",
     "outside_fx_trace",
     "profiler_event_kinds",
     "reduce_scatter_single",

@@ -35,11 +35,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from spdsl._torch import fake_store
+from spdsl._torch import fake_store, tree_flatten, use_lazy_graph_module
 from spdsl.lower.graph import lower
 from spdsl.lower.kernels import KernelChoice, swap_kernels
 from spdsl.lower.project import fuse_output_projection
 from spdsl.lower.shapes import TensorSpec
+from spdsl.propagate.attention_choice import AttentionConfig, Links, device_model
 from spdsl.remat import Remat, apply_remat, local_specs
 
 
@@ -140,6 +141,8 @@ def _build(stack: contextlib.ExitStack, job: Job, entry, args: tuple, kwargs: di
            optimizer: str = "adamw") -> Step:
     r = remat if remat is not None else job.remat
     compiled = job.compile if compiled is None else compiled
+    if planning:     # code generated when first run: a plan reads graphs (0.3 s of an 8B plan)
+        stack.enter_context(use_lazy_graph_module(True))
     if planning and r.fit and getattr(entry, "remat", None) is not None:
         r = entry.remat                    # the mode the run chose for this program
     if not planning or entry.data is not None or entry.sharded:
@@ -162,9 +165,12 @@ def _build(stack: contextlib.ExitStack, job: Job, entry, args: tuple, kwargs: di
     kernels = tuple(getattr(lowered, "spdsl_kernels", ()))
     program, why = lowered, None
     if r.fit:        # the least recomputation that fits (spdsl.memory.fit), every rank alike
+        away = planning and any(isinstance(a, torch.Tensor) and a.device.type == "meta"
+                                for a in tree_flatten((args, kwargs))[0])
         program, r, why = sizing.choose(
             program, r, state, ins, compiled=compiled, optimizer=optimizer,
-            **({} if planning else {"resident": job.resident(entry), "agree": job.agree}))
+            **({"target": device_of(entry, args, kwargs)} if away else {} if planning else
+               {"resident": job.resident(entry), "agree": job.agree}))
     else:
         program = apply_remat(program, r, state, ins, peak=sizing.peak)
     if compiled and not planning:
@@ -173,6 +179,15 @@ def _build(stack: contextlib.ExitStack, job: Job, entry, args: tuple, kwargs: di
     from spdsl.lower.ring import ring_axes
     axes = {**ring_axes(lowered, job.axis), **axes}
     return Step(entry, lowered, program, r, why, kernels, rank, state, ins, axes, planning)
+
+
+def device_of(entry, args: tuple, kwargs: dict | None = None) -> Links:
+    """The device model of one call's step (``spdsl.propagate.attention_choice.device_model``):
+    the ``Links`` its attention choice priced, which ``plan.timing()`` runs on and, for a plan
+    on the meta device (a plan for another machine), ``remat="fit"`` budgets against."""
+    device = next((a.device.type for a in tree_flatten((args, kwargs or {}))[0]
+                   if isinstance(a, torch.Tensor)), "cpu")
+    return device_model(device, AttentionConfig.of(entry.prop.attention).links)
 
 
 def _job_axes(job: Job) -> dict[str, str]:

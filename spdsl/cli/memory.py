@@ -78,7 +78,8 @@ from spdsl.remat import Remat, parse_bytes
 MODES = ("none", "auto", "lean", "full", "best")
 
 
-def _size(text: str) -> int:
+def size(text: str) -> int:
+    """A byte count such as 80GiB (``--device-memory`` and friends)."""
     try:
         return parse_bytes(text)
     except ValueError as e:
@@ -118,12 +119,12 @@ def parser() -> argparse.ArgumentParser:
                    metavar=DTYPE_METAVAR)
     p.add_argument("--remat", type=_modes, default="none,auto,lean,full,best",
                    help=f"comma-separated modes ({', '.join(MODES)}) or budgets like 60GiB")
-    p.add_argument("--device-memory", type=_size, default="80GiB",
+    p.add_argument("--device-memory", type=size, default="80GiB",
                    help="per-rank device memory, e.g. 80GiB")
-    p.add_argument("--reserve", type=_size, default=None,
+    p.add_argument("--reserve", type=size, default=None,
                    help="kept back from --device-memory for what no tensor shows (default: "
                         "spdsl.memory.reserve's parts, 7.9 GiB of 80)")
-    p.add_argument("--host-memory", type=_size, default="192GiB",
+    p.add_argument("--host-memory", type=size, default="192GiB",
                    help="per-rank host memory for offloaded activations")
     p.add_argument("--optimizer", choices=OPTIMIZERS, default="adamw-bf16",
                    help="adamw-bf16: bf16 weights updated in place, fp32 moments; "

@@ -6,8 +6,10 @@ Face causal LM from a directory with a config.json, or a built-in tiny one such 
 
 The model is built on the meta device (no memory), cast to ``--dtype`` and called as
 ``model(ids, ids)`` (input ids and labels, ``[batch, seq]`` int64 on meta), or ``model(ids)``
-with ``--no-labels``. A mistake (a bad spec, option, or a sharding rule the model breaks) is
-one line on stderr and exit status 2.
+with ``--no-labels``. The plan is for the machine ``--device`` names (default: a CUDA node of
+H100s, ``spdsl.Links.default("cuda")``): its links and FLOP/s price the attention choice and
+the timing, its ``--device-memory`` is the ``--remat-fit`` budget. A mistake (a bad spec,
+option, or a sharding rule the model breaks) is one line on stderr and exit status 2.
 
 Example::
 
@@ -23,11 +25,13 @@ import os
 import sys
 import time
 from collections.abc import Sequence
+from dataclasses import replace
 
 import torch
 
 from spdsl.annotate.api import plan as plan_of
 from spdsl.annotate.api import sp_shard
+from spdsl.cli.memory import size
 from spdsl.errors import ShardingError
 from spdsl.modelspec import build_model
 from spdsl.modelspec.cli import (
@@ -47,6 +51,9 @@ from spdsl.modelspec.cli import (
     positive,
     version,
 )
+from spdsl.propagate.attention_choice import AttentionConfig, Links
+
+DEVICES = ("cuda", "cpu")
 
 
 def _parser() -> Parser:
@@ -76,10 +83,17 @@ def _parser() -> Parser:
     q.add_argument("--json", nargs="?", const="-", metavar="PATH",
                    help="write the JSON plan to PATH (or stdout) instead of the table")
     q.add_argument("--html", metavar="PATH", help="write the HTML page to PATH")
+    q.add_argument("--device", choices=DEVICES, default="cuda",
+                   help="the machine the plan is for: its figures (spdsl.Links.default) price "
+                        "the attention choice and the timing, its memory the --remat-fit "
+                        "budget")
+    q.add_argument("--device-memory", type=size, default=None, metavar="SIZE",
+                   help="one rank's device memory, e.g. 141GiB (default: 80GiB for cuda, less "
+                        "spdsl.memory.reserve's parts; this host's free memory for cpu)")
     q.add_argument("--remat-fit", action="store_true",
                    help="choose the remat mode here, as remat='fit' (the default) does when the "
-                        "step is built: simulates the step once per mode tried, against this "
-                        "host's memory or SPDSL_MEMORY_BUDGET (without it, the plan lists the "
+                        "step is built: simulates the step once per mode tried, against "
+                        "--device-memory or SPDSL_MEMORY_BUDGET (without it, the plan lists the "
                         "program of remat='none', and says so)")
     q.add_argument("--explain", action="append", default=[], metavar="VALUE",
                    help="print why VALUE (a value name or module path) is placed as it is")
@@ -108,11 +122,16 @@ def _plan(args) -> int:
     model = build_model(args.model).to(DTYPES[args.dtype])
     ids = torch.empty(args.batch, args.seq, dtype=torch.long, device="meta")
     inputs = (ids,) if args.no_labels else (ids, ids)
+    links = Links.default(args.device).with_(memory=args.device_memory)
+    attention = replace(AttentionConfig.of(attention_of(args.attention)), links=links)
     t1 = time.perf_counter()
-    plan = plan_of(sp_shard(seq=args.sp, axis=args.axis,
-                            attention=attention_of(args.attention))(model), *inputs,
-                   fit=args.remat_fit)
+    plan = plan_of(sp_shard(seq=args.sp, axis=args.axis, attention=attention)(model),
+                   *inputs, fit=args.remat_fit)
     t2 = time.perf_counter()
+    plan.collectives                        # noqa: B018  (the rank's program, built once)
+    t3 = time.perf_counter()
+    _timed(plan)
+    t4 = time.perf_counter()
     plan.title = f"{args.model} seq={args.seq} {args.axis}={args.sp}"
     explained = [_explain(plan, name) for name in args.explain]
     # files first: a reader closing stdout early (``| head``) must not lose them
@@ -124,8 +143,22 @@ def _plan(args) -> int:
     for text in explained:
         print()
         print(text)
-    print(f"built the model in {t1 - t0:.1f} s, planned in {t2 - t1:.1f} s", file=sys.stderr)
+    t5 = time.perf_counter()
+    # --remat-fit builds the program inside spdsl.plan, to choose the mode by simulating it
+    traced = "traced, propagated, lowered and the remat mode chosen" if args.remat_fit else \
+        "traced and propagated"
+    print(f"planned in {t5 - t0:.1f} s after the imports: the model built in {t1 - t0:.1f} s, "
+          f"{traced} in {t2 - t1:.1f} s, the rank's program in {t3 - t2:.1f} s, its cost "
+          f"model in {t4 - t3:.1f} s, printed in {t5 - t4:.1f} s", file=sys.stderr)
     return 0
+
+
+def _timed(plan) -> None:
+    """The cost model's step, computed once and kept for the table and the JSON."""
+    try:
+        plan.timing()
+    except AttributeError:          # no program to time (a plan in segments)
+        pass
 
 
 def _explain(plan, name: str) -> str:

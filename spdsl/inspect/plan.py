@@ -161,8 +161,8 @@ class ShardingPlan:
     def timing(self, links: Links | None = None) -> Timing:
         """The step's communication against its compute from a cost model of the program
         that runs: each transfer's seconds, how much of it is exposed and what hides the rest
-        (``spdsl.inspect.timing``; ``links`` default to ``Links.default`` for the inputs'
-        device)."""
+        (``spdsl.inspect.timing``; ``links`` default to the plan's device model, the one its
+        attention choice priced: ``spdsl.propagate.attention_choice.device_model``)."""
         self.collectives                        # noqa: B018  (reads the program once)
         schedule = self.__dict__.get("_schedule")
         if schedule is None and links is None and "_timing" in self.__dict__:
@@ -171,7 +171,11 @@ class ShardingPlan:
             raise AttributeError("this plan has no program to time (build it with spdsl.plan "
                                  "on an sp_shard/shard-ed function)")
         from spdsl.inspect.timing import simulate
-        return simulate(schedule, links)
+        if links is not None:
+            return simulate(schedule, links)
+        if "_timed" not in self.__dict__:       # the table, JSON and HTML all print it
+            self.__dict__["_timed"] = simulate(schedule)
+        return self.__dict__["_timed"]
 
     def explain(self, value: Any) -> Explanation:
         """The chain of rules that gave ``value`` (a name, a ``Value`` or an fx node) its

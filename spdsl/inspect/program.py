@@ -250,17 +250,19 @@ def attach(plan: ShardingPlan, job, entry, args: tuple, kwargs: dict, *,
         if why is not None and plan.remat is None:
             plan.remat = why
         colls = collectives_of(local, plan, axes)
-        plan.__dict__["_schedule"] = replace(_schedule(local, colls, job, args),
+        plan.__dict__["_schedule"] = replace(_schedule(local, colls, job, entry, args),
                                                  before=tuple(extra))
+        plan.__dict__.pop("_timed", None)          # timed on the program read before
         return [*colls, *extra]
     plan.__dict__["_program"] = read
 
 
-def _schedule(local: torch.nn.Module, colls: list[Collective], job, args: tuple):
+def _schedule(local: torch.nn.Module, colls: list[Collective], job, entry, args: tuple):
     """What ``spdsl.inspect.timing`` needs of the program: its events beside the plan's
-    entry of each call, the axes' sizes, the device and how gradient buckets run."""
+    entry of each call, the axes' sizes, the device model and how gradient buckets run."""
     import spdsl.collectives as C
     from spdsl.inspect.timing import Schedule
+    from spdsl.pipeline import device_of
 
     events = program_events(local)
     after = [c for c in colls if c.purpose == "input"]        # listed first, run last
@@ -270,9 +272,6 @@ def _schedule(local: torch.nn.Module, colls: list[Collective], job, args: tuple)
     if job.data_axis and job.data_parts > 1:
         sizes[job.data_axis] = job.data_parts
         sizes[f"{job.data_axis}+{job.axis}"] = job.data_parts * job.parts
-    # a plan on the meta device is a plan for accelerators (a model too large for this
-    # machine): timed on a GPU node's links, which the printed line names
-    device = next((a.device.type for a in args if isinstance(a, torch.Tensor)), "cpu")
     return Schedule(local.__dict__.get("gm", local), tuple(events), per_event, tuple(after), sizes,
-                    "cuda" if device in ("cuda", "meta") else "cpu",
-                    C.GRAD_OVERLAP and not job.compile)
+                    device_of(entry, args), C.GRAD_OVERLAP and not job.compile)
+

@@ -21,8 +21,9 @@ ring / hybrid step          the block attention of the piece it already has
 everything else             nothing: waited where it is issued
 ==========================  ===============================================================
 
-The model's figures are those of ``spdsl.propagate.attention_choice.Links`` (the same
-assumptions the attention choice makes): a transfer takes ``latency + bytes on the wire /
+The model's figures are the plan's device model (``spdsl.propagate.attention_choice.
+device_model``: the same ``Links`` the attention choice priced; a meta-device plan is one for
+CUDA accelerators): a transfer takes ``latency + bytes on the wire /
 bandwidth`` (all-to-all, reduce-scatter, all-gather: ``(P - 1) / P`` of the buffer; ring
 all-reduce twice that; send/recv and halo the buffer), the fast links inside a node and the
 slow ones across; one transfer at a time per rank. Compute is matmul and attention FLOPs at
@@ -35,7 +36,7 @@ shares on a run (``bench/overlap.py``).
 Example::
 
     plan = spdsl.plan(spdsl.sp_shard(seq=4)(model), ids, ids)
-    t = plan.timing()                      # Links.default for the inputs' device
+    t = plan.timing()                      # the plan's device model (its attention choice's)
     t.exposed_s, t.hidden_s, t.exposed_share
     print(t)                               # per purpose: seconds, exposed, hidden, behind what
 """
@@ -161,15 +162,15 @@ class Schedule:
     collectives: tuple[Collective | None, ...]
     after: tuple[Collective, ...]
     sizes: dict[str, int]
-    device: str
+    links: Links                # the plan's device model (spdsl.pipeline.device_of)
     buckets_overlap: bool
     before: tuple[Collective, ...] = ()     # run by the call before the program (the check)
 
 
 def simulate(schedule: Schedule, links: Links | None = None) -> Timing:
-    """The modelled step of ``schedule`` under ``links`` (default: ``Links.default`` for the
-    schedule's device)."""
-    links = links or Links.default(schedule.device)
+    """The modelled step of ``schedule`` under ``links`` (default: the plan's device model,
+    the one its attention choice priced)."""
+    links = links or schedule.links
     return _Sim(schedule, links).run()
 
 
@@ -231,7 +232,9 @@ class _Sim:
             self._sync(c, c.bytes, "forward")
         for u in units:
             self._forward(u)
-        buckets = [(u, _ready(u, self.s.program)) for u in units if _is_bucket(u)]
+        order, parent = _layout(self.s.program)     # once: 259 buckets of 3,300 nodes at 8B
+        buckets = [(u, _ready(u, self.s.program, order, parent)) for u in units
+                   if _is_bucket(u)]
         started: list = []
         by_top: dict = {}            # one pass, not one per top (3,009 of them at 8B)
         for u in units:
@@ -392,12 +395,9 @@ def _is_bucket(unit: list) -> bool:
     return c is not None and c.purpose == "gradient"
 
 
-def _ready(unit: list, top: torch.fx.GraphModule) -> int:
-    """The top-level index whose backward completes the bucket's last gradient: the first
-    use of its values (the bucket sits after the placeholders, inside the first layer's
-    graph where remat split the program into layers)."""
+def _layout(top: torch.fx.GraphModule) -> tuple[dict, dict]:
+    """Each top-level node's index, and the top-level node that runs each subgraph."""
     from spdsl.remat.segments import Checkpointed
-    node = unit[0][0].node
     order = {n: i for i, n in enumerate(top.graph.nodes)}
     parent = {}
     for m in top.graph.nodes:
@@ -406,6 +406,14 @@ def _ready(unit: list, top: torch.fx.GraphModule) -> int:
             sub = sub.inner if isinstance(sub, Checkpointed) else sub
             if isinstance(sub, torch.fx.GraphModule):
                 parent[sub.graph] = m
+    return order, parent
+
+
+def _ready(unit: list, top: torch.fx.GraphModule, order: dict, parent: dict) -> int:
+    """The top-level index whose backward completes the bucket's last gradient: the first
+    use of its values (the bucket sits after the placeholders, inside the first layer's
+    graph where remat split the program into layers); ``order``, ``parent``: ``_layout``."""
+    node = unit[0][0].node
     items = [g for g in node.users if g.target is operator.getitem] or [node]
     users = [u for g in items for u in g.users]
     if node.graph is top.graph:

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 import spdsl.collectives as C
-from spdsl._torch import tree_map
+from spdsl._torch import make_graph_module, tree_map
 from spdsl.lower import mixers, ops, ring, tokenwise
 from spdsl.lower.factories import VAL as REPLICATED_VAL
 from spdsl.lower.factories import split_factories
@@ -300,8 +300,7 @@ class Lowering:
         if self.state is not None:
             self.state(self.graph)
         bucket_gradient_reduces(self.graph)
-        gm = torch.fx.GraphModule(self.prop.gm, self.graph)
-        return gm
+        return make_graph_module(self.prop.gm, self.graph)   # lazily compiled when planning
 
     def _output(self, o: torch.fx.Node, x: torch.fx.Node, want: Placement,
                 dwant: Placement) -> torch.fx.Node:

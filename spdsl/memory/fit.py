@@ -31,6 +31,13 @@ The budget per rank, first found of:
    bytes of the step's parameters already in memory (``MemAvailable`` does not count them as
    free; the plan does).
 
+A plan on the meta device is a plan for another machine, whose memory is not here to ask: it
+budgets against its device model instead (``target``, ``spdsl.pipeline.device_of``: the
+``Links`` its attention choice priced). For CUDA, ``Links.memory`` (default 80 GiB, an H100's;
+``python -m spdsl plan --device-memory``) less the reserve ``python -m spdsl memory`` keeps
+back (``spdsl.memory.reserve``: 7.9 GiB of 80), and the ladder offloads as on CUDA; for a CPU
+model, ``Links.memory`` if given, else this host's figure above.
+
 Every rank must run the same mode (with sharded state, a mode decides which parameter gathers
 run again in backward), and both free memory and planned peaks differ by rank (rank 0 of 2
 peaked 6 KiB above rank 1 on the tiny Llama at 512 tokens): ranks combine their choices with
@@ -47,12 +54,15 @@ import torch
 
 from spdsl.lower.shapes import TensorSpec
 from spdsl.memory.report import fmt_bytes
+from spdsl.memory.reserve import reserve_parts
 from spdsl.memory.simulate import simulate, step_peak
 from spdsl.pipeline import Sizing
+from spdsl.propagate.attention_choice import Links
 from spdsl.remat import Remat, RematChoice, apply_remat
 from spdsl.remat.config import parse_bytes
 
 ENV = "SPDSL_MEMORY_BUDGET"
+TARGET_MEMORY = 80 * 2 ** 30   # a CUDA device model's memory where it names none: an H100's
 CUDA_RESERVE = 0.10        # of the device's total memory
 CPU_SHARE = 0.90           # of this rank's share of MemAvailable
 
@@ -106,16 +116,37 @@ def device_budget(device: str, resident: int = 0) -> tuple[int, str]:
                     f"{CPU_SHARE:.0%} + {fmt_bytes(resident)} of parameters")
 
 
+def target_budget(target: Links) -> tuple[int, str]:
+    """Bytes per rank a step planned for the machine ``target`` describes may use, and how that
+    was found (the module docstring), where that machine is not this one.
+
+    Example::
+
+        budget, how = target_budget(Links.default("cuda"))    # 80 GiB - 7.9 GiB of reserve
+    """
+    if target.device != "cuda":
+        if target.memory is not None:
+            return target.memory, f"the device model's {fmt_bytes(target.memory)}"
+        return device_budget("cpu")
+    total = target.memory if target.memory is not None else TARGET_MEMORY
+    reserve = sum(reserve_parts(total).values())
+    return max(0, total - reserve), (f"the device model: {fmt_bytes(total)} of CUDA memory - "
+                                     f"reserve {fmt_bytes(reserve)}")
+
+
 def choose_remat(local: torch.fx.GraphModule, remat: Remat, state: list[TensorSpec],
                  inputs: list[TensorSpec], *, compiled: bool = False, resident: int = 0,
                  agree: Callable[[int], int] | None = None, optimizer: str = "adamw",
+                 target: Links | None = None,
                  ) -> tuple[torch.fx.GraphModule, Remat, RematChoice]:
     """The first mode of ``ladder`` whose planned peak fits the budget: the local graph
     rewritten for it, the mode, and the record of the choice.
 
     ``agree(index) -> index``: combines the index of the mode chosen across ranks (the
     largest; None: this rank alone). ``resident``: bytes of the
-    parameters already in CPU memory (see ``device_budget``).
+    parameters already in CPU memory (see ``device_budget``). ``target``: the device model of
+    a plan for another machine (a meta-device plan): its device and budget
+    (``target_budget``) instead of this one's.
 
     Example::
 
@@ -123,10 +154,12 @@ def choose_remat(local: torch.fx.GraphModule, remat: Remat, state: list[TensorSp
         gm, r, why = choose_remat(local, Remat("fit", budget=2**30), state, ins)
         print(why)      # fit -> none (fits): planned peak per rank none 2.03 MiB; ...
     """
-    device = next((s.device for s in state + inputs if s.device != "cpu"), "cpu")
+    device = target.device if target is not None else \
+        next((s.device for s in state + inputs if s.device != "cpu"), "cpu")
     modes = ladder(device, compiled)
     given = given_budget(remat)
-    budget, source = given if given is not None else device_budget(device, resident)
+    budget, source = given if given is not None else target_budget(target) \
+        if target is not None else device_budget(device, resident)
     optimizer = remat.optimizer or optimizer
     tried: list[tuple[str, int | None, torch.fx.GraphModule]] = []
 

@@ -23,7 +23,7 @@ prints the choice and the figures behind it.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 KINDS = ("auto", "ulysses", "ring", "hybrid")
 LAYOUTS = ("contiguous", "zigzag")
@@ -44,7 +44,19 @@ class Links:
     8,192 tokens; one thread); a mask-free ring step 1.5x, read off the tiny Llama's whole
     step at SP 4 and 4,096 tokens (``attention="ring"`` 1.30x the Ulysses step,
     ``bench/RESULTS.md``), attention about two thirds of it. CUDA: 4.0 for both, assumed (the
-    block loop's launches against flash attention's one kernel; not measured)."""
+    block loop's launches against flash attention's one kernel; not measured).
+
+    ``device`` is the kind of machine (``"cuda"`` or ``"cpu"``: the remat modes ``"fit"``
+    tries, how its budget is found) and ``memory`` one rank's device memory in bytes, which a
+    plan for a machine that is not this one (on the meta device) budgets ``remat="fit"``
+    against (None: 80 GiB for CUDA, an H100's; this host's free memory for CPU). A run
+    measures its own device instead (``spdsl.memory.fit``).
+
+    Example::
+
+        spdsl.sp_shard(seq=8, attention=spdsl.AttentionConfig(
+            links=spdsl.Links.default("cuda").with_(memory=141 * 2**30)))   # H200 nodes
+    """
 
     intra_bytes_per_s: float
     inter_bytes_per_s: float
@@ -53,13 +65,37 @@ class Links:
     node_ranks: int
     ring_slowdown: float = 2.0
     ring_slowdown_fused: float = 1.5
+    device: str = "cpu"
+    memory: int | None = None
 
     @classmethod
     def default(cls, device: str = "cpu") -> Links:
+        """The figures for ``device`` (``"cuda"``; anything else: ``"cpu"``)."""
         node = int(os.environ.get("LOCAL_WORLD_SIZE", "0")) or 8
         if device == "cuda":
-            return cls(150e9, 25e9, 300e12, 10e-6, node, 4.0, 4.0)
-        return cls(2e9, 2e9, 20e9, 50e-6, node, 2.0, 1.5)
+            return cls(150e9, 25e9, 300e12, 10e-6, node, 4.0, 4.0, "cuda")
+        return cls(2e9, 2e9, 20e9, 50e-6, node, 2.0, 1.5, "cpu")
+
+    def with_(self, **changes) -> Links:
+        """A copy with some fields changed."""
+        return replace(self, **changes)
+
+
+def device_model(device: str, links: Links | None = None) -> Links:
+    """The machine a step is priced and budgeted for, one answer for the attention choice,
+    ``plan.timing()`` and a plan's ``remat="fit"`` budget: ``links`` where the user gave them
+    (``AttentionConfig(links=...)``; ``python -m spdsl plan --device``), else
+    ``Links.default`` of the inputs' device (``device``: a ``torch.device`` type). A plan on the
+    meta device is one for accelerators (a model too large for this machine): CUDA's figures,
+    the same a CUDA run uses by default.
+
+    Example::
+
+        device_model("meta") == Links.default("cuda")      # True
+    """
+    if links is not None:
+        return links
+    return Links.default("cuda" if device == "meta" else device)
 
 
 @dataclass(frozen=True)
@@ -171,7 +207,7 @@ def choose(config: AttentionConfig, b: int, hq: int, hk: int, s: int, d: int, it
            parts: int, causal: bool, unrepeated: bool = False,
            links: Links | None = None, device: str = "cpu", masked: bool = True) -> Choice | str:
     """The choice for one node, or a string saying why none works (the caller's error)."""
-    links = config.links or links or Links.default(device)
+    links = device_model(device, config.links or links)
     degrees = [u for u in range(1, parts + 1) if parts % u == 0 and
                heads_fit(hq, hk, u, unrepeated)]
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import runpy
 import sys
 from pathlib import Path
@@ -51,6 +52,21 @@ def test_table_json_html_and_explain(tmp_path, capsys, monkeypatch):
     assert "layers.0-1" in out_html.read_text()
 
 
+def test_the_device_names_the_machine_the_plan_is_for(capsys):
+    # a GPU node by default (the model is on meta); --device cpu: gloo ranks' figures, the
+    # same in the attention choice's costs and the timing
+    figures = {}
+    for extra in ([], ["--device", "cpu"]):
+        assert main(["plan", "spdsl.models.llama:LlamaConfig.tiny", "--seq", "256", "--sp", "4",
+                     "--json", *extra]) == 0
+        d = json.loads(capsys.readouterr().out)
+        figures[tuple(extra)] = d["timing"]["links"], d["attention"][0]["why"]
+    (gpu, gpu_why), (cpu, cpu_why) = figures[()], figures[("--device", "cpu")]
+    assert gpu["device"] == "cuda" and gpu["flops_per_s"] == 300e12
+    assert cpu["device"] == "cpu" and cpu["flops_per_s"] == 20e9
+    assert gpu_why != cpu_why
+
+
 def test_sharding_errors_exit_with_status_2(capsys):
     rc = main(["plan", "spdsl.models.llama:LlamaConfig.tiny", "--seq", "64", "--sp", "8",
                "--attention", "ulysses"])
@@ -61,6 +77,10 @@ def test_sharding_errors_exit_with_status_2(capsys):
 def test_module_entry_point_prints_json(capsys, monkeypatch):
     monkeypatch.setattr(sys, "argv", ["spdsl", "plan", "spdsl.models.toys:GPT2Like", "--seq", "32",
                                       "--sp", "2", "--json"])
+
+    def exit_(status):                # the entry point ends the process without teardown
+        raise SystemExit(status)
+    monkeypatch.setattr(os, "_exit", exit_)
     with pytest.raises(SystemExit) as e:
         runpy.run_module("spdsl", run_name="__main__")
     assert e.value.code == 0

@@ -43,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
             src = fh.read()
         bad = 0
         run = config_of(src, 0) if "RUN = " in src else None   # its RUN line fixes the ranks
-        for w in [run.dp * run.sp] if run else a.world:
+        for w in [run.dp * run.sp] if run and run.sp else a.world:
             status, msg = spawn(check_sources, w, {"repro": src})[0]["repro"]
             print(f"{run or f'SP {w}'}: {status}{chr(10) + msg if msg else ''}")
             bad += status == "fail"

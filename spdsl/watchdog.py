@@ -22,9 +22,9 @@ exception reaches it. A rank whose peer ended first (gloo: "Connection closed by
 
 Under ``debug=True`` (``set_check_order(True)``) each collective is first compared across its
 group (an all-gather of three integers: number, kind, bytes), and a difference raises a
-``ShardingError`` on every rank before the mismatched collective is issued, naming the op. An all-to-all with
-uneven splits (a window's halo, a ragged batch) moves different bytes on different ranks by
-design: its bytes are not compared, its number and kind are.
+``ShardingError`` on every rank before the mismatched collective is issued, naming the op.
+An all-to-all with uneven splits (a window's halo, a ragged batch) moves different bytes on
+different ranks by design: its bytes are not compared, its number and kind are.
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ import sys
 import threading
 import time
 import traceback
+from typing import Any
 
 import torch
 
@@ -63,8 +64,9 @@ def set_check_order(on: bool) -> None:
 class _Waiting:
     def __init__(self) -> None:
         self.count = 0
-        self.now: tuple | None = None        # (number, kind, bytes, group, direction, since)
+        self.now: tuple | None = None        # (number, kind, bytes, group, direction, op, since)
         self.thread: threading.Thread | None = None
+        self.op: tuple | None = None         # the op of the collective issued last (_op_here)
         self.main = threading.main_thread().ident
 
 
@@ -80,6 +82,7 @@ def issued(kind: str, nbytes: int, group: str, even: bool = True) -> int:
     if torch.compiler.is_compiling() or _faking():
         return 0
     _STATE.count += 1
+    _STATE.op = _op_here(sys._getframe(1))
     if _check[0]:
         _compare(_STATE.count, kind, nbytes if even else -1, group)
     return _STATE.count
@@ -97,11 +100,11 @@ def wait(t: torch.Tensor, number: int, kind: str, nbytes: int, group: str):
         return fc.wait_tensor(t)
     _ensure_thread()
     direction = "backward" if backward_task_id() >= 0 else "forward"
-    _STATE.now = now = (number, kind, nbytes, group, direction, time.monotonic())
+    _STATE.now = now = (number, kind, nbytes, group, direction, _STATE.op, time.monotonic())
     try:
         return fc.wait_tensor(t)
     except RuntimeError as e:       # the backend gave up (a peer gone: its watchdog, a crash)
-        op = site()
+        op = describe(now[-2])
         raise CollectiveError(f"spdsl: rank {_rank()}: {_what(now)}"
                               f"{f' for {op}' if op else ''} failed after "
                               f"{time.monotonic() - now[-1]:.0f} s: "
@@ -115,7 +118,7 @@ class CollectiveError(RuntimeError):
 
 
 def _what(now: tuple) -> str:
-    number, kind, nbytes, group, direction, _ = now
+    number, kind, nbytes, group, direction, _, _ = now
     return f"collective #{number} ({kind}, {_size(nbytes)}, group {group}, {direction})"
 
 
@@ -155,7 +158,7 @@ def _report(now: tuple) -> None:
     frames = [f for f in traceback.extract_stack(frame) if os.sep + "torch" + os.sep
               not in f.filename] if frame is not None else []
     stack = "".join(traceback.format_list(frames[-6:]))
-    op = site(frame) if frame is not None else ""
+    op = describe(now[-2])
     sys.stderr.write(
         f"spdsl: rank {_rank()} waited {time.monotonic() - since:.0f} s in {_what(now)}"
         f"{f' for {op}' if op else ''} without it completing: the ranks issued different "
@@ -181,64 +184,78 @@ def _compare(number: int, kind: str, nbytes: int, group: str) -> None:
     raise ShardingError(
         rule="collective order",
         detail=f"the ranks are about to issue different collectives ({issued_by})"
-        + (f", this rank's for {op}" if (op := site()) else ""),
+        + (f", this rank's for {op}" if (op := describe(_STATE.op)) else ""),
         fix="every rank must run the same program: the same inputs' shapes (a batch that "
             "differs per rank), the same Python branches on values; the plan's collective "
             "list is the order every rank must follow")
 
 
 # -- the op a collective belongs to ------------------------------------------------------------
-SITE = "spdsl_site"     # on the autograd node of a collective's forward: its op, for backward
+# Found on the issuing thread when a collective is issued (the watchdog's thread reads no other
+# thread's frames), kept as (a weak reference to the graph module, a line of its code) and
+# described only when a report needs it. In forward, the lowered graph's frame is on the stack
+# (the node it runs has the program's line as its ``stack_trace``); in backward, the
+# collective's autograd node carries what its forward found (``tag``).
+SITE = "spdsl_site"
+_GRAPHS: dict[str, Any] = {}         # a graph module's code file name -> a weak reference to it
 
 
-def site(frame=None) -> str:
-    """The program's op a collective issued under ``frame`` (default: the caller's) belongs
-    to, ``"v3 = x.sum(1) (model.py:12)"``, or "" where none is found. In forward, the lowered
-    graph's frame holds the node being run (its ``stack_trace`` is the program's line); in
-    backward, the collective's autograd node carries what its forward found (``tag``)."""
-    f = frame if frame is not None else sys._getframe(1)
-    for _ in range(24):
+def _op_here(frame) -> tuple | None:
+    """The op of a collective issued now, from ``frame`` (its issuer's) outwards."""
+    import weakref
+
+    from spdsl._torch import backward_task_id
+    if backward_task_id() >= 0:                            # backward
+        node = torch._C._current_autograd_node()
+        meta = getattr(node, "metadata", None) if node is not None else None
+        return meta.get(SITE) if isinstance(meta, dict) else None
+    f = frame
+    for _ in range(32):
         if f is None:
-            return ""
+            return None
         name = f.f_code.co_filename
         if name.startswith("<eval_with_key>"):
-            node = _graph_node(f.f_locals.get("self"), f.f_lineno - f.f_code.co_firstlineno)
-            if node is not None:
-                return _describe(node)
-        elif f.f_code.co_name == "backward":
-            meta = getattr(f.f_locals.get("ctx"), "metadata", None)
-            if isinstance(meta, dict) and meta.get(SITE):
-                return meta[SITE]
+            ref = _GRAPHS.get(name)
+            if ref is None or ref() is None:    # once per graph module: its frame's self
+                gm = f.f_locals.get("self")
+                if not isinstance(gm, torch.fx.GraphModule):
+                    return None
+                ref = _GRAPHS[name] = weakref.ref(gm)
+            return ref, f.f_lineno - f.f_code.co_firstlineno
         f = f.f_back
-    return ""
-
-
-def tag(t: torch.Tensor, frame=None) -> None:
-    """Record on ``t``'s autograd node the op its collective was issued for (forward), which
-    ``site`` reports when the backward collective waits."""
-    fn = t.grad_fn
-    if fn is not None and not torch.compiler.is_compiling():
-        op = site(frame if frame is not None else sys._getframe(1))
-        if op:
-            fn.metadata[SITE] = op
-
-
-def _graph_node(gm, line: int):
-    lines = getattr(gm, "_lineno_map", None)
-    if not isinstance(gm, torch.fx.GraphModule) or not lines:
-        return None
-    idx = lines.get(line)
-    if idx is None:
-        return None
-    for i, node in enumerate(gm.graph.nodes):
-        if i == idx:
-            return node
     return None
 
 
-def _describe(node) -> str:
+def tag(t: torch.Tensor) -> None:
+    """Record on ``t``'s autograd node (a collective's, in forward) the op it is issued for:
+    its backward's collective is reported with it."""
+    fn = t.grad_fn
+    if fn is not None and not torch.compiler.is_compiling():
+        op = _op_here(sys._getframe(1))
+        if op is not None:
+            fn.metadata[SITE] = op
+
+
+def describe(op: tuple | None) -> str:
+    """``v3 = x.sum(1) (model.py:12)``: the program's line of an op ``_op_here`` found."""
+    if op is None:
+        return ""
+    ref, line = op
+    gm = ref()
+    lines = getattr(gm, "_lineno_map", None) or {}
+    idx = lines.get(line)
+    if idx is None:
+        return ""
+    for i, node in enumerate(gm.graph.nodes):
+        if i == idx:
+            return _describe(node)
+    return ""
+
+
+def _describe(node, depth: int = 0) -> str:
     """``code (file:line)`` of the innermost frame of the program in ``node``'s stack trace
-    (source registered with ``linecache``, ``<...>``, counts: a program built from a string)."""
+    (source registered with ``linecache``, ``<...>``, counts: a program built from a string);
+    for a call a pass placed (a parameter's gather), the op that reads it."""
     import linecache
 
     from spdsl.propagate.source import _FRAME, _SKIP_DIRS
@@ -248,6 +265,10 @@ def _describe(node) -> str:
         if not generated and not os.path.realpath(path).startswith(_SKIP_DIRS):
             best = path, int(line)
     if best is None:
+        for user in list(node.users)[:4] if depth < 3 else ():
+            found = _describe(user, depth + 1)
+            if "(" in found:
+                return found
         return node.meta.get("spdsl_origin") or node.name
     path, line = best
     code = linecache.getline(path, line).strip()

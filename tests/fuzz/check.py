@@ -5,10 +5,10 @@ Each program runs under its own configuration (``tests.fuzz.config``: an ``sp`` 
 mesh, ``shard_state``, the remat mode, ``compile``), drawn from its seed.
 
 Verdicts: ``ok`` (exact), ``sharding_error`` (spdsl refused the program with a
-``ShardingError``: allowed, counted), ``fail`` (a wrong output or gradient, ranks that diverged,
-or any other exception). Every rank checks; the ranks then agree on one verdict over a process group of
-their own, so that they all shrink a failure the same way. ``fuzz_many`` runs many programs
-in one launch (``tests.dist.spawn``).
+``ShardingError``: allowed, counted), ``fail`` (a wrong output or gradient, ranks that
+diverged, or any other exception). Every rank checks; the ranks then agree on one verdict over a
+process group of their own, so that they all shrink a failure the same way. ``fuzz_many`` runs
+many programs in one launch (``tests.dist.spawn``).
 
 Tolerances: each output within 1e-5 and each gradient within 1e-4 of its own largest expected
 magnitude (a small gradient beside a big one is held to its own scale), plus ten times the
@@ -45,12 +45,13 @@ GRAD_RTOL = 1e-4
 GRAD_ABS = 1e-4
 NOISE = 10.0
 GLOO_TIMEOUT = timedelta(seconds=30)   # a rank stuck in a collective fails, not hangs
-WATCHDOG = float(os.environ.get("SPDSL_FUZZ_WATCHDOG", "10"))   # below GLOO_TIMEOUT: it speaks first
+# the collective watchdog's bound, below GLOO_TIMEOUT: the watchdog speaks first
+WATCHDOG = float(os.environ.get("SPDSL_FUZZ_WATCHDOG", "10"))
 DEBUG = os.environ.get("SPDSL_FUZZ_DEBUG", "1") != "0"        # the collective order check
 # ShardingError rules that say the ranks diverged: a failure of spdsl, never a refusal
 DIVERGED = ("collective order", "one program on every rank")
-# tests: this rank stops (sleeps past the bound) before running each program, as a rank that
-# hung would: the others' watchdog must end the launch with its report
+# tests: this rank stops (sleeps past the bound) at the first collective of each program it
+# runs, as a rank that hung would: the others' watchdog must end the launch with its report
 STALL = int(os.environ["SPDSL_FUZZ_STALL"]) if os.environ.get("SPDSL_FUZZ_STALL") else None
 
 
@@ -297,7 +298,7 @@ def check_local(source: str, mesh, cfg: RunConfig, world: int, group=None,
     if v.status != "ok":
         return v
     if rank == STALL:
-        time.sleep(3 * WATCHDOG)
+        _stall_before_a_collective()
     got, v = attempt(lambda: run_sharded(prepared, source, mesh))
     if v.status != "ok":
         return v
@@ -306,6 +307,17 @@ def check_local(source: str, mesh, cfg: RunConfig, world: int, group=None,
         return Verdict("fail", f"wrong result at {cfg}:\n  " + "\n  ".join(bad),
                        "mismatch")
     return Verdict("ok")
+
+
+def _stall_before_a_collective() -> None:
+    from spdsl import watchdog
+    issued = watchdog.issued
+
+    def late(*args, **kwargs):
+        watchdog.issued = issued
+        time.sleep(3 * WATCHDOG)
+        return issued(*args, **kwargs)
+    watchdog.issued = late
 
 
 def _tail(tb: str, lines: int = 14) -> str:

@@ -138,6 +138,7 @@ def _ordered(fn, *args):
     *outs, token = fn.apply(_Order.token if chained else None, *args)
     if chained:
         _Order.token = token
+        watchdog.tag(token)             # its backward's collective names this op too
     return outs[0] if len(outs) == 1 else tuple(outs)
 
 

@@ -7,11 +7,14 @@ while saying nothing. Each rank numbers the collectives it issues; a daemon thre
 wait in progress once a second, and when one has lasted ``timeout()`` seconds
 (``SPDSL_COLLECTIVE_TIMEOUT``, default 600; ``set_timeout``) it writes one paragraph to stderr
 and exits the process with status ``HANG_EXIT``: the collective's number on this rank, its
-kind, bytes, group and direction, and the rank's Python stack. Each rank of a hung job writes
+kind, bytes, group and direction, the op of the program it belongs to (``site``) and the
+rank's Python stack. Each rank of a hung job writes
 its own, so the first number at which their kinds differ names the divergence::
 
-    spdsl: rank 1 waited 600 s in collective #57 (all_reduce, 4 B, group 2, backward) ...
-    spdsl: rank 0 waited 600 s in collective #57 (all_gather, 8.0 KiB, group 2, backward) ...
+    spdsl: rank 1 waited 600 s in collective #57 (all_reduce, 4 B, group 2, backward) for
+      h = x.sum(1) (model.py:41) ...
+    spdsl: rank 0 waited 600 s in collective #57 (all_gather, 8.0 KiB, group 2, backward) for
+      y = attn(q, k, v) (model.py:57) ...
 
 The process cannot raise instead: the wait blocks inside the backend, where no Python
 exception reaches it. A rank whose peer ended first (gloo: "Connection closed by peer") raises
@@ -19,9 +22,9 @@ exception reaches it. A rank whose peer ended first (gloo: "Connection closed by
 
 Under ``debug=True`` (``set_check_order(True)``) each collective is first compared across its
 group (an all-gather of three integers: number, kind, bytes), and a difference raises a
-``ShardingError`` on every rank before the mismatched collective is issued. An all-to-all with
-uneven splits (a window's halo, a ragged batch) moves different bytes on different ranks by
-design: its bytes are not compared, its number and kind are.
+``ShardingError`` on every rank before the mismatched collective is issued, naming the op.
+An all-to-all with uneven splits (a window's halo, a ragged batch) moves different bytes on
+different ranks by design: its bytes are not compared, its number and kind are.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ import sys
 import threading
 import time
 import traceback
+from typing import Any
 
 import torch
 
@@ -60,8 +64,9 @@ def set_check_order(on: bool) -> None:
 class _Waiting:
     def __init__(self) -> None:
         self.count = 0
-        self.now: tuple | None = None        # (number, kind, bytes, group, direction, since)
+        self.now: tuple | None = None        # (number, kind, bytes, group, direction, op, since)
         self.thread: threading.Thread | None = None
+        self.op: tuple | None = None         # the op of the collective issued last (_op_here)
         self.main = threading.main_thread().ident
 
 
@@ -72,13 +77,19 @@ def issued(kind: str, nbytes: int, group: str, even: bool = True) -> int:
     """Number the collective about to be issued; under the order check, compare it across
     the group first (its bytes too when ``even``: every rank moves the same amount). Under
     ``torch.compile`` nothing (a compiled graph mutates no Python state; its waits are the
-    graph's)."""
-    if torch.compiler.is_compiling():
+    graph's), nor on fake tensors (the memory planner's run of a program: no data moves, and
+    the comparison's values would be fake too)."""
+    if torch.compiler.is_compiling() or _faking():
         return 0
     _STATE.count += 1
+    _STATE.op = _op_here(sys._getframe(1))
     if _check[0]:
         _compare(_STATE.count, kind, nbytes if even else -1, group)
     return _STATE.count
+
+
+def _faking() -> bool:
+    return torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE) is not None
 
 
 def wait(t: torch.Tensor, number: int, kind: str, nbytes: int, group: str):
@@ -89,11 +100,13 @@ def wait(t: torch.Tensor, number: int, kind: str, nbytes: int, group: str):
         return fc.wait_tensor(t)
     _ensure_thread()
     direction = "backward" if backward_task_id() >= 0 else "forward"
-    _STATE.now = now = (number, kind, nbytes, group, direction, time.monotonic())
+    _STATE.now = now = (number, kind, nbytes, group, direction, _STATE.op, time.monotonic())
     try:
         return fc.wait_tensor(t)
     except RuntimeError as e:       # the backend gave up (a peer gone: its watchdog, a crash)
-        raise CollectiveError(f"spdsl: rank {_rank()}: {_what(now)} failed after "
+        op = describe(now[-2])
+        raise CollectiveError(f"spdsl: rank {_rank()}: {_what(now)}"
+                              f"{f' for {op}' if op else ''} failed after "
                               f"{time.monotonic() - now[-1]:.0f} s: "
                               f"{str(e).strip().splitlines()[0]}") from e
     finally:
@@ -105,7 +118,7 @@ class CollectiveError(RuntimeError):
 
 
 def _what(now: tuple) -> str:
-    number, kind, nbytes, group, direction, _ = now
+    number, kind, nbytes, group, direction, _, _ = now
     return f"collective #{number} ({kind}, {_size(nbytes)}, group {group}, {direction})"
 
 
@@ -145,9 +158,11 @@ def _report(now: tuple) -> None:
     frames = [f for f in traceback.extract_stack(frame) if os.sep + "torch" + os.sep
               not in f.filename] if frame is not None else []
     stack = "".join(traceback.format_list(frames[-6:]))
+    op = describe(now[-2])
     sys.stderr.write(
-        f"spdsl: rank {_rank()} waited {time.monotonic() - since:.0f} s in {_what(now)} "
-        f"without it completing: the ranks issued different collectives, or a rank stopped. Compare "
+        f"spdsl: rank {_rank()} waited {time.monotonic() - since:.0f} s in {_what(now)}"
+        f"{f' for {op}' if op else ''} without it completing: the ranks issued different "
+        f"collectives, or a rank stopped. Compare "
         f"the ranks' lines: the first number whose kinds differ is where they diverged "
         f"(debug=True raises there). Bound: SPDSL_COLLECTIVE_TIMEOUT={_bound[0]:g} s.\n"
         f"{stack}")
@@ -156,10 +171,11 @@ def _report(now: tuple) -> None:
 
 def _compare(number: int, kind: str, nbytes: int, group: str) -> None:
     from spdsl._torch import all_gather_single
-    from spdsl._torch import functional_collectives as fc
     from spdsl.errors import ShardingError
     mine = torch.tensor([number, KINDS.index(kind), nbytes], dtype=torch.int64)
-    every = fc.wait_tensor(all_gather_single(mine, 0, group)).view(-1, 3)
+    # watched too: a rank that issues nothing more (it skipped a collective) never joins it
+    every = wait(all_gather_single(mine, 0, group), number, f"{kind}'s order check",
+                 mine.numel() * mine.element_size(), group).view(-1, 3)
     if bool((every == mine).all()):
         return
     issued_by = "; ".join(f"rank {r} of the group: #{int(n)} {KINDS[int(k)]}"
@@ -167,7 +183,94 @@ def _compare(number: int, kind: str, nbytes: int, group: str) -> None:
                           for r, (n, k, b) in enumerate(every.tolist()))
     raise ShardingError(
         rule="collective order",
-        detail=f"the ranks are about to issue different collectives ({issued_by})",
+        detail=f"the ranks are about to issue different collectives ({issued_by})"
+        + (f", this rank's for {op}" if (op := describe(_STATE.op)) else ""),
         fix="every rank must run the same program: the same inputs' shapes (a batch that "
             "differs per rank), the same Python branches on values; the plan's collective "
             "list is the order every rank must follow")
+
+
+# -- the op a collective belongs to ------------------------------------------------------------
+# Found on the issuing thread when a collective is issued (the watchdog's thread reads no other
+# thread's frames), kept as (a weak reference to the graph module, a line of its code) and
+# described only when a report needs it. In forward, the lowered graph's frame is on the stack
+# (the node it runs has the program's line as its ``stack_trace``); in backward, the
+# collective's autograd node carries what its forward found (``tag``).
+SITE = "spdsl_site"
+_GRAPHS: dict[str, Any] = {}         # a graph module's code file name -> a weak reference to it
+
+
+def _op_here(frame) -> tuple | None:
+    """The op of a collective issued now, from ``frame`` (its issuer's) outwards."""
+    import weakref
+
+    from spdsl._torch import backward_task_id
+    if backward_task_id() >= 0:                            # backward
+        node = torch._C._current_autograd_node()
+        meta = getattr(node, "metadata", None) if node is not None else None
+        return meta.get(SITE) if isinstance(meta, dict) else None
+    f = frame
+    for _ in range(32):
+        if f is None:
+            return None
+        name = f.f_code.co_filename
+        if name.startswith("<eval_with_key>"):
+            ref = _GRAPHS.get(name)
+            if ref is None or ref() is None:    # once per graph module: its frame's self
+                gm = f.f_locals.get("self")
+                if not isinstance(gm, torch.fx.GraphModule):
+                    return None
+                ref = _GRAPHS[name] = weakref.ref(gm)
+            return ref, f.f_lineno - f.f_code.co_firstlineno
+        f = f.f_back
+    return None
+
+
+def tag(t: torch.Tensor) -> None:
+    """Record on ``t``'s autograd node (a collective's, in forward) the op it is issued for:
+    its backward's collective is reported with it."""
+    fn = t.grad_fn
+    if fn is not None and not torch.compiler.is_compiling():
+        op = _op_here(sys._getframe(1))
+        if op is not None:
+            fn.metadata[SITE] = op
+
+
+def describe(op: tuple | None) -> str:
+    """``v3 = x.sum(1) (model.py:12)``: the program's line of an op ``_op_here`` found."""
+    if op is None:
+        return ""
+    ref, line = op
+    gm = ref()
+    lines = getattr(gm, "_lineno_map", None) or {}
+    idx = lines.get(line)
+    if idx is None:
+        return ""
+    for i, node in enumerate(gm.graph.nodes):
+        if i == idx:
+            return _describe(node)
+    return ""
+
+
+def _describe(node, depth: int = 0) -> str:
+    """``code (file:line)`` of the innermost frame of the program in ``node``'s stack trace
+    (source registered with ``linecache``, ``<...>``, counts: a program built from a string);
+    for a call a pass placed (a parameter's gather), the op that reads it."""
+    import linecache
+
+    from spdsl.propagate.source import _FRAME, _SKIP_DIRS
+    best = None
+    for path, line, _fn in _FRAME.findall(node.meta.get("stack_trace") or ""):
+        generated = path.startswith(("<eval_with_key>", "<frozen"))
+        if not generated and not os.path.realpath(path).startswith(_SKIP_DIRS):
+            best = path, int(line)
+    if best is None:
+        for user in list(node.users)[:4] if depth < 3 else ():
+            found = _describe(user, depth + 1)
+            if "(" in found:
+                return found
+        return node.meta.get("spdsl_origin") or node.name
+    path, line = best
+    code = linecache.getline(path, line).strip()
+    where = f"{os.path.basename(path)}:{line}"
+    return f"{code} ({where})" if code else where

@@ -211,8 +211,11 @@ def with_halo(x: torch.Tensor, dim: int, before: int, after: int, ranks: Ranks) 
 
 
 def _compose(trans: torch.Tensor, states: torch.Tensor, rank: int, apply) -> torch.Tensor:
-    """The state entering piece ``rank``: ``S = apply(trans[j], S) + states[j]`` over j < rank."""
-    total = torch.zeros_like(states[0])
+    """The state entering piece ``rank``: ``S = apply(trans[j], S) + states[j]`` over j < rank.
+    The first rank reads no state, yet its result depends on ``states`` (an empty slice, a zero
+    gradient): its backward then runs the exchange's reduce-scatter as every other rank's
+    does, also where no later collective's order token leads back to it."""
+    total = torch.zeros_like(states[0]) + states[:0].sum(0)
     for j in range(rank):
         total = apply(trans[j], total) + states[j]
     return total

@@ -5,14 +5,18 @@
     python -m tests.fuzz --repro program.py --world 2 4      # check one printed program
                                             # (its RUN line, if any, sets mesh and options)
     python -m tests.fuzz --show 123 --world 4               # program 123 as run on 4 ranks
+    python -m tests.fuzz --watchdog 5 --no-debug            # a 5 s bound, no order check
 
 A run prints each failure's shrunk program (paste it into a file for ``--repro``) and a
-summary: verdicts per degree and the ShardingError rules that refused programs.
+summary: verdicts per degree and the ShardingError rules that refused programs. Every program
+runs under spdsl's collective watchdog (``--watchdog``, seconds, default 10) and its order
+check (``debug=True``; ``--no-debug``): ranks that would diverge fail, naming the op.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 
@@ -30,7 +34,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-failures", type=int, default=10)
     ap.add_argument("--repro", help="a printed program's source file to check")
     ap.add_argument("--show", type=int, help="print the program of this seed and exit")
+    ap.add_argument("--watchdog", type=float, help="the collective watchdog's bound, seconds "
+                    "(SPDSL_FUZZ_WATCHDOG, default 10)")
+    ap.add_argument("--no-debug", action="store_true", help="without the order check")
     a = ap.parse_args(argv)
+    # read by tests.fuzz.check in each rank (spawned: it inherits the environment)
+    if a.watchdog is not None:
+        os.environ["SPDSL_FUZZ_WATCHDOG"] = str(a.watchdog)
+    if a.no_debug:
+        os.environ["SPDSL_FUZZ_DEBUG"] = "0"
     if a.show is not None:
         from tests.fuzz.generate import generate
         from tests.fuzz.programs import render
@@ -43,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
             src = fh.read()
         bad = 0
         run = config_of(src, 0) if "RUN = " in src else None   # its RUN line fixes the ranks
-        for w in [run.dp * run.sp] if run else a.world:
+        for w in [run.dp * run.sp] if run and run.sp else a.world:
             status, msg = spawn(check_sources, w, {"repro": src})[0]["repro"]
             print(f"{run or f'SP {w}'}: {status}{chr(10) + msg if msg else ''}")
             bad += status == "fail"

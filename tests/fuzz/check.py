@@ -5,10 +5,10 @@ Each program runs under its own configuration (``tests.fuzz.config``: an ``sp`` 
 mesh, ``shard_state``, the remat mode, ``compile``), drawn from its seed.
 
 Verdicts: ``ok`` (exact), ``sharding_error`` (spdsl refused the program with a
-``ShardingError``: allowed, counted), ``fail`` (a wrong output or gradient, or any other
-exception). Every rank checks; the ranks then agree on one verdict over a process group of
-their own, so that they all shrink a failure the same way. ``fuzz_many`` runs many programs
-in one launch (``tests.dist.spawn``).
+``ShardingError``: allowed, counted), ``fail`` (a wrong output or gradient, ranks that
+diverged, or any other exception). Every rank checks; the ranks then agree on one verdict over a
+process group of their own, so that they all shrink a failure the same way. ``fuzz_many`` runs
+many programs in one launch (``tests.dist.spawn``).
 
 Tolerances: each output within 1e-5 and each gradient within 1e-4 of its own largest expected
 magnitude (a small gradient beside a big one is held to its own scale), plus ten times the
@@ -21,6 +21,7 @@ from __future__ import annotations
 import ast
 import json
 import os
+import sys
 import tempfile
 import time
 import traceback
@@ -44,6 +45,14 @@ GRAD_RTOL = 1e-4
 GRAD_ABS = 1e-4
 NOISE = 10.0
 GLOO_TIMEOUT = timedelta(seconds=30)   # a rank stuck in a collective fails, not hangs
+# the collective watchdog's bound, below GLOO_TIMEOUT: the watchdog speaks first
+WATCHDOG = float(os.environ.get("SPDSL_FUZZ_WATCHDOG", "10"))
+DEBUG = os.environ.get("SPDSL_FUZZ_DEBUG", "1") != "0"        # the collective order check
+# ShardingError rules that say the ranks diverged: a failure of spdsl, never a refusal
+DIVERGED = ("collective order", "one program on every rank")
+# tests: this rank stops (sleeps past the bound) at the first collective of each program it
+# runs, as a rank that hung would: the others' watchdog must end the launch with its report
+STALL = int(os.environ["SPDSL_FUZZ_STALL"]) if os.environ.get("SPDSL_FUZZ_STALL") else None
 
 
 @dataclass
@@ -159,7 +168,8 @@ def prepare(source: str, mesh, cfg: RunConfig):
             return f(*[getattr(module, n) if n in weights else next(it) for n in names])
     data = [(n, a, sp) for n, a, sp in zip(names, args, specs) if n not in weights]
     step = spdsl.shard(fn, mesh=mesh, in_specs=tuple(sp for _, _, sp in data),
-                       remat=cfg.remat, shard_state=bool(weights), compile=cfg.compile)
+                       remat=cfg.remat, shard_state=bool(weights), compile=cfg.compile,
+                       debug=DEBUG)
     step.prepare(*[a for _, a, _ in data])
     return step, data, module
 
@@ -276,6 +286,9 @@ def check_local(source: str, mesh, cfg: RunConfig, world: int, group=None,
         try:
             return fn(), Verdict("ok")
         except ShardingError as e:
+            if e.rule in DIVERGED:
+                return None, Verdict("fail", f"the ranks diverged at {cfg}: {e}",
+                                     f"diverged[{e.rule}]")
             return None, Verdict("sharding_error", str(e), f"ShardingError[{e.rule}]")
         except Exception as e:  # noqa: BLE001 - any other exception is a failure
             return None, Verdict("fail", f"{type(e).__name__} at {cfg}:\n"
@@ -284,6 +297,8 @@ def check_local(source: str, mesh, cfg: RunConfig, world: int, group=None,
     v = agree(v, group, rank)
     if v.status != "ok":
         return v
+    if rank == STALL:
+        _stall_before_a_collective()
     got, v = attempt(lambda: run_sharded(prepared, source, mesh))
     if v.status != "ok":
         return v
@@ -292,6 +307,17 @@ def check_local(source: str, mesh, cfg: RunConfig, world: int, group=None,
         return Verdict("fail", f"wrong result at {cfg}:\n  " + "\n  ".join(bad),
                        "mismatch")
     return Verdict("ok")
+
+
+def _stall_before_a_collective() -> None:
+    from spdsl import watchdog
+    issued = watchdog.issued
+
+    def late(*args, **kwargs):
+        watchdog.issued = issued
+        time.sleep(3 * WATCHDOG)
+        return issued(*args, **kwargs)
+    watchdog.issued = late
 
 
 def _tail(tb: str, lines: int = 14) -> str:
@@ -322,7 +348,9 @@ class Checker:
 
     def __init__(self, rank: int, world: int) -> None:
         import spdsl
+        from spdsl import watchdog
         self.rank, self.world = rank, world
+        watchdog.set_timeout(WATCHDOG)
         if dist.is_initialized():
             dist.distributed_c10d._set_pg_timeout(GLOO_TIMEOUT)
             self.group = dist.new_group(backend="gloo", timeout=GLOO_TIMEOUT)
@@ -355,6 +383,8 @@ def fuzz_many(rank: int, world: int, seeds: list[int], shrink: bool = True,
     from tests.fuzz.generate import generate
     from tests.fuzz.programs import render
     from tests.fuzz.shrink import shrink as shrink_program
+    if progress:                # the watchdog's report, should this rank end with it
+        sys.stderr = _Tee(sys.stderr, f"{progress}.{rank}.err")
     checker = Checker(rank, world)
     counts: Counter = Counter()
     rules: Counter = Counter()
@@ -403,6 +433,50 @@ def fuzz_many(rank: int, world: int, seeds: list[int], shrink: bool = True,
     return result()
 
 
+class _Tee:
+    """A rank's stderr, also written to a file: a rank the watchdog ends (``os._exit``) leaves
+    no result, only what it wrote there."""
+
+    def __init__(self, stream, path: str) -> None:
+        self.stream, self.file = stream, open(path, "a", buffering=1)  # noqa: SIM115
+
+    def write(self, text: str) -> int:
+        self.file.write(text)
+        return self.stream.write(text)
+
+    def flush(self) -> None:
+        self.file.flush()
+        self.stream.flush()
+
+    def __getattr__(self, name):
+        return getattr(self.stream, name)
+
+
+def watchdog_reports(progress: str, world: int, since: dict[int, int]) -> list[str]:
+    """The watchdog's lines (``spdsl: rank R waited ...``, ``spdsl: rank R: collective ...``)
+    each rank wrote to its stderr file after offset ``since[r]``."""
+    out = []
+    for r in range(world):
+        try:
+            with open(f"{progress}.{r}.err") as fh:
+                fh.seek(since.get(r, 0))
+                text = fh.read()
+        except OSError:
+            continue
+        out += [line.strip() for line in text.splitlines() if line.startswith("spdsl: rank ")]
+    return out
+
+
+def _err_sizes(progress: str, world: int) -> dict[int, int]:
+    sizes = {}
+    for r in range(world):
+        try:
+            sizes[r] = os.path.getsize(f"{progress}.{r}.err")
+        except OSError:
+            sizes[r] = 0
+    return sizes
+
+
 def _broken(message: str) -> bool:
     """A failure inside a collective (a timeout, a closed connection) leaves the process
     group unusable: the launch ends and the next one resumes after this program."""
@@ -435,6 +509,7 @@ def launch(world: int, seeds: list[int], shrink: bool = True, max_failures: int 
     with tempfile.TemporaryDirectory() as d:
         progress = os.path.join(d, "progress")
         while todo and len(total["failures"]) < max_failures:
+            since = _err_sizes(progress, world)
             try:
                 add(spawn(fuzz_many, world, todo, shrink, max_failures - len(total["failures"]),
                           shrink_checks, progress, frozenset(known))[0])
@@ -455,11 +530,15 @@ def launch(world: int, seeds: list[int], shrink: bool = True, max_failures: int 
                 total["counts"]["fail"] += 1
                 cfg = draw(at, world)
                 src = with_config(render(generate(at, rows=cfg.dp > 1)), cfg)
+                # the watchdog's lines name the collective each rank waited in, and its op
+                # (a line of the program as printed)
+                reports = watchdog_reports(progress, world, since)
                 total["failures"].append({
                     "seed": at, "world": world, "source": src, "original": src,
-                    "signature": "crash",
+                    "signature": "watchdog" if reports else "crash",
                     "message": f"the launch died at this program (SP {world}):\n"
-                               f"{_tail(str(e), 8)}"})
+                               + "".join(f"{line}\n" for line in reports)
+                               + _tail(str(e), 8)})
                 todo = todo[todo.index(at) + 1:]
     for k in ("counts", "rules", "configs"):
         total[k] = dict(total[k])

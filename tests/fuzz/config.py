@@ -57,6 +57,8 @@ def without_config(source: str) -> str:
 
 
 def config_of(source: str, world: int) -> RunConfig:
-    """The ``RUN`` line of ``source``; a program without one runs on ``sp`` alone, eagerly."""
+    """The ``RUN`` line of ``source``; a program without one runs on ``sp`` alone, eagerly.
+    A line naming no mesh (``RUN = {'remat': 'full'}``) runs on ``sp`` over ``world``."""
     m = re.search(r"(?m)^RUN = (\{.*\})$", source)
-    return RunConfig(**ast.literal_eval(m.group(1))) if m else RunConfig(sp=world)
+    return RunConfig(**{"sp": world, **ast.literal_eval(m.group(1))}) if m else \
+        RunConfig(sp=world)

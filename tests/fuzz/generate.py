@@ -24,9 +24,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from tests.fuzz.programs import Input, Program, Step, build, render
+from tests.fuzz.programs import Input, Program, Step, build, helpers, render
 
 Atoms = tuple[str, ...]
+_HELPERS = helpers()
 
 
 def atom_expr(a: str) -> str:
@@ -93,7 +94,7 @@ class Generator:
 
     # -- values --------------------------------------------------------------------------
     def env(self, alt: str = "t") -> dict:
-        ns = {"torch": torch, "F": F, "FLOAT": torch.float32, "g": self.gen}
+        ns = {**_HELPERS, "torch": torch, "F": F, "FLOAT": torch.float32, "g": self.gen}
         ns.update(self.sizes)
         ns.update({k: getattr(v, alt) for k, v in self.vals.items()})
         return ns
@@ -130,7 +131,7 @@ class Generator:
     def add_input(self, prefix: str, dims: list[Atoms], kind: str = "f", hi: str = "",
                   split: int | None = None, grad: bool = False) -> Val:
         name = f"{prefix}{sum(1 for i in self.inputs if i.name.startswith(prefix))}"
-        if prefix in ("x", "labels", "mask") and not any(i.name == prefix for i in self.inputs):
+        if prefix in ("x", "labels", "mask", "position_ids", "attention_mask") and not any(i.name == prefix for i in self.inputs):
             name = prefix
         inp = Input(name, tuple(dim_expr(d) for d in dims), kind, hi, split, grad)
         ns = self.env()
@@ -804,10 +805,155 @@ def op_bool_index(g: Generator) -> None:
     g.step("{0}[{1}].sum(0)", (v.name, m.name), v.dims[2:])
 
 
+# -- packed and padded batches, and the hybrids' sequence mixers ------------------------------
+
+def _bsf(v: Val) -> bool:
+    """A ``[B, S, F]`` float32 value: the hidden states of a layer."""
+    return v.float and v.nd == 3 and v.dims[:2] == [("B",), ("S",)] and \
+        v.t.dtype == torch.float32
+
+
+def _size(g: Generator, name: str, choices: list[int]) -> str:
+    """A size first drawn when an op needs it (the sizes every program draws stay as they
+    were)."""
+    if name not in g.sizes:
+        g.sizes[name] = g.rng.choice(choices)
+    return name
+
+
+def _masked_attention(g: Generator, v: Val, mask: Val) -> Val:
+    """q/k/v projections of ``v`` ``[B, S, F]``, SDPA under ``mask``, the heads merged."""
+    feat = v.dims[-1]
+    wq, wk, wv = (g.weight([feat, ("H", "Dh")]) for _ in range(3))
+    qkv = [g.step("({0} @ {1}).view(B, S, H, Dh).transpose(1, 2)", (v.name, w.name),
+                  [("B",), ("H",), ("S",), ("Dh",)]) for w in (wq, wk, wv)]
+    o = g.step("F.scaled_dot_product_attention({0}, {1}, {2}, attn_mask={3})",
+               tuple(x.name for x in qkv) + (mask.name,), [("B",), ("H",), ("S",), ("Dh",)])
+    return g.step("{0}.transpose(1, 2).reshape(B, S, H * Dh)", (o.name,),
+                  [("B",), ("S",), ("H", "Dh")])
+
+
+def op_packed_attention(g: Generator) -> None:
+    """Documents packed in a row: ``position_ids`` restarting at each (position embeddings
+    looked up with them), document ids from the positions (as Hugging Face finds them, or
+    counting the zeros) and attention within each document, causal or not."""
+    v = g.pick(_bsf)
+    pos = g.vals.get("position_ids") or g.add_input("position_ids", [("B",), ("S",)],
+                                                    "packed", split=1)
+    if g.rng.random() < 0.5:
+        table = g.weight([("S",), v.dims[-1]])
+        v = g.step("{0} + F.embedding({1}, {2})", (v.name, pos.name, table.name), v.dims)
+    doc = g.step(g.rng.choice(["(torch.diff({0}, prepend={0}[:, :1] - 1, dim=-1) != 1)"
+                               ".cumsum(-1)", "({0} == 0).cumsum(-1)"]),
+                 (pos.name,), [("B",), ("S",)])
+    same = "({0}[:, None, :, None] == {0}[:, None, None, :])"
+    if g.rng.random() < 0.7:
+        mask = g.step(same + " & torch.ones(S, S, dtype=torch.bool).tril()", (doc.name,),
+                      [("B",), ("1",), ("S",), ("S",)])
+    else:
+        mask = g.step(same, (doc.name,), [("B",), ("1",), ("S",), ("S",)])
+    _masked_attention(g, v, mask)
+
+
+def op_padded_attention(g: Generator) -> None:
+    """A padded batch: an attention mask (left or right padding) that attention reads,
+    causal or not, and that zeroes the padding's outputs."""
+    v = g.pick(_bsf)
+    pad = g.vals.get("attention_mask") or g.add_input(
+        "attention_mask", [("B",), ("S",)], g.rng.choice(["pad_left", "pad_right"]), split=1)
+    if g.rng.random() < 0.7:
+        mask = g.step("{0}[:, None, None, :] & torch.ones(S, S, dtype=torch.bool).tril()",
+                      (pad.name,), [("B",), ("1",), ("S",), ("S",)])
+    else:
+        mask = g.step("{0}[:, None, None, :]", (pad.name,), [("B",), ("1",), ("1",), ("S",)])
+    o = _masked_attention(g, v, mask)
+    if g.rng.random() < 0.5:
+        g.step("{0} * {1}[:, :, None]", (o.name, pad.name), o.dims)
+
+
+def op_mixer(g: Generator) -> None:
+    """A sequence mixer of the hybrids, called through its module as Hugging Face's models
+    call it: the gated delta rule, Mamba-2's SSD scan, the short causal convolution or
+    Mamba-1's selective scan, on projections of ``[B, S, F]``. Heads (``M``) from 1 to 6 (fewer
+    or more than the ranks), chunks of 2-5 tokens (rarely dividing a rank's piece)."""
+    v = g.pick(_bsf)
+    r = g.rng
+    feat = v.dims[-1]
+    kind = r.choice(["gdn", "ssd", "conv", "scan"])
+    chunk = r.choice([2, 3, 4, 5])
+
+    def proj(out: list[Atoms], expr: str = "{0} @ {1}") -> Val:
+        w = g.weight([feat, tuple(a for d in out for a in d)])
+        shape = ", ".join(["B", "S"] + [dim_expr(d) for d in out])
+        return g.step(f"({expr}).view({shape})", (v.name, w.name), [("B",), ("S",)] + out)
+    if kind in ("gdn", "ssd"):
+        m, dh = (_size(g, "M", [1, 2, 3, 4, 6]), "Dh")
+        if kind == "gdn":
+            q, k = proj([(m,), (dh,)]), proj([(m,), (dh,)])
+            val = proj([(m,), ("E",)])
+            gate = proj([(m,)], "-F.softplus({0} @ {1})")
+            beta = proj([(m,)], "torch.sigmoid({0} @ {1})")
+            if r.random() < 0.7:
+                call = (f"qwen35.torch_chunk_gated_delta_rule({{0}}, {{1}}, {{2}}, {{3}}, {{4}}, "
+                        f"chunk_size={chunk}, use_qk_l2norm_in_kernel=True)[0]")
+            else:
+                call = ("qwen35.torch_recurrent_gated_delta_rule({0}, {1}, {2}, {3}, {4}, "
+                        "initial_state=None, output_final_state=False, "
+                        "use_qk_l2norm_in_kernel=True)[0]")
+            o = g.step(call, (q.name, k.name, val.name, gate.name, beta.name),
+                       [("B",), ("S",), (m,), ("E",)])
+            g.step("{0}.reshape(B, S, M * E)", (o.name,), [("B",), ("S",), (m, "E")])
+            return
+        n = _size(g, "N", [2, 3, 4])
+        groups = r.choice(["1", m])
+        x, dt = proj([(m,), (dh,)]), proj([(m,)])
+        bm, cm = proj([(groups,), (n,)]), proj([(groups,), (n,)])
+        a, d, bias = g.weight([(m,)]), g.weight([(m,)]), g.weight([(m,)])
+        o = g.step(f"bamba.mamba2_chunk_scan({{0}}, {{1}}, -torch.exp({{2}}), {{3}}, {{4}}, "
+                   f"chunk_size={chunk}, D={{5}}, dt_bias={{6}}, dt_softplus=True)",
+                   (x.name, dt.name, a.name, bm.name, cm.name, d.name, bias.name),
+                   [("B",), ("S",), (m,), (dh,)])
+        g.step("{0}.reshape(B, S, M * Dh)", (o.name,), [("B",), ("S",), (m, dh)])
+        return
+    # channels first: [B, D, S]
+    ch = ("E",)
+    w = g.weight([feat, ch])
+    x = g.step("({0} @ {1}).transpose(1, 2)", (v.name, w.name), [("B",), ch, ("S",)])
+    if kind == "conv":
+        width = str(r.choice([2, 3, 4]))
+        cw = g.weight([ch, (width,)])
+        args, extra = [x.name, cw.name], ""
+        if r.random() < 0.6:
+            args.append(g.weight([ch]).name)
+            extra = ", {2}"
+        act = r.choice(["'silu'", "None"])
+        o = g.step(f"qwen35.causal_conv1d_fn({{0}}, {{1}}{extra}, activation={act})",
+                   tuple(args), [("B",), ch, ("S",)])
+    else:
+        n = _size(g, "N", [2, 3, 4])
+        chan = [("B",), ch, ("S",)]
+
+        def chans(out: Atoms) -> Val:
+            wt = g.weight([feat, out])
+            return g.step("({0} @ {1}).transpose(1, 2)", (v.name, wt.name),
+                          [("B",), out, ("S",)])
+        dt, bm, cm = chans(ch), chans((n,)), chans((n,))
+        a, d, bias = g.weight([ch, (n,)]), g.weight([ch]), g.weight([ch])
+        reads = [x.name, dt.name, a.name, bm.name, cm.name, d.name, bias.name]
+        z = ""
+        if r.random() < 0.5:
+            reads.append(chans(ch).name)
+            z = ", z={7}"
+        o = g.step("mamba.mamba_selective_scan({0}, {1} - 1, -torch.exp({2}), {3}, {4}, "
+                   f"D={{5}}, delta_bias={{6}}{z}, delta_softplus=True)", tuple(reads), chan)
+    g.step("{0}.transpose(1, 2)", (o.name,), [("B",), ("S",), ch])
+
+
 OPS = [(op_unary, 3), (op_binary, 3), (op_cast, 1), (op_split_dim, 3), (op_merge_dims, 3),
        (op_permute, 2), (op_expand, 1), (op_squeeze, 1), (op_slice, 3), (op_select, 1),
        (op_cat, 2), (op_stack, 1), (op_chunk, 2), (op_index, 2), (op_cumsum, 1),
        (op_reduce, 3), (op_softmax, 2), (op_linear, 3), (op_scores, 1), (op_norm, 1),
        (op_positions, 1), (op_mask, 1), (op_data_move, 1), (op_attention, 3),
        (op_loss_term, 1), (op_combine, 2), (op_center, 2), (op_neighbours, 2),
-       (op_contract, 1), (op_padding_mask, 1), (op_bool_index, 0.2)]
+       (op_contract, 1), (op_padding_mask, 1), (op_bool_index, 0.2),
+       (op_packed_attention, 0.7), (op_padded_attention, 0.7), (op_mixer, 1.2)]

@@ -24,7 +24,9 @@ import torch
 class Input:
     """An argument of ``f``. ``shape``: dim expressions in the sizes; ``kind``: ``"f"``
     (float, normal), ``"w"`` (a weight: float, scaled), ``"i"`` (integers in ``[0, hi)``),
-    ``"labels"`` (class ids in ``[0, hi)``, a quarter ``-100``), ``"b"`` (bool); ``split``:
+    ``"labels"`` (class ids in ``[0, hi)``, a quarter ``-100``), ``"b"`` (bool), ``"packed"``
+    (``position_ids`` of a packed batch: restarting at each document), ``"pad_left"`` /
+    ``"pad_right"`` (an attention mask: False on each row's padding); ``split``:
     the dim split over the sequence axis (None: replicated); ``grad``: requires grad."""
 
     name: str
@@ -47,6 +49,10 @@ class Input:
                     f".masked_fill(torch.rand(({shape}), generator=g) < 0.25, -100)")
         if self.kind == "b":
             return f"torch.rand(({shape}), generator=g) < 0.7"
+        if self.kind == "packed":
+            return f"packed_positions(({shape}), g)"
+        if self.kind in ("pad_left", "pad_right"):
+            return f"padding_mask(({shape}), g, left={self.kind == 'pad_left'})"
         raise ValueError(self.kind)
 
 
@@ -79,6 +85,52 @@ class Program:
         return replace(self, sizes=tuple(new.items()))
 
 
+# Functions the inputs of packed and padded batches are made with, printed into a program's
+# source when it uses them (so that a printed program runs as it is).
+HELPERS = {
+    "packed_positions": '''
+def packed_positions(shape, g):
+    """Positions of documents packed in a row: 0, 1, ... restarting at each document."""
+    starts = torch.rand(shape, generator=g) < 0.3
+    starts[..., 0] = True
+    idx = torch.arange(shape[-1]).expand(shape)
+    return idx - torch.where(starts, idx, 0).cummax(-1).values
+''',
+    "padding_mask": '''
+def padding_mask(shape, g, left):
+    """True on each row's tokens, False on its padding (0 to S/2 positions, left or right)."""
+    n = torch.randint(0, shape[-1] // 2 + 1, (shape[0], 1), generator=g)
+    idx = torch.arange(shape[-1])
+    return idx >= n if left else idx < shape[-1] - n
+''',
+}
+# The modules whose sequence mixers programs call (through the module attribute: spdsl
+# captures a mixer where it is looked up on its module while it traces).
+MODULES = {"qwen35": "transformers.models.qwen3_5.modeling_qwen3_5",
+           "bamba": "transformers.models.bamba.modeling_bamba",
+           "mamba": "transformers.models.mamba.modeling_mamba"}
+
+
+def helpers() -> dict:
+    """The helpers' functions and the mixers' modules, as a program's namespace holds them."""
+    ns: dict = {"torch": torch}
+    for src in HELPERS.values():
+        exec(src, ns)  # noqa: S102 - our own source
+    ns.update({k: _LazyModule(m) for k, m in MODULES.items()})
+    return ns
+
+
+class _LazyModule:
+    """A module imported when first read (transformers costs seconds to import)."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __getattr__(self, attr):
+        import importlib
+        return getattr(importlib.import_module(self.name), attr)
+
+
 def used_sizes(prog: Program) -> list[str]:
     text = " ".join([" ".join(i.shape) + " " + i.hi for i in prog.inputs] +
                     [s.expr for s in prog.steps])
@@ -94,11 +146,18 @@ def _spec(i: Input) -> str:
 def render(prog: Program) -> str:
     """The program as Python source a user can paste: sizes, ``f``, ``inputs()``, ``SPECS``."""
     sizes = [(n, v) for n, v in prog.sizes if n in used_sizes(prog)] or list(prog.sizes[:1])
-    lines = ["import torch", "import torch.nn.functional as F", "",
-             "from spdsl import P", ""]
+    lines = ["import torch", "import torch.nn.functional as F"]
+    exprs = " ".join(s.expr for s in prog.steps)
+    lines += [f"from {m.rsplit('.', 1)[0]} import {m.rsplit('.', 1)[1]} as {k}"
+              for k, m in MODULES.items() if f"{k}." in exprs]
+    lines += ["", "from spdsl import P", ""]
     lines.append(f"{', '.join(n for n, _ in sizes)} = {', '.join(str(v) for _, v in sizes)}")
     if any("FLOAT" in s.expr for s in prog.steps):
         lines.append("FLOAT = torch.float32")
+    makes = " ".join(i.make() for i in prog.inputs)
+    for name, src in HELPERS.items():
+        if f"{name}(" in makes:
+            lines += ["", src.rstrip()]
     lines += ["", "", f"def f({', '.join(i.name for i in prog.inputs)}):"]
     lines += [f"    {s.out} = {s.source()}" for s in prog.steps]
     outs = ", ".join(prog.outputs)

@@ -65,6 +65,30 @@ def test_random_programs_match_single_device(world):
           f"{res['seconds']:.0f} s")
 
 
+@pytest.mark.multirank
+@pytest.mark.slow
+def test_a_rank_that_stops_fails_the_program_with_the_watchdog_report(monkeypatch):
+    """Rank 1 stops before running the program (``SPDSL_FUZZ_STALL``): rank 0's first
+    collective outlasts the bound, the watchdog ends it with its report, and the launch
+    records the program as a failure naming the collective and the program's op, in seconds,
+    not gloo's timeout."""
+    monkeypatch.setenv("SPDSL_FUZZ_WATCHDOG", "2")
+    monkeypatch.setenv("SPDSL_FUZZ_STALL", "1")
+    seed = 13                   # a padded batch (attention), no shard_state: the first
+                                # collective is one of the program
+    res = launch(2, [seed], shrink=False)
+    assert res["counts"] == {"fail": 1}, res
+    (f,) = res["failures"]
+    assert f["seed"] == seed and f["signature"] == "watchdog", f
+    msg = f["message"]
+    assert "spdsl: rank 0 waited" in msg and "in collective #" in msg, msg
+    # the op: a line of the program as printed
+    line = msg.split("spdsl: rank 0 waited", 1)[1].split(" without it completing")[0]
+    assert " for " in line and "(<fuzz program" in line, line
+    op = line.split(" for ", 1)[1].rsplit(" (<fuzz program", 1)[0]
+    assert f"    {op}" in f["source"], (op, f["source"])
+
+
 # -- the configuration, generator, printer, builder and shrinker, in one process -----------
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -113,7 +137,9 @@ def test_printed_source_is_what_runs():
 def _with_cumsum(min_steps: int):
     for seed in range(400):
         prog = generate(seed)
-        if any(".cumsum(" in s.expr for s in prog.steps) and len(prog.steps) >= min_steps:
+        # op_cumsum's (a float value's), not a document id count (an integer cumsum)
+        if any(s.expr.startswith("{0}.cumsum(") for s in prog.steps) and \
+                len(prog.steps) >= min_steps:
             return prog
     raise AssertionError("no program with a cumsum in 400 seeds")
 
@@ -169,3 +195,31 @@ def test_rows_mode_redraws_steps_that_mix_batch_rows():
     g.step("{0}.sum(1)", ("x",), [x.dims[0], x.dims[2]])
     g.step("{0}.square().mean()", ("x",), [])
     assert len(g.steps) == 3
+
+
+def test_packed_and_padded_inputs_are_what_hugging_face_batches_hold():
+    """``packed_positions``: 0, 1, ... restarting at each document; ``padding_mask``: each row's
+    tokens contiguous, the padding on one side."""
+    from tests.fuzz.programs import helpers
+    ns, g = helpers(), torch.Generator().manual_seed(0)
+    pos = ns["packed_positions"]((3, 16), g)
+    assert (pos[:, 0] == 0).all()
+    steps = pos[:, 1:] - pos[:, :-1]
+    assert ((steps == 1) | (pos[:, 1:] == 0)).all() and (pos == 0).sum() > 3
+    for left in (True, False):
+        m = ns["padding_mask"]((4, 16), g, left=left).int()
+        assert ((m[:, 1:] - m[:, :-1]) * (1 if left else -1) >= 0).all()   # one switch
+        assert (m.sum(1) >= 8).all()
+
+
+def test_the_ci_seeds_draw_packed_and_padded_batches_and_every_mixer():
+    """The CI set at SP 2 calls each registered mixer the fuzzer draws through its module (as
+    spdsl captures it), and uses packed and padded batches."""
+    if os.environ.get("SPDSL_FUZZ_COUNT") is not None:
+        pytest.skip("another seed set")
+    text = "\n".join(render(generate(s)) for s in _seeds(2))
+    for what in ("packed_positions(", "padding_mask(", "== 0).cumsum(-1)", "!= 1).cumsum(-1)",
+                 "left=True", "left=False", "qwen35.torch_chunk_gated_delta_rule(",
+                 "qwen35.torch_recurrent_gated_delta_rule(", "bamba.mamba2_chunk_scan(",
+                 "qwen35.causal_conv1d_fn(", "mamba.mamba_selective_scan("):
+        assert what in text, what

@@ -109,10 +109,9 @@ def test_every_family_attends_at_the_floor(family):
 
 @pytest.mark.parametrize("data", ["plain", "packed_seq_idx"])
 def test_lfm2_convolution_exchanges_a_halo(data):
-    """LFM2's short convolution (kernel 3), captured as ``causal_conv1d_fn`` on a plain
-    batch, traced as ops where that call carries a ``seq_idx`` (``F.conv1d`` with padding 2,
-    then ``[:, :, :L]``: the ``conv1d`` form): split either way, rank 0 sending its last 2
-    tokens, nothing of the sequence gathered."""
+    """LFM2's short convolution (kernel 3), captured as ``causal_conv1d_fn``: split, rank 0
+    sending its last 2 tokens (and, given ``seq_idx``, their document indices), nothing of the
+    sequence gathered."""
     from tests.hf.cases import inputs, loss_fn
     from tests.hf.families import unsupported
     why = unsupported("lfm2", "sdpa", data)
@@ -120,12 +119,12 @@ def test_lfm2_convolution_exchanges_a_halo(data):
         pytest.skip(why)
     names, xs = inputs(data)
     plan = spdsl.plan(spdsl.sp_shard(seq=2)(loss_fn(build("lfm2", "sdpa"), names)), *xs)
-    form = "causal_conv1d" if data == "plain" else "conv1d"
     assert [v.origin for v in plan.values if v.origin.startswith("mixer.")] == \
-        [f"mixer.{form}.state"]
+        ["mixer.causal_conv1d.state"]
     halos = [c for c in plan.collectives if c.kind == "halo_exchange"]
     B, C = xs[0].shape[0], FAMILIES["lfm2"].kwargs["hidden_size"]
+    docs = [("model.layers.0.conv", "halo", B * 2 * 4)] if data == "packed_seq_idx" else []
     assert [(c.module, c.purpose, c.bytes) for c in halos] == [
-        ("model.layers.0.conv", "halo", B * C * 2 * 4)]
+        ("model.layers.0.conv", "halo", B * C * 2 * 4)] + docs
     assert not [c for c in plan.collectives if c.kind == "all_gather" and
                 c.values[0].startswith("f32")]

@@ -128,8 +128,8 @@ FAMILIES: dict[str, Family] = {f.name: f for f in [
            _llama_like(layer_types=["conv", "full_attention"], block_ff_dim=128,
                        conv_L_cache=3),
            "a short causal convolution along the sequence in one layer (split, the previous "
-           "rank's last 2 tokens exchanged: captured as causal_conv1d_fn, or traced as "
-           "F.conv1d and a slice where that call is not captured), attention in the other",
+           "rank's last 2 tokens exchanged, and their document indices given `seq_idx`: "
+           "captured as causal_conv1d_fn), attention in the other",
            attention_layers=1, halo=True),
 ]}
 

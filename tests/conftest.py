@@ -3,7 +3,9 @@ from __future__ import annotations
 import os
 import sys
 
+import pytest
 import torch
+import torch.distributed as dist
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
@@ -14,3 +16,15 @@ if ROOT not in sys.path:
 # file imports torch._dynamo, which imports triton): so here, before any test module loads.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+@pytest.fixture
+def one_rank():
+    """The default process group as one gloo rank for one test (``sp_shard`` needs a group to
+    exist; one rank runs no collectives), taken down after it if the test made it."""
+    made = not dist.is_initialized()
+    if made:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    if made:
+        dist.destroy_process_group()

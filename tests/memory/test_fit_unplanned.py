@@ -10,7 +10,6 @@ import warnings
 
 import pytest
 import torch
-import torch.distributed as dist
 
 import spdsl
 from spdsl.memory import fit
@@ -20,16 +19,6 @@ from tests._util import assert_close
 
 def _broken(*a, **kw):
     raise RuntimeError("no fake kernel for this op\nsecond line of the error")
-
-
-@pytest.fixture
-def one_rank():
-    made = not dist.is_initialized()
-    if made:
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield
-    if made:
-        dist.destroy_process_group()
 
 
 def test_a_step_whose_planner_fails_is_exact_and_warns_once(one_rank, monkeypatch):

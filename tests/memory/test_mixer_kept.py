@@ -11,7 +11,6 @@ import pytest
 pytest.importorskip("transformers")
 
 import torch
-import torch.distributed as dist
 
 import spdsl
 from spdsl.memory import measure_step, plan_memory
@@ -20,16 +19,6 @@ from tests.hf.families import batch
 from tests.hf.hybrid_cases import build
 
 TOL = 0.10
-
-
-@pytest.fixture
-def one_rank():
-    made = not dist.is_initialized()
-    if made:
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield
-    if made:
-        dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("family", ["qwen3_5", "bamba"])

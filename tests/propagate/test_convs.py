@@ -10,7 +10,6 @@ import copy
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -90,16 +89,6 @@ def test_other_convolutions_are_left_as_traced(kind):
     assert torch.ops.spdsl.mixer.default not in targets
     plan = spdsl.plan(spdsl.sp_shard(seq=2)(_Other(kind)), x)
     assert any(c.kind == "all_gather" for c in plan.collectives)      # gathered, as before
-
-
-@pytest.fixture
-def one_rank():
-    made = not dist.is_initialized()
-    if made:
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield
-    if made:
-        dist.destroy_process_group()
 
 
 def test_one_rank_step_is_the_single_device_step(one_rank):

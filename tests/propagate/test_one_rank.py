@@ -12,7 +12,6 @@ import copy
 
 import pytest
 import torch
-import torch.distributed as dist
 
 import spdsl
 from spdsl.propagate.engine import INF, redistribute_cost
@@ -49,16 +48,6 @@ def test_one_rank_plans_what_two_ranks_plan():
     plans = {p: spdsl.plan(spdsl.sp_shard(seq=p)(model), x) for p in (1, 2)}
     one, two = ({v.name: (v.placement, v.origin) for v in plans[p].values} for p in (1, 2))
     assert one == two
-
-
-@pytest.fixture
-def one_rank():
-    made = not dist.is_initialized()
-    if made:
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield
-    if made:
-        dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("remat", ["none", "fit"])

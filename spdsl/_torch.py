@@ -107,6 +107,16 @@ def backward_task_id() -> int:
     return torch._C._current_graph_task_id()
 
 
+def current_autograd_node():
+    """The autograd node the running backward is executing on this thread (None outside)."""
+    return torch._C._current_autograd_node()
+
+
+def fake_mode_active() -> bool:
+    """Whether a fake-tensor mode is on the dispatch stack (tensors made now hold no data)."""
+    return torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE) is not None
+
+
 def engine_will_accumulate(leaf: torch.Tensor) -> bool:
     """Whether the running backward accumulates into ``leaf.grad`` (``backward()``, not
     ``torch.autograd.grad``)."""

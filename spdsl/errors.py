@@ -7,6 +7,7 @@ the user's code it came from, and the fix.
 from __future__ import annotations
 
 import os
+import re
 import sys
 import time
 
@@ -44,6 +45,30 @@ class ShardingError(ValueError):
 _SPDSL = os.path.dirname(os.path.realpath(__file__)) + os.sep
 # spdsl's example models are user code to an error message (as to spdsl.propagate.source)
 _MODELS = os.path.join(_SPDSL, "models") + os.sep
+
+# One frame of a stack trace as Python prints it (an fx node's ``stack_trace``).
+STACK_FRAME = re.compile(r'File "([^"]+)", line (\d+), in (\S+)')
+
+
+def _package_dir(name: str) -> str | None:
+    import importlib.util
+    spec = importlib.util.find_spec(name)
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    return os.path.realpath(next(iter(spec.submodule_search_locations))) + os.sep
+
+
+# Frames are told apart by the directories the libraries are installed in, never by a name in
+# the path: a checkout in a folder called ``spdsl`` (a clone's default name) holds the user's
+# code too. spdsl's example models (spdsl/models) are a user's code: their lines are the ones
+# errors and plans point at.
+_LIBRARY_DIRS = tuple(d for d in map(_package_dir, ("torch", "spdsl", "einops")) if d)
+
+
+def in_libraries(path: str) -> bool:
+    """Whether the file ``path`` is torch's, spdsl's (but its example models) or einops'."""
+    real = os.path.realpath(path)
+    return real.startswith(_LIBRARY_DIRS) and not real.startswith(_MODELS)
 
 
 def user_line() -> str:

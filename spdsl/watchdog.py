@@ -89,7 +89,8 @@ def issued(kind: str, nbytes: int, group: str, even: bool = True) -> int:
 
 
 def _faking() -> bool:
-    return torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE) is not None
+    from spdsl._torch import fake_mode_active
+    return fake_mode_active()
 
 
 def wait(t: torch.Tensor, number: int, kind: str, nbytes: int, group: str):
@@ -206,7 +207,8 @@ def _op_here(frame) -> tuple | None:
 
     from spdsl._torch import backward_task_id
     if backward_task_id() >= 0:                            # backward
-        node = torch._C._current_autograd_node()
+        from spdsl._torch import current_autograd_node
+        node = current_autograd_node()
         meta = getattr(node, "metadata", None) if node is not None else None
         return meta.get(SITE) if isinstance(meta, dict) else None
     f = frame
@@ -258,11 +260,11 @@ def _describe(node, depth: int = 0) -> str:
     for a call a pass placed (a parameter's gather), the op that reads it."""
     import linecache
 
-    from spdsl.propagate.source import _FRAME, _SKIP_DIRS
+    from spdsl.errors import STACK_FRAME, in_libraries
     best = None
-    for path, line, _fn in _FRAME.findall(node.meta.get("stack_trace") or ""):
+    for path, line, _fn in STACK_FRAME.findall(node.meta.get("stack_trace") or ""):
         generated = path.startswith(("<eval_with_key>", "<frozen"))
-        if not generated and not os.path.realpath(path).startswith(_SKIP_DIRS):
+        if not generated and not in_libraries(path):
             best = path, int(line)
     if best is None:
         for user in list(node.users)[:4] if depth < 3 else ():

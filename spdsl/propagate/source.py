@@ -4,37 +4,20 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import importlib.util
 import os
-import re
 
 import torch
 
-_FRAME = re.compile(r'File "([^"]+)", line (\d+), in (\S+)')
+from spdsl.errors import STACK_FRAME, in_libraries
 
-
-def _package_dir(name: str) -> str | None:
-    spec = importlib.util.find_spec(name)
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    return os.path.realpath(next(iter(spec.submodule_search_locations))) + os.sep
-
-
-# Frames are skipped by the directories the libraries are installed in, never by a name in the
-# path: a checkout in a folder called ``spdsl`` (a clone's default name) holds the user's code too.
-_SKIP_DIRS = tuple(d for d in map(_package_dir, ("torch", "spdsl", "einops")) if d)
 _SKIP_FILES = (os.path.realpath(contextlib.__file__),)
-# spdsl's example models (spdsl/models) are a user's code to a plan: their lines are the ones
-# errors and plans point at.
-_KEEP_DIRS = tuple(os.path.join(d, "models") + os.sep for d in map(_package_dir, ("spdsl",)) if d)
 
 
 @functools.lru_cache(maxsize=4096)
 def _skipped(path: str) -> bool:
     if path.startswith("<"):
         return True
-    real = os.path.realpath(path)
-    return (real.startswith(_SKIP_DIRS) and not real.startswith(_KEEP_DIRS)) or real in _SKIP_FILES
+    return in_libraries(path) or os.path.realpath(path) in _SKIP_FILES
 
 
 def source_of(node: torch.fx.Node) -> str:
@@ -46,7 +29,7 @@ def source_of(node: torch.fx.Node) -> str:
 def _source(stack: str, cwd: str) -> str:
     # cached: the copies of a repeated layer share their stack traces (see replay.py)
     best = ""
-    for path, line, _fn in _FRAME.findall(stack):
+    for path, line, _fn in STACK_FRAME.findall(stack):
         if not _skipped(path):
             best = f"{_relative(path, cwd)}:{line}"
     return best

@@ -45,12 +45,24 @@ def _setup_context(ctx, inputs, output) -> None:
     ctx.mark_non_differentiable(count, dh, dw)
     ctx.save_for_backward(dh, dw)
     ctx.dtypes = hidden.dtype, weight.dtype
+    # no zeros for the outputs nobody differentiates: autograd would otherwise make an fp32
+    # [V, E] one for the stashed weight gradient (3.8 GiB for a 248,320 x 4,096 LM head)
+    ctx.set_materialize_grads(False)
+
+
+def _scaled(stashed: torch.Tensor, dloss: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``(stashed * dloss).to(dtype)`` written straight into a ``dtype`` tensor: the product is
+    formed in fp32 and rounded once, as before, without an fp32 temporary of the weight's size
+    beside the stash."""
+    return torch.mul(stashed, dloss, out=torch.empty_like(stashed, dtype=dtype))
 
 
 def _backward(ctx, dloss, _dcount, _ddh, _ddw):
+    if dloss is None:
+        return None, None, None, None, None, None, None
     dh, dw = ctx.saved_tensors
-    grad_hidden = (dh * dloss).to(ctx.dtypes[0]) if ctx.needs_input_grad[0] else None
-    grad_weight = (dw * dloss).to(ctx.dtypes[1]) if ctx.needs_input_grad[1] else None
+    grad_hidden = _scaled(dh, dloss, ctx.dtypes[0]) if ctx.needs_input_grad[0] else None
+    grad_weight = _scaled(dw, dloss, ctx.dtypes[1]) if ctx.needs_input_grad[1] else None
     return grad_hidden, grad_weight, None, None, None, None, None
 
 

@@ -7,7 +7,8 @@ CPU flash attention (``aten/src/ATen/native/cpu/FlashAttentionKernel.cpp``), who
 holds two fp32 ``[q_block, kv_block]`` tiles per thread — 1 MiB per thread once the sequence
 reaches 768, more than a tiny model's whole layer at SP 4 (the planner read 15% low there).
 
-Each entry maps an op to its scratch bytes, live while the op runs, on top of its outputs.
+spdsl's fused linear + cross-entropy holds a logits chunk (and a piece of its weight gradient)
+inside its op the same way. Each entry maps an op to its scratch bytes, live while the op runs, on top of its outputs.
 The sizes are those of torch 2.13's kernel; threads are the planning process's own
 (``torch.get_num_threads()``), so plan where you run or set the threads alike.
 """
@@ -69,6 +70,22 @@ def _ring_entries() -> None:
 
 
 _ring_entries()
+
+
+def _fused_linear_ce(args, kwargs) -> int:
+    # spdsl.kernels._triton.cross_entropy.fused_linear_ce_fwd: one logits chunk, and for a
+    # weight in 16 bits a piece of the chunk's weight gradient of at most the chunk's size
+    hidden, weight, _target, _ignore, chunk, _grad_hidden, grad_weight = args[:7]
+    logits = min(chunk, hidden.shape[0]) * weight.shape[0] * hidden.element_size()
+    return logits * (2 if grad_weight and weight.dtype != torch.float32 else 1)
+
+
+def _fused_entries() -> None:
+    from spdsl.kernels import fused_linear_ce  # noqa: F401  (registers the op)
+    WORKSPACE[torch.ops.spdsl.fused_linear_cross_entropy.default] = _fused_linear_ce
+
+
+_fused_entries()
 
 
 def workspace_bytes(func, args, kwargs) -> int:

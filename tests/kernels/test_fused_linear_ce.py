@@ -123,6 +123,23 @@ def test_fused_linear_ce_never_allocates_full_logits(backend, request):
     _check_memory(backend, torch.device("cpu"), 512, 16, 2048, torch.float32, chunk_size=32)
 
 
+@pytest.mark.interpret
+def test_lm_head_gradient_costs_two_weights_at_most(interpret_triton):
+    """A large vocabulary's head: forward stashes the fp32 weight gradient, backward turns it
+    into the weight's gradient. Measured by the allocator, the step holds the stash and the
+    gradient, not a zero gradient for the stash beside them (autograd materialises one for an
+    output nobody differentiates) nor an fp32 product before the cast: 2 weights, was 3."""
+    n, e, v = 64, 64, 8192
+    hidden, weight, target = _inputs(n, e, v, "every5", interpret_triton, torch.float32)
+    hidden.requires_grad_(), weight.requires_grad_()
+    step = _fwd_bwd(lambda h, w, t: fused_linear_cross_entropy(h, w, t, chunk_size=8),
+                    hidden, weight, target)
+    with kernel_backend("triton"):
+        got = measure_peak(step, interpret_triton)
+    size = weight.numel() * 4
+    assert 2 * size <= got.peak_bytes < 2.5 * size, (got.peak_bytes, size)
+
+
 @pytest.mark.gpu
 def test_fused_linear_ce_never_allocates_full_logits_gpu(cuda_triton):
     _check_memory("triton", cuda_triton, 8192, 512, 64000, torch.bfloat16, chunk_size=None)

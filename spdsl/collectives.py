@@ -96,7 +96,9 @@ def _reduce_scatter_raw(buf: torch.Tensor, group: str) -> torch.Tensor:
 # whose gradient flows back along the chain, so that the backward of collective k runs only
 # once the backward of collective k + 1 has run, on every rank (reverse forward order, whatever
 # the rest of the graph is; a collective whose output a rank does not read still runs, on a
-# zero gradient). Under ``torch.compile`` the compiled backward's order is the graph's.
+# zero gradient). The step's output takes the last token (``tie_order``), so the last
+# collective's backward runs on every rank as well. Under ``torch.compile`` the compiled
+# backward's order is the graph's.
 
 class _Order:
     active = False          # inside a step's forward (``backward_order``)
@@ -140,6 +142,35 @@ def _ordered(fn, *args):
         _Order.token = token
         watchdog.tag(token)             # its backward's collective names this op too
     return outs[0] if len(outs) == 1 else tuple(outs)
+
+
+class _Tie(torch.autograd.Function):
+    """A step's output, tied to the order token of its last collective."""
+
+    @staticmethod
+    def forward(ctx, tok, x: torch.Tensor):
+        ctx.tok = tok.device
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return torch.zeros(0, device=ctx.tok), grad
+
+
+def tie_order(outs):
+    """``outs`` (a step's outputs, inside ``backward_order``) with the first that needs a
+    gradient tied to the chain's last token, so that the backward of the step's last
+    collective runs on every rank too: where a rank reads nothing of its output, nothing
+    else would reach it there, while the other ranks wait in it."""
+    tok = _Order.token
+    if tok is None:
+        return outs
+    outs = list(outs)
+    for i, o in enumerate(outs):
+        if isinstance(o, torch.Tensor) and o.requires_grad and o.is_floating_point():
+            outs[i] = _Tie.apply(tok, o)
+            break
+    return outs
 
 
 def _after(ctx, tok, *outs):

@@ -403,7 +403,7 @@ class Sharded(InputSpecs, StateSharding, Runtime):
                 return segmented(self, args, kwargs)(args, kwargs)
         state = [t.to_local() if isinstance(t, DTensor) else t for t in entry.traced.state]
         with run_modes(), C.backward_order():   # the trace's casts are ops of the program
-            outs = entry.local(*state, *self._local_inputs(entry, args, kwargs))
+            outs = C.tie_order(entry.local(*state, *self._local_inputs(entry, args, kwargs)))
         data_out = entry.data_out or [REPLICATE] * len(entry.out_placements)
         wrapped = [self._wrap(o, p, node, dp) for o, p, node, dp in zip(
             outs, entry.out_placements, _out_nodes(entry.traced), data_out)]

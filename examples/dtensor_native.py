@@ -9,6 +9,7 @@ against single-device PyTorch.
 
 from __future__ import annotations
 
+import argparse
 import copy
 
 import torch
@@ -53,6 +54,7 @@ def max_rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def main() -> None:
+    argparse.ArgumentParser(description=__doc__.split("\n\n")[0]).parse_args()
     dist.init_process_group("gloo")
     world, rank = dist.get_world_size(), dist.get_rank()
     mesh = spdsl.mesh(sp=world)

@@ -1,26 +1,30 @@
 """Fine-tune an unchanged Hugging Face causal LM with ``spdsl.sp_shard`` on 4 CPU ranks, on
-long synthetic documents in padded and packed batches, then check one step of each against
+long documents in padded and packed batches, then check one step of each against
 single-device PyTorch.
 
 The model is built from a small config (Llama by default, or ``--family qwen2|mistral|gemma``)
-or loaded from a local directory (``--model-dir``, no download). The documents are long
-runs of a random phrase repeated with noise: predicting a token needs the phrase seen
-hundreds of positions earlier, usually in another rank's shard.
+on synthetic documents, or loaded with its tokenizer from a local directory (``--model-dir``,
+no download) and trained on real text: ``--text FILE``, or this docstring, tokenized by the
+directory's tokenizer and cut into windows of up to ``--seq`` tokens.
 
 - padded batches: one document per row, padded on the right; ``attention_mask`` marks the
   padding and the labels there are -100, as a Hugging Face collator does;
 - packed batches: several documents in one row, ``position_ids`` restarting at each one (the
   Hugging Face convention: no attention across documents, no padding).
 
-Every rank passes the same global batch; ``sp_shard`` splits the sequence. The default 30
-steps run the plumbing end to end (1 min 21 s on 2 CPU cores:
-``examples/results/finetune_hf.txt``); copying a phrase from far back takes a model this
-small a few hundred steps to learn, so over 30 the loss stays near ln(256) = 5.55. What the
-run shows is the last line: one padded and one packed step equal to single-device PyTorch.
+Every rank passes the same global batch; ``sp_shard`` splits the sequence. A synthetic
+document is one phrase of 24 tokens repeated, the phrase a random walk in a small fixed
+language (16 tokens, each followed by one of two). Learning the language takes the loss from
+ln(256) = 5.55 to 1.43 in the default 30 steps (23 s on 2 CPU cores:
+``examples/results/finetune_hf.txt``). The walk's coin flips leave about ln(2) = 0.69 a token
+that only copying removes: the phrase's previous repeat, 24 positions back (in the previous
+rank's shard at the start of each shard), which takes a model this small far longer to learn
+(about 0.55 after 200 steps). The last line is the check: one padded and one packed step
+equal to single-device PyTorch.
 
     torchrun --standalone --nproc_per_node=4 examples/finetune_hf.py
     torchrun --standalone --nproc_per_node=4 examples/finetune_hf.py --attn eager --seq 1024
-    torchrun --standalone --nproc_per_node=4 examples/finetune_hf.py --model-dir ./my-llama
+    torchrun --standalone --nproc_per_node=4 examples/finetune_hf.py --model-dir ./my-llama --text notes.txt
 """
 
 from __future__ import annotations
@@ -29,11 +33,15 @@ import argparse
 import copy
 import sys
 import time
+from collections.abc import Callable
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 import spdsl
+
+Document = Callable[[torch.Generator, int], torch.Tensor]
 
 
 def build(args) -> torch.nn.Module:
@@ -41,7 +49,7 @@ def build(args) -> torch.nn.Module:
     if args.model_dir:
         return transformers.AutoModelForCausalLM.from_pretrained(
             args.model_dir, local_files_only=True, attn_implementation=args.attn,
-            torch_dtype=torch.float32)
+            dtype=torch.float32)
     kw = {"vocab_size": args.vocab, "hidden_size": 128, "intermediate_size": 256,
           "num_hidden_layers": 2, "num_attention_heads": 8, "num_key_value_heads": 2,
           "max_position_embeddings": max(4096, args.seq), "attention_dropout": 0.0}
@@ -55,32 +63,60 @@ def build(args) -> torch.nn.Module:
     return transformers.AutoModelForCausalLM.from_config(cfg)
 
 
-def document(g: torch.Generator, n: int, vocab: int) -> torch.Tensor:
-    """A phrase of 24 random tokens repeated to length ``n``, 10% of tokens replaced."""
-    phrase = torch.randint(3, vocab, (24,), generator=g)
-    doc = phrase.repeat(n // 24 + 1)[:n]
-    noise = torch.rand(n, generator=g) < 0.1
-    return torch.where(noise, torch.randint(3, vocab, (n,), generator=g), doc)
+def synthetic_documents(vocab: int) -> Document:
+    """Documents of one phrase of 24 tokens repeated, the phrase a walk in a fixed language:
+    tokens 3..18 (0-2 left to padding and specials), each followed by one of two tokens."""
+    size = min(16, vocab - 3)
+    follow = torch.randint(3, 3 + size, (vocab, 2), generator=torch.Generator().manual_seed(0))
+
+    def document(g: torch.Generator, n: int) -> torch.Tensor:
+        phrase = [int(torch.randint(3, 3 + size, (1,), generator=g))]
+        for coin in torch.randint(0, 2, (23,), generator=g).tolist():
+            phrase.append(int(follow[phrase[-1], coin]))
+        return torch.tensor(phrase).repeat(n // 24 + 1)[:n]
+    return document
 
 
-def padded_batch(step: int, b: int, s: int, vocab: int):
+def text_documents(args, vocab: int) -> tuple[Document, str]:
+    """Documents cut from ``--text`` (or this docstring) tokenized by the model directory's
+    tokenizer: ``n`` tokens from a random start, wrapping around at the end."""
+    from transformers import AutoTokenizer
+    try:
+        tok = AutoTokenizer.from_pretrained(args.model_dir, local_files_only=True)
+    except (OSError, ValueError) as e:
+        sys.exit(f"--model-dir {args.model_dir}: no tokenizer loads from it ({e})")
+    name = args.text or "this script's docstring"
+    raw = Path(args.text).read_text(encoding="utf-8") if args.text else __doc__
+    ids = torch.tensor(tok(raw, add_special_tokens=False)["input_ids"], dtype=torch.long)
+    if ids.numel() < 2 or int(ids.max()) >= vocab:
+        sys.exit(f"--text {name}: {ids.numel()} tokens with ids up to "
+                 f"{int(ids.max()) if ids.numel() else None}; the model needs at least 2, "
+                 f"each below its vocab_size {vocab}")
+
+    def document(g: torch.Generator, n: int) -> torch.Tensor:
+        start = int(torch.randint(0, ids.numel(), (1,), generator=g))
+        return ids[(start + torch.arange(n)) % ids.numel()]
+    return document, f"{name}, {ids.numel():,} tokens by the tokenizer in {args.model_dir}"
+
+
+def padded_batch(step: int, b: int, s: int, document: Document):
     g = torch.Generator().manual_seed(step)
     ids = torch.zeros(b, s, dtype=torch.long)
     mask = torch.zeros(b, s, dtype=torch.long)
     for r in range(b):
         n = int(torch.randint(s // 2, s + 1, (1,), generator=g))
-        ids[r, :n], mask[r, :n] = document(g, n, vocab), 1
+        ids[r, :n], mask[r, :n] = document(g, n), 1
     return ids, ids.masked_fill(mask == 0, -100), mask
 
 
-def packed_batch(step: int, b: int, s: int, vocab: int):
+def packed_batch(step: int, b: int, s: int, document: Document):
     g = torch.Generator().manual_seed(10 ** 6 + step)
     ids, pos = torch.zeros(b, s, dtype=torch.long), torch.zeros(b, s, dtype=torch.long)
     for r in range(b):
         at = 0
         while at < s:
             n = min(s - at, int(torch.randint(s // 8, s // 2, (1,), generator=g)))
-            ids[r, at:at + n], pos[r, at:at + n] = document(g, n, vocab), torch.arange(n)
+            ids[r, at:at + n], pos[r, at:at + n] = document(g, n), torch.arange(n)
             at += n
     return ids, ids.masked_fill(pos == 0, -100), pos        # no target across documents
 
@@ -119,23 +155,45 @@ def parity(model, steps: dict, batches: dict) -> tuple[float, float]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--model-dir", default=None, help="a local Hugging Face model directory")
-    ap.add_argument("--family", default="llama", choices=["llama", "qwen2", "mistral", "gemma"])
-    ap.add_argument("--attn", default="sdpa", choices=["sdpa", "eager"])
-    ap.add_argument("--seq", type=int, default=512)
-    ap.add_argument("--batch", type=int, default=2)
-    ap.add_argument("--steps", type=int, default=30)
-    ap.add_argument("--vocab", type=int, default=256)
-    ap.add_argument("--lr", type=float, default=3e-3)
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model-dir", default=None, metavar="DIR",
+                    help="a local Hugging Face model directory with its tokenizer (no download); "
+                         "trains on --text, not synthetic documents")
+    ap.add_argument("--text", default=None, metavar="FILE",
+                    help="UTF-8 text to train on with --model-dir (default: this script's "
+                         "docstring)")
+    ap.add_argument("--family", default="llama", choices=["llama", "qwen2", "mistral", "gemma"],
+                    help="the architecture built from a small config without --model-dir "
+                         "(default: %(default)s)")
+    ap.add_argument("--attn", default="sdpa", choices=["sdpa", "eager"],
+                    help="the Hugging Face attention implementation (default: %(default)s)")
+    ap.add_argument("--seq", type=int, default=512,
+                    help="tokens a row, rounded up to split evenly over the ranks "
+                         "(default: %(default)s)")
+    ap.add_argument("--batch", type=int, default=2,
+                    help="rows a step, the same on every rank (default: %(default)s)")
+    ap.add_argument("--steps", type=int, default=30,
+                    help="optimizer steps, padded and packed in turn (default: %(default)s)")
+    ap.add_argument("--vocab", type=int, default=256,
+                    help="vocabulary of the model built without --model-dir "
+                         "(default: %(default)s)")
+    ap.add_argument("--lr", type=float, default=3e-3,
+                    help="AdamW learning rate (default: %(default)s)")
     args = ap.parse_args()
+    if args.text and not args.model_dir:
+        ap.error("--text needs --model-dir: the directory's tokenizer turns the text into ids")
+    if args.model_dir and not (Path(args.model_dir) / "config.json").is_file():
+        ap.error(f"--model-dir {args.model_dir}: no config.json there; give a directory that "
+                 "save_pretrained wrote (nothing is downloaded)")
 
+    torch.set_num_threads(1)
+    model = build(args).train()
+    vocab = model.config.vocab_size
+    document, source = (text_documents(args, vocab) if args.model_dir
+                        else (synthetic_documents(vocab), None))
     dist.init_process_group("gloo")
     world, rank = dist.get_world_size(), dist.get_rank()
-    torch.set_num_threads(1)
     seq = args.seq + (-args.seq) % world          # the sequence must split evenly
-    model = build(args).train()
-    vocab = model.config.vocab_size if args.model_dir else args.vocab
     steps = {"padded": spdsl.sp_shard(seq=world)(loss_fn(model, "attention_mask")),
              "packed": spdsl.sp_shard(seq=world)(loss_fn(model, "position_ids"))}
     make = {"padded": padded_batch, "packed": packed_batch}
@@ -143,10 +201,12 @@ def main() -> None:
     if rank == 0:
         print(f"{type(model).__name__} ({args.attn}), sequence {seq} split over {world} ranks, "
               f"{sum(p.numel() for p in model.parameters()):,} parameters")
+        if source:
+            print(f"text: {source}")
     t0, tokens = time.perf_counter(), 0
     for step in range(1, args.steps + 1):
         kind = "padded" if step % 2 else "packed"
-        ids, labels, extra = make[kind](step, args.batch, seq, vocab)
+        ids, labels, extra = make[kind](step, args.batch, seq, document)
         loss = steps[kind](ids, labels, extra)
         loss.backward()
         opt.step()
@@ -156,13 +216,12 @@ def main() -> None:
             progress(step, args.steps, kind, loss.item(), tokens / (time.perf_counter() - t0))
     if rank == 0:
         print()
-    batches = {k: make[k](10 ** 7, args.batch, seq, vocab) for k in make}
+    batches = {k: make[k](10 ** 7, args.batch, seq, document) for k in make}
     err_loss, err_grad = parity(model, steps, batches)
     if rank == 0:
         print(f"parity with single-device PyTorch (padded and packed batch, same weights): "
               f"loss rel err {err_loss:.1e}, max gradient rel err {err_grad:.1e}")
     dist.destroy_process_group()
-
 
 if __name__ == "__main__":
     main()

@@ -59,15 +59,23 @@ def update(model, opt, loss) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--steps", type=int, default=30)
-    ap.add_argument("--save-at", type=int, default=None, help="default: half way")
-    ap.add_argument("--seq", type=int, default=256)
-    ap.add_argument("--batch", type=int, default=8, help="global batch (split over dp)")
-    ap.add_argument("--dp", type=int, default=2)
-    ap.add_argument("--sp", type=int, default=2)
-    ap.add_argument("--lr", type=float, default=5e-3)
-    ap.add_argument("--ckpt", default=None, help="checkpoint root (default: a temp dir)")
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--steps", type=int, default=30, help="optimizer steps (default: %(default)s)")
+    ap.add_argument("--save-at", type=int, default=None,
+                    help="the step after which to checkpoint, rebuild and resume "
+                         "(default: half of --steps)")
+    ap.add_argument("--seq", type=int, default=256,
+                    help="tokens a sequence, split over sp (default: %(default)s)")
+    ap.add_argument("--batch", type=int, default=8,
+                    help="global batch, split over dp (default: %(default)s)")
+    ap.add_argument("--dp", type=int, default=2,
+                    help="data-parallel size of the mesh; dp x sp = ranks (default: %(default)s)")
+    ap.add_argument("--sp", type=int, default=2,
+                    help="sequence-parallel size of the mesh (default: %(default)s)")
+    ap.add_argument("--lr", type=float, default=5e-3,
+                    help="AdamW learning rate (default: %(default)s)")
+    ap.add_argument("--ckpt", default=None,
+                    help="checkpoint root (default: a temporary directory, removed at the end)")
     ap.add_argument("--compile", action="store_true", help="torch.compile the per-rank program")
     args = ap.parse_args()
     save_at = args.save_at if args.save_at is not None else args.steps // 2

@@ -67,11 +67,14 @@ def progress(step: int, steps: int, loss: float, tok_s: float) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--steps", type=int, default=200)
-    ap.add_argument("--seq", type=int, default=256)
-    ap.add_argument("--batch", type=int, default=8)
-    ap.add_argument("--lr", type=float, default=5e-3)
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--steps", type=int, default=200, help="optimizer steps (default: %(default)s)")
+    ap.add_argument("--seq", type=int, default=256,
+                    help="tokens a sequence, split over the ranks (default: %(default)s)")
+    ap.add_argument("--batch", type=int, default=8,
+                    help="sequences a step, the same on every rank (default: %(default)s)")
+    ap.add_argument("--lr", type=float, default=5e-3,
+                    help="AdamW learning rate (default: %(default)s)")
     ap.add_argument("--compile", action="store_true", help="torch.compile the per-rank program")
     ap.add_argument("--no-check", action="store_true", help="skip the single-process parity run")
     args = ap.parse_args()

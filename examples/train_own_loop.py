@@ -56,17 +56,29 @@ def parity(step, model, micro, accum, autocast) -> tuple[float, float]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--steps", type=int, default=30, help="optimizer steps")
-    ap.add_argument("--seq", type=int, default=256)
-    ap.add_argument("--batch", type=int, default=4, help="global micro-batch")
-    ap.add_argument("--accum", type=int, default=1, help="micro-batches per optimizer step")
-    ap.add_argument("--lr", type=float, default=5e-3)
-    ap.add_argument("--eval-every", type=int, default=10)
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--steps", type=int, default=30, help="optimizer steps (default: %(default)s)")
+    ap.add_argument("--seq", type=int, default=256,
+                    help="tokens a sequence, split over the ranks (default: %(default)s)")
+    ap.add_argument("--batch", type=int, default=4,
+                    help="global micro-batch (default: %(default)s)")
+    ap.add_argument("--accum", type=int, default=1,
+                    help="micro-batches per optimizer step (default: %(default)s)")
+    ap.add_argument("--lr", type=float, default=5e-3,
+                    help="peak AdamW learning rate: 5 warm-up steps, then cosine to 0 "
+                         "(default: %(default)s)")
+    ap.add_argument("--eval-every", type=int, default=10,
+                    help="steps between evaluations on a held-out batch, and at the last step "
+                         "(default: %(default)s)")
     ap.add_argument("--bf16", action="store_true", help="autocast to bfloat16")
-    ap.add_argument("--cuda", action="store_true", help="one GPU per rank, NCCL")
-    ap.add_argument("--ckpt", default=None, help="checkpoint root (default: a temp dir)")
+    ap.add_argument("--cuda", action="store_true",
+                    help="one GPU per rank, NCCL (needs torch with CUDA and a device)")
+    ap.add_argument("--ckpt", default=None,
+                    help="checkpoint root (default: a temporary directory, removed at the end)")
     args = ap.parse_args()
+    if args.cuda and not torch.cuda.is_available():
+        ap.error("--cuda: this torch sees no CUDA device (torch.cuda.is_available() is False); "
+                 "run without --cuda for gloo on the CPU")
 
     if args.cuda:
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))

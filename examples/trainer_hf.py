@@ -84,14 +84,21 @@ def compare(logs: list, ref: list) -> str:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("--seq", type=int, default=None, help="sp degree (default: every rank)")
-    p.add_argument("--batch", type=int, default=4, help="rows per device and micro-batch")
-    p.add_argument("--steps", type=int, default=6)
-    p.add_argument("--eval-every", type=int, default=3)
-    p.add_argument("--len", type=int, default=64, help="training row length (eval: one less)")
-    p.add_argument("--vocab", type=int, default=128)
-    p.add_argument("--attn", default="sdpa", choices=("sdpa", "eager"))
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--seq", type=int, default=None,
+                   help="sp degree; the other ranks are dp (default: every rank)")
+    p.add_argument("--batch", type=int, default=4,
+                   help="rows per device and micro-batch (default: %(default)s)")
+    p.add_argument("--steps", type=int, default=6, help="optimizer steps (default: %(default)s)")
+    p.add_argument("--eval-every", type=int, default=3,
+                   help="steps between evaluations (default: %(default)s)")
+    p.add_argument("--len", type=int, default=64,
+                   help="training row length; evaluation rows are one shorter "
+                        "(default: %(default)s)")
+    p.add_argument("--vocab", type=int, default=128,
+                   help="vocabulary of the tiny Llama (default: %(default)s)")
+    p.add_argument("--attn", default="sdpa", choices=("sdpa", "eager"),
+                   help="the Hugging Face attention implementation (default: %(default)s)")
     p.add_argument("--out", help="write the logs here (JSON)")
     p.add_argument("--against", help="a one-process run's logs to compare with")
     a = p.parse_args()

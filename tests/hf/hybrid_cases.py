@@ -209,11 +209,11 @@ def rounding_floor(family: str, names, xs, ref) -> dict[str, float]:
     return param_errors(other, ref)
 
 
-def run_case(family: str, data: str, world: int, remat=None) -> dict:
+def run_case(family: str, data: str, world: int, remat=None, attention=None) -> dict:
     if data == "varlen":
         with (fla_on_cpu if family in VARLEN_FLA else mamba_on_cpu)(family):
-            return _run_case(family, data, world, remat)
-    return _run_case(family, data, world, remat)
+            return _run_case(family, data, world, remat, attention)
+    return _run_case(family, data, world, remat, attention)
 
 
 def long_memory(model: torch.nn.Module) -> None:
@@ -230,7 +230,7 @@ def long_memory(model: torch.nn.Module) -> None:
                 m.in_proj.weight.mul_(20.0)
 
 
-def _run_case(family: str, data: str, world: int, remat=None) -> dict:
+def _run_case(family: str, data: str, world: int, remat=None, attention=None) -> dict:
     names, xs = _inputs(data, family)
     ref = build(family)
     if data == "varlen" and family in VARLEN_MAMBA:
@@ -238,8 +238,8 @@ def _run_case(family: str, data: str, world: int, remat=None) -> dict:
     model = copy.deepcopy(ref)
     loss_ref = loss_fn(ref, names)(*xs)
     loss_ref.backward()
-    step = spdsl.sp_shard(seq=world, **({"remat": remat} if remat else {}))(
-        loss_fn(model, names))
+    options = {k: v for k, v in (("remat", remat), ("attention", attention)) if v}
+    step = spdsl.sp_shard(seq=world, **options)(loss_fn(model, names))
     step(*xs).backward()
     model.zero_grad(set_to_none=True)
     with profile(activities=[ProfilerActivity.CPU]) as prof, _MixerCalls() as seen:
@@ -248,7 +248,9 @@ def _run_case(family: str, data: str, world: int, remat=None) -> dict:
     out = grad_errors(model, ref)
     out["per_param"] = param_errors(model, ref)
     out["floor"] = rounding_floor(family, names, xs, ref)
-    out["strategies"] = mixer_strategies(spdsl.plan(step, *xs))
+    plan = spdsl.plan(step, *xs)
+    out["strategies"] = mixer_strategies(plan)
+    out["attention"] = [a.runs for a in plan.attention]
     out["mixer_calls"] = seen.calls
     out["loss"] = abs(loss.item() - loss_ref.item()) / abs(loss_ref.item())
     out["counts"] = {k.split(":")[1]: sum(1 for e in prof.events() if e.name == k)
@@ -256,13 +258,16 @@ def _run_case(family: str, data: str, world: int, remat=None) -> dict:
     return out
 
 
-def run_all(rank: int, world: int, cases: list[tuple[str, str]], remat=None) -> dict:
+def run_all(rank: int, world: int, cases: list[tuple], remat=None) -> dict:
+    """Each case ``(family, data)`` or ``(family, data, attention)`` (``sp_shard``'s
+    ``attention=``), named ``family/data[/attention]``."""
     results = {}
-    for family, data in cases:
+    for family, data, *attention in cases:
+        name = "/".join((family, data, *attention))
         try:
-            results[f"{family}/{data}"] = run_case(family, data, world, remat)
+            results[name] = run_case(family, data, world, remat, *attention)
         except LookupError as e:
-            results[f"{family}/{data}"] = {"missing": str(e)}
+            results[name] = {"missing": str(e)}
         except Exception:  # noqa: BLE001 - reported per case
-            results[f"{family}/{data}"] = {"error": traceback.format_exc()[-3000:]}
+            results[name] = {"error": traceback.format_exc()[-3000:]}
     return results

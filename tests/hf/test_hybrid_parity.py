@@ -35,9 +35,12 @@ CASES = SPLIT + [("qwen3_5", "short")]
 # at SP 4 (three and more pieces composed): every family's plain batch, Qwen3.5 on all four,
 # Qwen3-Next packed (the batch whose backward once deadlocked: docs/mixers.md, the order)
 # (SPDSL_HYBRID_SP4=all: every case, as at SP 2; 38 cases in 8 minutes on 2 shared cores)
-AT_SP4 = CASES if os.environ.get("SPDSL_HYBRID_SP4") == "all" else [
+# and the attention layers beside the mixers by ring (k/v around the ranks) and hybrid
+# attention (Ulysses in pairs, a ring across them), as where the heads are fewer than the ranks
+RING = [("qwen3_5", "packed", "ring"), ("falcon_h1", "pad_right", "hybrid")]
+AT_SP4 = (CASES if os.environ.get("SPDSL_HYBRID_SP4") == "all" else [
     (f, d) for f, d in CASES
-    if d == "plain" or f == "qwen3_5" or (f, d) == ("qwen3_next", "packed")]
+    if d == "plain" or f == "qwen3_5" or (f, d) == ("qwen3_next", "packed")]) + RING
 # a call's largest tensor argument times P over the whole one's: 1 split, P gathered (SSD's
 # grouped B/C, replicated under heads when their groups do not divide P, may be the largest)
 SHARE_SLACK = 1.5
@@ -52,7 +55,7 @@ def results(request):
 def _ok(results, name):
     world, per_rank = results
     if name not in per_rank[0]:
-        pytest.skip(f"run at SP 2 only (SP 4: {', '.join(f'{f}/{d}' for f, d in AT_SP4)})")
+        pytest.skip(f"not run at SP {world} (SP 4: {', '.join('/'.join(c) for c in AT_SP4)})")
     out = per_rank[0][name]
     if "missing" in out and isinstance(out["missing"], str):
         pytest.skip(out["missing"])
@@ -61,7 +64,7 @@ def _ok(results, name):
     return world, per_rank
 
 
-@pytest.mark.parametrize("name", [f"{f}/{d}" for f, d in CASES])
+@pytest.mark.parametrize("name", ["/".join(c) for c in CASES + RING])
 def test_loss_and_gradients(results, name):
     world, per_rank = _ok(results, name)
     for r, res in enumerate(per_rank):
@@ -102,3 +105,13 @@ def test_strategy_follows_the_bytes(results):
                                     "mixer.gated_delta_rule.heads"}, gdn("qwen3_5/plain")
     if world == 2:
         assert gdn("qwen3_5/short") == {"mixer.gated_delta_rule.heads"}
+
+
+@pytest.mark.parametrize("name", ["/".join(c) for c in RING])
+def test_attention_beside_the_mixers_runs_as_asked(results, name):
+    world, per_rank = _ok(results, name)
+    runs = per_rank[0][name]["attention"]
+    want = name.split("/")[2]
+    assert runs and all(r.startswith(want) for r in runs), runs
+    strategies = per_rank[0][name]["strategies"]
+    assert strategies and not [s for s in strategies if s.endswith(".whole")], strategies

@@ -109,7 +109,7 @@ def test_strategy_follows_the_bytes(results):
 
 @pytest.mark.parametrize("name", ["/".join(c) for c in RING])
 def test_attention_beside_the_mixers_runs_as_asked(results, name):
-    world, per_rank = _ok(results, name)
+    _, per_rank = _ok(results, name)
     runs = per_rank[0][name]["attention"]
     want = name.split("/")[2]
     assert runs and all(r.startswith(want) for r in runs), runs

@@ -1,7 +1,7 @@
 """The one adapter onto PyTorch's private APIs: every private name spdsl uses is imported here,
 with what breaks if it moves. The rest of spdsl imports them from this module only
 (``tests/test_imports.py`` checks), so a PyTorch upgrade that moves one is fixed in one place.
-Checked against torch 2.13.
+Checked against torch 2.13 and 2.11.
 
 ==============================  =============================================================
 name                            used for; what breaks if it moves
@@ -42,7 +42,7 @@ flex_attention_on_cpu()         flex_attention traced and run with gradients on 
 outside_fx_trace()              a segment of a function with graph breaks compiled while
                                 the function's trace is open (``torch.fx``'s global "tracing"
                                 flag): compile=True fails on functions with breaks
-stack_trace_anchor()            a plain function's lines kept in node stack traces: errors in
+stack_trace_anchors()           a plain function's lines kept in node stack traces: errors in
                                 ``sp_shard(f)`` for a function ``f`` lose their ``at:`` line
 inductor_programs()             the memory plan of a compiled step: the Python program
                                 Inductor generates for the forward and backward graphs
@@ -52,6 +52,10 @@ inductor_programs()             the memory plan of a compiled step: the Python p
 process_group(name)             the ProcessGroup behind a group name (ring attention's
                                 point-to-point sends take the object, functional collectives
                                 the name): ring attention would have no neighbours
+sac_contexts()                  offloaded activations (remat.offload): selective
+                                checkpointing's dispatch modes over a cache whose layout
+                                differs by release (by call index since torch 2.13, a queue
+                                before): offload fails at its first checkpointed layer
 dtensor_op_handlers(),          spdsl's attention handlers for DTensor-authored models
 dtensor_sharding_propagator(),  (spdsl.dtensor_ops) and DTensor's op strategies as a fallback
 dtensor_spec_types()            rule (propagate.rules.dtensor): eager DTensor attention gathers
@@ -166,9 +170,38 @@ def outside_fx_trace():
         st._is_fx_tracing_flag = was
 
 
-def stack_trace_anchor():
-    """``torch.fx.proxy._register_stack_trace_anchor``, or None where it does not exist."""
-    return getattr(torch.fx.proxy, "_register_stack_trace_anchor", None)
+@contextlib.contextmanager
+def stack_trace_anchors(fns):
+    """Inside: ``make_fx`` keeps the frames of the plain functions ``fns`` in node stack
+    traces, as it keeps ``forward`` frames. torch 2.13 has a registry for this
+    (``_register_stack_trace_anchor``; entries stay); before it, the tracer's frame filter is
+    widened while inside."""
+    register = getattr(torch.fx.proxy, "_register_stack_trace_anchor", None)
+    if register is not None:
+        for fn in fns:
+            register(fn)
+        yield
+        return
+    import traceback
+
+    from torch.fx.experimental.symbolic_shapes import uninteresting_files
+    anchors = {(fn.__code__.co_filename, fn.__code__.co_name) for fn in fns}
+    tracer = torch.fx.proxy.TracerBase
+    keep = tracer._filter_traceback_frames
+
+    def keep_anchors(self, summary):
+        kept = {id(f) for f in keep(self, summary)}
+        if self._record_forward_stack_traces_only:
+            skip = uninteresting_files()
+            kept |= {id(f) for f in summary
+                     if (f.filename, f.name) in anchors and f.filename not in skip}
+        return traceback.StackSummary.from_list([f for f in summary if id(f) in kept])
+
+    tracer._filter_traceback_frames = keep_anchors
+    try:
+        yield
+    finally:
+        tracer._filter_traceback_frames = keep
 
 
 def process_group(name: str):
@@ -288,6 +321,102 @@ def dtensor_spec_types():
     return DTensorSpec, TensorMeta, OpSchema
 
 
+def sac_contexts(policy, put, get, recomputed=frozenset()):
+    """``checkpoint``'s ``context_fn`` pair for the SAC ``policy`` (what
+    ``create_selective_checkpoint_contexts`` returns), with each op output the policy saves
+    passed through ``put`` as it is saved and ``get`` as backward reads it: ``put(t)`` returns
+    what to keep in its place (None: ``t`` itself), ``get`` takes that and returns the tensor.
+    Ops in ``recomputed`` run again in backward instead of being kept where the cache can say
+    so (torch 2.13 marks entries; torch 2.11's cache is a queue of saved outputs per op, so
+    their outputs pass through ``put`` too)."""
+    from torch.utils import checkpoint as ckpt
+    if hasattr(ckpt, "_CONSUMED"):
+        storage = _SACStorage(lambda key: _SACByIndex(put, get, key in recomputed))
+    else:
+        storage = _SACStorage(lambda key: _SACQueue(put, get))
+    return (ckpt._CachingTorchDispatchMode(policy, storage),
+            ckpt._CachedTorchDispatchMode(policy, storage, False))
+
+
+class _SACStorage(dict):
+    """SAC's cache: op -> its saved outputs (made on first use)."""
+
+    def __init__(self, make) -> None:
+        super().__init__()
+        self.make = make
+
+    def __missing__(self, key):
+        v = self[key] = self.make(key)
+        return v
+
+
+def _sac_tree(entry, fn):
+    if isinstance(entry, (list, tuple)):
+        return type(entry)(_sac_tree(e, fn) for e in entry)
+    return fn(entry)
+
+
+def _sac_put(put):
+    from torch.utils.checkpoint import _VersionWrapper
+
+    def one(w):
+        kept = put(w.val) if isinstance(w, _VersionWrapper) else None
+        return w if kept is None else _SACKept(kept)
+    return one
+
+
+def _sac_get(get):
+    from torch.utils.checkpoint import _VersionWrapper
+
+    def one(w):
+        return _VersionWrapper(get(w.kept)) if isinstance(w, _SACKept) else w
+    return one
+
+
+class _SACKept:
+    __slots__ = ("kept",)
+
+    def __init__(self, kept) -> None:
+        self.kept = kept
+
+
+class _SACByIndex(dict):
+    """torch 2.13: one op's outputs by call index, or a mark (recompute, consumed)."""
+
+    def __init__(self, put, get, recompute: bool) -> None:
+        super().__init__()
+        self.put, self.get_one, self.recompute = _sac_put(put), _sac_get(get), recompute
+
+    def __setitem__(self, idx, entry) -> None:
+        from torch.utils.checkpoint import _CONSUMED, _RECOMPUTE
+        if self.recompute and entry is not _CONSUMED:
+            entry = _RECOMPUTE
+        elif entry is not _RECOMPUTE and entry is not _CONSUMED:
+            entry = _sac_tree(entry, self.put)
+        super().__setitem__(idx, entry)
+
+    def get(self, idx, default=None):
+        entry = super().get(idx, default)
+        if isinstance(entry, (list, tuple, _SACKept)):
+            entry = _sac_tree(entry, self.get_one)
+        return entry
+
+
+class _SACQueue(list):
+    """Before torch 2.13: one op's saved outputs in call order, appended in forward and taken
+    from the front in backward."""
+
+    def __init__(self, put, get) -> None:
+        super().__init__()
+        self.put, self.get_one = _sac_put(put), _sac_get(get)
+
+    def append(self, entry) -> None:
+        super().append(_sac_tree(entry, self.put))
+
+    def pop(self, index=-1):
+        return _sac_tree(super().pop(index), self.get_one)
+
+
 # torch 2.13 renamed these (the old names warn on every call); older releases have only those
 all_gather_single = getattr(functional_collectives, "all_gather_single", None) \
     or functional_collectives.all_gather_tensor
@@ -326,7 +455,8 @@ __all__ = [
     "profiler_event_kinds",
     "reduce_scatter_single",
     "reparametrize_module",
-    "stack_trace_anchor",
+    "sac_contexts",
+    "stack_trace_anchors",
     "tree_flatten",
     "tree_map",
     "tree_unflatten",

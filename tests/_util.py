@@ -1,4 +1,5 @@
-"""Shared test helpers: one ``assert_close`` that reports max and mean difference."""
+"""Shared test helpers: one ``assert_close`` that reports max and mean difference; whether
+DTensor has a sharding strategy for an op (some are newer than the oldest torch supported)."""
 
 from __future__ import annotations
 
@@ -28,3 +29,12 @@ def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
     a = actual.detach().to(torch.float64)
     e = expected.detach().to(torch.float64)
     return ((a - e).norm() / e.norm().clamp_min(1e-30)).item()
+
+
+def dtensor_has_strategy(op) -> bool:
+    """Whether DTensor can propagate placements through ``op`` (flip and roll: since torch
+    2.13)."""
+    from spdsl._torch import dtensor_sharding_propagator
+    prop = dtensor_sharding_propagator()
+    return any(op in table for table in (
+        prop.op_strategy_funcs, prop.op_single_dim_strategy_funcs, prop.op_to_rules))

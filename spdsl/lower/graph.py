@@ -276,7 +276,7 @@ class Lowering:
             elif node.op == "get_attr":
                 self.env[node] = self.graph.get_attr(node.target)
             elif node.op == "call_function":
-                tail = next(reversed(self.graph.nodes), None)
+                tail = next(iter(reversed(self.graph.nodes)), None)
                 self.env[node] = self._node(node)
                 self._note_replicated(node)
                 for new in reversed(self.graph.nodes):   # the nodes just added, newest first

@@ -47,6 +47,26 @@ _ALONG_SEQUENCE = {aten.sort, aten.topk, aten.cumsum, aten.cumprod, aten.cummax,
                    aten.logcumsumexp, aten.kthvalue, aten.median, aten.mode, aten._fft_r2c,
                    aten._fft_c2c, aten._fft_c2r}
 
+# the dims argument of these ops' default overloads (ops along dims, same shape elsewhere)
+_DIMS_ARG = {aten.cummax, aten.cummin, aten.cumprod, aten.logcumsumexp, aten._fft_r2c,
+             aten._fft_c2c, aten._fft_c2r}
+
+
+def _along_without_dtensor(node, ins, cur, val) -> Strategy:
+    """For an op of ``_ALONG_SEQUENCE`` DTensor has no strategy for (before torch 2.13: the
+    cumulative ops but cumsum, median, kthvalue, mode, the FFTs): a split it runs along is
+    gathered, as DTensor's strategies for the others do, and one it does not run along kept."""
+    p = cur[0] if len(ins) == 1 else None
+    if isinstance(p, Shard) and node.target.overloadpacket in _DIMS_ARG and \
+            node.target is node.target.overloadpacket.default and len(node.args) > 1:
+        dims = node.args[1] if isinstance(node.args[1], (list, tuple)) else [node.args[1]]
+        rank = ins[0].meta["val"].dim()
+        if p.dim not in {d % rank for d in dims}:
+            out = tuple(p for _ in val) if isinstance(val, (tuple, list)) else p
+            return Strategy((p,), out, None, "along another dim")
+    out = tuple(REPLICATE for _ in val) if isinstance(val, (tuple, list)) else REPLICATE
+    return Strategy(tuple(REPLICATE for _ in ins), out, None, "whole")
+
 
 @dataclass
 class Decision:
@@ -225,6 +245,8 @@ class Propagator:
         rule = _rules.lookup(node.target)
         if rule is None and not all(isinstance(p, Replicate) for p in cur):
             s = strategy_from_dtensor(node, ins, cur, self.parts)
+            if s is None and getattr(node.target, "overloadpacket", None) in _ALONG_SEQUENCE:
+                s = _along_without_dtensor(node, ins, cur, val)
             if s is not None:
                 def rule(_ctx, _s=s):
                     return [_s]

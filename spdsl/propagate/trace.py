@@ -30,7 +30,7 @@ from spdsl._torch import (
     disable_current_modes,
     flex_attention_on_cpu,
     reparametrize_module,
-    stack_trace_anchor,
+    stack_trace_anchors,
     tree_flatten,
     tree_unflatten,
     use_lazy_graph_module,
@@ -331,7 +331,6 @@ def trace(fn: Callable, args: tuple, kwargs: dict, breaks: Any = None) -> Traced
         stack.pop()
         events.append((graph_len(), stack[-1] if stack else None))
 
-    _anchor_user_code(fn)
     _TRACING[0] = True
     h1 = torch.nn.modules.module.register_module_forward_pre_hook(pre)
     h2 = torch.nn.modules.module.register_module_forward_hook(post)
@@ -342,7 +341,8 @@ def trace(fn: Callable, args: tuple, kwargs: dict, breaks: Any = None) -> Traced
         # flex_attention: the ranks run its eager math, which has a backward on CPU too
         with (replay.installed() if breaks is None else contextlib.nullcontext()), \
                 (_no_python_draws(fn) if breaks is None else contextlib.nullcontext()), \
-                use_lazy_graph_module(True), flex_attention_on_cpu():
+                use_lazy_graph_module(True), flex_attention_on_cpu(), \
+                stack_trace_anchors(_user_functions(fn)):
             gm = make_fx(flat_fn, tracing_mode="fake", record_stack_traces=True,
                          _allow_non_fake_inputs=True)(*_fake_meta(
                              [_plain(t) for t in state] +
@@ -541,19 +541,17 @@ def _no_python_scalars(gm: torch.fx.GraphModule) -> None:
                        "their values, and on a rank the tensor is only its piece")
 
 
-def _anchor_user_code(fn: Callable) -> None:
-    """make_fx keeps only ``forward`` frames in a node's stack trace; a plain function (and
-    what it wraps) is registered so that its lines are kept too (``spdsl._torch``: where the
-    private registration is missing, modules keep their lines and plain functions lose
-    theirs)."""
-    register = stack_trace_anchor()
-    seen = set()
+def _user_functions(fn: Callable) -> list[Callable]:
+    """``fn`` and what it wraps, as plain functions: make_fx keeps only ``forward`` frames in a
+    node's stack trace, and these keep their lines too (``spdsl._torch.stack_trace_anchors``)."""
+    out, seen = [], set()
     while fn is not None and id(fn) not in seen:
         seen.add(id(fn))
         code = getattr(fn, "__func__", fn)
-        if register is not None and hasattr(code, "__code__"):
-            register(code)
+        if hasattr(code, "__code__"):
+            out.append(code)
         fn = getattr(fn, "__wrapped__", None) or getattr(fn, "func", None)
+    return out
 
 
 def _assign_module_paths(gm, events: list[tuple[int, str | None]]) -> None:

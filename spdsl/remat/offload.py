@@ -8,9 +8,8 @@ A checkpointed layer keeps two kinds of tensors, reached through two PyTorch mec
   layer checkpoint's own hooks take over, so only the layer's inputs reach ours);
 - the op outputs the SAC policy saves (the all-to-all outputs unless
   ``recompute_collectives``; under ``"auto"`` also attention and the saved matmuls), which
-  ``torch.utils.checkpoint``'s caching mode keeps in a per-layer storage: :class:`HostStorage`
-  stands in for it and holds host copies instead (the one place spdsl touches that private
-  storage layout, see :func:`sac_contexts`).
+  ``torch.utils.checkpoint``'s caching mode keeps in a per-layer storage: there they are held
+  as host copies instead (``spdsl._torch.sac_contexts`` owns that private storage's layout).
 
 Only activations move (tensors with an autograd history): parameters and the per-rank RoPE
 tables stay where they are. Two views of one storage (an all-to-all output and its
@@ -46,9 +45,8 @@ import threading
 import weakref
 
 import torch
-from torch.utils import checkpoint as _ckpt
 
-from spdsl._torch import c10d_functional, is_traceable_wrapper_subclass
+from spdsl._torch import c10d_functional, is_traceable_wrapper_subclass, sac_contexts
 
 _LOCAL = threading.local()
 _WAIT = c10d_functional.wait_tensor.default
@@ -229,9 +227,15 @@ class Offloader:
     def sac_contexts(self, policy, layer: int):
         """``context_fn`` pair for ``checkpoint``: the SAC policy, with what it saves held on
         the host."""
-        storage = HostStorage(self, layer)
-        return (_ckpt._CachingTorchDispatchMode(policy, storage),
-                _ckpt._CachedTorchDispatchMode(policy, storage))
+        def put(t):
+            if isinstance(t, torch.Tensor) and t.dtype.is_floating_point and \
+                    not isinstance(t, torch.nn.Parameter):
+                return self.put(t, layer)
+            return None
+
+        # a wait returns the tensor its collective wrote: run again on the fetched copy it is
+        # a no-op, and caching it would hold that tensor a second time
+        return sac_contexts(policy, put, self.get, recomputed=frozenset({_WAIT}))
 
 
 def _activation(t: torch.Tensor) -> bool:
@@ -241,62 +245,3 @@ def _activation(t: torch.Tensor) -> bool:
         return False
     base = t._base
     return base is None or base.grad_fn is not None
-
-
-class _HostEntries(dict):
-    """One op's cached outputs by call index; tensors kept as host copies."""
-
-    def __init__(self, off: Offloader, layer: int, key) -> None:
-        super().__init__()
-        self.off, self.layer = off, layer
-        # a wait returns the tensor its collective wrote: run again on the fetched copy it is
-        # a no-op, and caching it would hold that tensor a second time
-        self.again = key is _WAIT
-
-    def __setitem__(self, idx, entry) -> None:
-        if self.again and entry is not _ckpt._CONSUMED:
-            entry = _ckpt._RECOMPUTE
-        elif entry is not _ckpt._RECOMPUTE and entry is not _ckpt._CONSUMED:
-            entry = _tree(entry, self._put)
-        super().__setitem__(idx, entry)
-
-    def get(self, idx, default=None):
-        entry = super().get(idx, default)
-        if isinstance(entry, (list, tuple, _Moved)):
-            entry = _tree(entry, self._get)
-        return entry
-
-    def _put(self, w):
-        v = getattr(w, "val", None)
-        if isinstance(w, _ckpt._VersionWrapper) and isinstance(v, torch.Tensor) and \
-                v.dtype.is_floating_point and not isinstance(v, torch.nn.Parameter):
-            return _Moved(self.off.put(v, self.layer))
-        return w
-
-    def _get(self, m):
-        return _ckpt._VersionWrapper(self.off.get(m.held)) if isinstance(m, _Moved) else m
-
-
-class _Moved:
-    __slots__ = ("held",)
-
-    def __init__(self, held: _Held) -> None:
-        self.held = held
-
-
-def _tree(entry, fn):
-    if isinstance(entry, (list, tuple)):
-        return type(entry)(_tree(e, fn) for e in entry)
-    return fn(entry)
-
-
-class HostStorage(dict):
-    """SAC's per-layer cache (op -> call index -> outputs), with tensors on the host."""
-
-    def __init__(self, off: Offloader, layer: int) -> None:
-        super().__init__()
-        self.off, self.layer = off, layer
-
-    def __missing__(self, key):
-        v = self[key] = _HostEntries(self.off, self.layer, key)
-        return v

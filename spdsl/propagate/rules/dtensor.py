@@ -12,6 +12,7 @@ from torch.distributed.tensor import Replicate, Shard
 
 from spdsl._torch import (
     OpOverload,
+    dtensor_op_handlers,
     dtensor_sharding_propagator,
     dtensor_spec_types,
     tree_flatten,
@@ -33,6 +34,16 @@ def strategy_from_dtensor(node: torch.fx.Node, inputs: list[torch.fx.Node], plac
     if not isinstance(node.target, OpOverload) or \
             node.target in prop.op_to_shape_and_stride_idx:
         return None      # ops with global shape arguments would need them made local
+    name = f"dtensor:{node.target.overloadpacket.__name__}"
+    if node.target in dtensor_op_handlers() and node.target not in prop.op_strategy_funcs \
+            and node.target not in prop.op_single_dim_strategy_funcs:
+        # DTensor runs this op through a handler of its own, and its rule describes that
+        # handler: torch 2.11's convolution keeps a split length split because its handler
+        # exchanges halos, which the op run on a rank's piece does not. Run whole (2.13's
+        # convolution strategy gathers a split length too)
+        val = node.meta["val"]
+        out = tuple(REPLICATE for _ in val) if isinstance(val, (tuple, list)) else REPLICATE
+        return Strategy(tuple(REPLICATE for _ in inputs), out, None, name)
     mesh = _planning_mesh(parts)
     specs = {}
     for a, p in zip(inputs, placements):
@@ -79,7 +90,7 @@ def strategy_from_dtensor(node: torch.fx.Node, inputs: list[torch.fx.Node], plac
         output = back(out.output_spec, val.shape)
     if output is None or None in want or (isinstance(output, tuple) and None in output):
         return None
-    return Strategy(tuple(want), output, None, f"dtensor:{node.target.overloadpacket.__name__}")
+    return Strategy(tuple(want), output, None, name)
 
 
 def tree_flatten_specs(args) -> list:

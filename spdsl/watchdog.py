@@ -239,7 +239,9 @@ def tag(t: torch.Tensor) -> None:
 
 
 def describe(op: tuple | None) -> str:
-    """``v3 = x.sum(1) (model.py:12)``: the program's line of an op ``_op_here`` found."""
+    """``v3 = x.sum(1) (model.py:12), in layers.3.attention``: the program's line of an op
+    ``_op_here`` found, and the module the plan lists its collectives under (the plan's
+    ``module`` column)."""
     if op is None:
         return ""
     ref, line = op
@@ -250,7 +252,8 @@ def describe(op: tuple | None) -> str:
         return ""
     for i, node in enumerate(gm.graph.nodes):
         if i == idx:
-            return _describe(node)
+            text, module = _describe(node), node.meta.get("spdsl_module")
+            return f"{text}, in {module}" if text and module else text
     return ""
 
 

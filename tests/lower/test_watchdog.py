@@ -62,3 +62,29 @@ def test_order_check_raises_on_every_rank():
     for msg in got:
         assert msg.startswith("[collective order]"), msg
         assert "#1 all_gather of 8.0 KiB" in msg and "#1 all_reduce of 4 B" in msg, msg
+
+
+def _stall_in_backward(rank: int, world: int):
+    import spdsl
+    from spdsl import watchdog
+    from spdsl.models.llama import Llama, LlamaConfig
+    watchdog.set_timeout(BOUND)
+    torch.manual_seed(0)
+    model = Llama(LlamaConfig.tiny())
+    ids = torch.randint(0, 100, (1, 64))
+    loss = spdsl.sp_shard(seq=world)(model)(ids, ids)
+    if rank == 1:
+        time.sleep(4 * BOUND)          # rank 0 waits in backward's first collective meanwhile
+    loss.backward()
+    return "completed"
+
+
+def test_a_wait_in_backward_names_the_op_and_its_module(capfd):
+    """Rank 1 stops between forward and backward: rank 0's report names the backward
+    collective, the model's line it belongs to and the module the plan lists it under."""
+    with pytest.raises(RuntimeError) as failed:
+        spawn(_stall_in_backward, 2, timeout=120)
+    err = capfd.readouterr().err + str(failed.value)
+    report = err.split("spdsl: rank 0 waited", 1)[1].split(" without it completing")[0]
+    assert "all_to_all" in report and "backward" in report, report
+    assert "(llama.py:" in report and ", in layers.1.attention" in report, report

@@ -54,6 +54,8 @@ def _scaled(stashed: torch.Tensor, dloss: torch.Tensor, dtype: torch.dtype) -> t
     """``(stashed * dloss).to(dtype)`` written straight into a ``dtype`` tensor: the product is
     formed in fp32 and rounded once, as before, without an fp32 temporary of the weight's size
     beside the stash."""
+    if torch.is_grad_enabled() and dloss.requires_grad:    # create_graph: out= has no grad
+        return (stashed * dloss).to(dtype)
     return torch.mul(stashed, dloss, out=torch.empty_like(stashed, dtype=dtype))
 
 

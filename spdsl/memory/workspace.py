@@ -8,8 +8,8 @@ holds two fp32 ``[q_block, kv_block]`` tiles per thread — 1 MiB per thread onc
 reaches 768, more than a tiny model's whole layer at SP 4 (the planner read 15% low there).
 
 spdsl's fused linear + cross-entropy holds a logits chunk (and a piece of its weight gradient)
-inside its op the same way. Each entry maps an op to its scratch bytes, live while the op runs, on top of its outputs.
-The sizes are those of torch 2.13's kernel; threads are the planning process's own
+inside its op the same way. Each entry maps an op to its scratch bytes, live while the op
+runs, on top of its outputs. The sizes are those of torch 2.13's kernel; threads are the planning process's own
 (``torch.get_num_threads()``), so plan where you run or set the threads alike.
 """
 

@@ -43,6 +43,7 @@ replaced by the group's axis). A call whose describer returns
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -135,8 +136,11 @@ def _chunk_bytes(x, split: tuple, parts: int) -> int:
     """Bytes of one rank's chunk of ``split = (dim, outer, size, inner)``, padded to the
     largest (what every rank hands over), whether ``x`` holds the whole dim or a chunk."""
     dim, outer, size, inner = split
-    rows = x.meta["val"].shape[dim] // max(1, outer * inner)     # rows of ``size`` held
-    return -(-size // parts) * (nbytes(x) // rows) if rows else 0
+    v = x.meta["val"]
+    # bytes of one row of ``size`` from the shape: a rank may hold none (a dim shorter than
+    # the ranks), and still hands over a padded chunk
+    row = v.element_size() * outer * inner * math.prod(v.shape[:dim] + v.shape[dim + 1:])
+    return -(-size // parts) * row
 
 
 @register(C.reduce_scatter)

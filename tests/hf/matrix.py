@@ -164,9 +164,51 @@ def main() -> None:
     lines += [f"| {f.name} | {f.exercises} |" for f in FAMILIES.values()]
     lines.append("| plain_tied | a plain PyTorch Llama (`spdsl/models/llama.py`) tying its input "
                  "and output embeddings |")
+    lines += hybrid_section()
     with open(args.out, "w") as fh:
         fh.write("\n".join(lines) + "\n")
     print(args.out)
+
+
+HYBRIDS_SP4 = os.path.join(ROOT, "bench", "results", "hybrid_parity_sp4_all.json")
+
+
+def hybrid_section(path: str = HYBRIDS_SP4) -> list[str]:
+    """The hybrids' table: every case of ``tests/hf/test_hybrid_parity.py`` at SP 4, as
+    ``SPDSL_HYBRID_SP4=all`` wrote it (``bench/results/hybrid_parity_sp4_all.json``)."""
+    with open(path) as fh:
+        rows = json.load(fh)
+    families = list(dict.fromkeys(name.split("/")[0] for name in rows))
+    data = ("plain", "pad_right", "packed", "varlen")
+    lines = [
+        "", "## Hybrids (linear attention and state-space layers) and mixture of experts", "",
+        "The hybrids' sequence mixers are split over the sequence (by heads or by passing states:",
+        "[mixers.md](mixers.md)); their parity runs in `tests/hf/test_hybrid_parity.py` (every case at",
+        "SP 2 on transformers 5.25 and 5.17, a subset at SP 4). Every case at SP 4, transformers 5.25",
+        "(`SPDSL_HYBRID_SP4=all python -m pytest tests/hf/test_hybrid_parity.py -k sp4`; raw:",
+        "`bench/results/hybrid_parity_sp4_all.json`): the worst of the loss and every gradient, and the",
+        "mixers' strategy. `varlen`: packed with the documents' bounds passed to the mixers (the GPU",
+        "kernels' path, on CPU through `tests/hf/varlen.py`). Gated DeltaNet's gradients are compared",
+        "within 1e-4 or twice the rounding floor of Hugging Face's chunked function (`*`).", "",
+        "| family | " + " | ".join(data) + " | mixers |", "|---|" + "---|" * len(data) + "---|"]
+    for f in families:
+        cells, strategies = [], set()
+        for d in data:
+            v = rows.get(f"{f}/{d}")
+            if v is None:
+                cells.append("-")
+                continue
+            ok = v["loss"] <= LOSS_RTOL and v["grad"] <= max(GRAD_RTOL, 2 * v["floor"])
+            err = max(v["loss"], v["grad"])
+            cells.append(f"{'exact' if ok else 'NOT exact'} "
+                         f"({err:.0e}{'*' if v['grad'] > GRAD_RTOL else ''})")
+            strategies |= {" ".join(s.split(".")[1:3]) for s in v["strategies"] or []}
+        lines.append(f"| {f} | " + " | ".join(cells) + " | " + ", ".join(sorted(strategies)) + " |")
+    return lines + [
+        "", "Mixture-of-experts families (Mixtral, Qwen3-MoE, Qwen2-MoE, OLMoE, DeepSeek-V3, DeepSeek-V3.2,",
+        "gpt-oss, Qwen3-Next, Jamba, Granite 4 hybrid, Kimi-Linear, MiniMax) and their experts implementations:",
+        "[moe.md](moe.md) (`tests/hf/test_moe_parity.py`: SP 2 and 4 on transformers 5.25, SP 2 on 5.17).",
+        ""]
 
 
 if __name__ == "__main__":

@@ -1,25 +1,30 @@
 #!/usr/bin/env bash
 # One-command check of spdsl on one CUDA device, within BUDGET seconds (560: one device call of
-# at most 10 minutes, with the start-up). Sections, each in its own process under its own time
-# limit cut to what is left of the budget (a failure or a hang in one does not stop the rest):
+# at most 10 minutes, with the start-up). Sections, in the order of what a first device run
+# most needs to learn, each in its own process under its own time limit cut to what is left of
+# the budget (a failure or a hang in one does not stop the rest), each section's results
+# written, and the summary rewritten, as it ends (a device call killed midway keeps them):
+#   parity  - one training step of the small Llama and a 1.1B Llama, kernels on vs off: fp32
+#             loss and gradient errors, bf16 errors and step time (bench/gpu/train_parity.py);
 #   tests   - pytest tests/kernels on the device: the gpu cases in fp32 (IEEE dots), bf16 and
 #             fp16 against the fp32 references, plus the plain CPU tests (bench/gpu/summarize.py
 #             counts pass/fail per dtype);
-#   parity  - one training step of the small Llama and a 1.1B Llama, kernels on vs off: fp32
-#             loss and gradient errors, bf16 errors and step time (bench/gpu/train_parity.py);
-#   planner - the memory planner's peak vs torch.cuda.max_memory_allocated, small Llama, SP 1,
-#             remat none/auto/full (bench/gpu/planner_check.py);
-#   bench   - fwd+bwd TFLOP/s (GB/s for the memory-bound kernels) of the Triton kernels vs SDPA's
-#             flash backend and torch.compile'd references, bf16 (bench/kernel_bench.py);
 #   masked  - masked attention (a mask program of per-token values) on FlexAttention vs the
 #             block kernel: fwd+bwd ms and their output/gradient agreement, bf16, S=8192 and
 #             32768, padding+causal, documents, HF additive (bench/gpu/masked_attn_check.py);
+#   planner - the memory planner's peak vs torch.cuda.max_memory_allocated, small Llama, SP 1,
+#             remat none/auto/full (bench/gpu/planner_check.py);
 #   bigstep - one training step (forward, backward, AdamW) of an 8B-wide Llama (llama3_8b
 #             widths, 2 layers, bf16) at the longest of 614,400 tokens and shorter ones that
 #             the planner says fits the device, sp_shard(seq=1, shard_state=True,
 #             remat=Remat("full", offload=True)): plan_memory's peak and pinned host bytes vs
 #             torch.cuda.max_memory_allocated/max_memory_reserved and the pinned host
-#             allocator's peak (bench/gpu/bigstep.py).
+#             allocator's peak (bench/gpu/bigstep.py);
+#   bench   - fwd+bwd TFLOP/s (GB/s for the memory-bound kernels) of the Triton kernels vs SDPA's
+#             flash backend and torch.compile'd references, bf16 (bench/kernel_bench.py).
+# Ring attention is not a section: it runs between ranks (NCCL needs a device per rank, the
+# lent machine has one); its per-step compute is the block recurrence the masked section and
+# the CPU suite check (tests/kernels/test_ring_attn.py).
 # Results: bench/results/gpu/{kernel_tests.log,train_parity.json,planner.json,
 # kernel_bench.json,masked_attn.json,bigstep.json,gpu_check.json,summary.md}; the summary is
 # printed at the end. The dry run uses LlamaConfig.tiny() models (bigstep: tiny widths, 2
@@ -109,6 +114,10 @@ section() {   # section NAME LIMIT_S COMMAND...: run it, record exit status and 
     [ $rc = 124 ] && echo "== $name: TIMED OUT after ${limit}s"
     echo "== $name: exit $rc in ${secs}s"
     SECTIONS="$SECTIONS${SECTIONS:+,}$name:$rc:$secs"
+    summarize > /dev/null
+}
+summarize() { # gpu_check.json and summary.md of the sections so far (a killed run keeps them)
+    "$PY" -m bench.gpu.summarize --dir "$OUT" --sections "$SECTIONS"
 }
 
 echo "== environment ($(date -u +%FT%TZ), $PY, results in $OUT)"
@@ -128,6 +137,11 @@ if os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
     assert torch.cuda.is_available(), "no CUDA device: use --dry-run on a CPU machine"
     print(f"device {torch.cuda.get_device_name()}")
 PY
+
+# In the order of what a first device run most needs to learn: the whole step's parity on
+# the device (one training step, kernels on vs off), then the kernels' own tests (bf16 among
+# them), ...
+section parity "$L_PARITY" "$PY" -m bench.gpu.train_parity $TINY --out "$OUT/train_parity.json"
 
 # The kernel tests run as parallel pytest processes, one per dtype group (Triton compiles
 # each kernel variant once per dtype: in parallel they take a third of the time), each
@@ -173,19 +187,19 @@ rm -rf "$OUT/parts"
 grep -E "^(FAILED|ERROR) |passed|failed" "$OUT/kernel_tests.log" | tail -40
 SECTIONS="$SECTIONS${SECTIONS:+,}tests:$rc:$(( $(date +%s) - start ))"
 echo "== tests: exit $rc"
+summarize > /dev/null
 fi
 
-# in the order of what a first device run most needs: kernels and training parity, then the
-# 600K-token step, then the planner, masked attention and kernel speed
-section parity "$L_PARITY" "$PY" -m bench.gpu.train_parity $TINY --out "$OUT/train_parity.json"
-section bigstep "$L_BIGSTEP" "$PY" -m bench.gpu.bigstep $TINY --out "$OUT/bigstep.json"
+# then what the kernels' memory and speed claims rest on: masked attention, the planner
+# against the device's allocator, the 600K-token step, the kernels' speed
+section masked "$L_MASKED" "$PY" -m bench.gpu.masked_attn_check $TINY --out "$OUT/masked_attn.json"
 section planner "$L_PLANNER" "$PY" -m bench.gpu.planner_check $TINY \
     ${TINY:+--seq 128} --out "$OUT/planner.json"
-section masked "$L_MASKED" "$PY" -m bench.gpu.masked_attn_check $TINY --out "$OUT/masked_attn.json"
+section bigstep "$L_BIGSTEP" "$PY" -m bench.gpu.bigstep $TINY --out "$OUT/bigstep.json"
 section bench "$L_BENCH" "$PY" bench/kernel_bench.py $TINY --json "$OUT/kernel_bench.json"
 
 echo "== summary"
-"$PY" -m bench.gpu.summarize --dir "$OUT" --sections "$SECTIONS"
+summarize
 status=$?
 echo "== gpu_check exit status $status (results in $OUT)"
 exit $status

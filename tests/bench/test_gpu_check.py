@@ -76,6 +76,27 @@ def test_sections_past_the_budget_are_skipped_and_said(tmp_path):
     assert "125 (skipped: budget spent)" in (tmp_path / "summary.md").read_text()
 
 
+def test_a_killed_run_keeps_the_sections_it_finished(tmp_path):
+    """A device call may end midway (its time spent): each section's summary is written as it
+    ends, so the sections before the kill are in gpu_check.json and summary.md."""
+    proc = subprocess.Popen(["bash", "bench/gpu_check.sh", "--dry-run", "--only", "env,parity",
+                             "--out", str(tmp_path)], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    seen = []
+    try:
+        for line in proc.stdout:          # parity starts after env's summary is written
+            seen.append(line)
+            if line.startswith("== parity (limit"):
+                break
+    finally:
+        os.killpg(proc.pid, 9)
+        proc.wait()
+    assert any(line.startswith("== parity (limit") for line in seen), "".join(seen)[-3000:]
+    data = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert [(s["name"], s["rc"]) for s in data["sections"]] == [("env", 0)]
+    assert "| env | 0 |" in (tmp_path / "summary.md").read_text()
+
+
 @pytest.mark.slow
 def test_dry_run_writes_every_result(tmp_path):
     if not triton_available():
@@ -89,8 +110,8 @@ def test_dry_run_writes_every_result(tmp_path):
                  "masked_attn.json", "bigstep.json", "gpu_check.json", "summary.md"):
         assert (tmp_path / name).is_file(), name
     data = json.loads((tmp_path / "gpu_check.json").read_text())
-    assert [s["name"] for s in data["sections"]] == ["env", "tests", "parity", "bigstep",
-                                                     "planner", "masked", "bench"]
+    assert [s["name"] for s in data["sections"]] == ["env", "parity", "tests", "masked",
+                                                     "planner", "bigstep", "bench"]
     assert all(s["rc"] == 0 for s in data["sections"]), data["sections"]
     counts = data["kernel_tests"]["counts"]["fp32 (cpu)"]
     assert counts["passed"] >= 5 and counts["failed"] == 0, counts

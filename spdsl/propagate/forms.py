@@ -197,6 +197,26 @@ register_form(AttentionForm(
     saves="what the policy keeps of its ops (its matmuls; the softmax is recomputed)",
     find=_find_written_out, written_out=True, custom_ops=("spdsl::masked_attn",)))
 
+
+def _find_biased(gm: torch.fx.GraphModule) -> int:
+    from spdsl.propagate.eager_attention import fuse_biased_attention
+    return fuse_biased_attention(gm)
+
+
+register_form(AttentionForm(
+    name="baddbmm",
+    found="softmax(baddbmm(bias, q, k^T, beta=b, alpha=a) + mask) @ v in ops: Hugging Face "
+          "BLOOM's ALiBi attention, GPT-2's reorder_and_upcast_attn (beta=0); any constant "
+          "alpha and beta (a baddbmm the written_out form does not take)",
+    layout="the [B*H, S, D] operands of baddbmm and bmm, read back to [B, H, S, D]",
+    masks="beta * bias (per head and key: [B*H, 1, S] viewed [B, H, 1, S]) plus one additive "
+          "mask, as one mask: a function of per-token and per-head values "
+          "(spdsl.propagate.masks), cut to each rank's heads; float32 or input-dtype softmax, "
+          "dropout with p == 0; a bias or mask computed from a floating graph input (a "
+          "gradient may reach it) is left as ops",
+    saves="what the policy keeps of its ops (its matmuls; the softmax is recomputed)",
+    find=_find_biased, written_out=True, custom_ops=("spdsl::masked_attn",)))
+
 register_form(AttentionForm(
     name="flash_kernel",
     found="spdsl.kernels.flash_attn called in the model (without segment_ids)",

@@ -149,7 +149,7 @@ TEST_CASES = [Case(f, a) for f in MATRIX for a in ATTN[f]] + [
     Case("phi3", "sdpa", "packed"), Case("gptj", "eager", "packed"),
     Case("llama", "eager", "packed"), Case("gpt2", "sdpa", "packed"),
     Case("gemma3", "sdpa", "packed"), Case("deepseek_v2", "eager", "packed"),
-    Case("gemma2", "eager", "packed"),
+    Case("gemma2", "eager", "packed"), Case("bloom", "eager", "packed"),
     Case("lfm2", "sdpa", "packed"), Case("lfm2", "sdpa", "packed_seq_idx"),
 ]
 # compiled (tied embeddings: GPT-2, Gemma, a plain PyTorch model) and checkpointed

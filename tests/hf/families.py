@@ -119,6 +119,13 @@ FAMILIES: dict[str, Family] = {f.name: f for f in [
     Family("smollm3", "SmolLM3Config", "SmolLM3ForCausalLM",
            _llama_like(no_rope_layer_interval=2, pad_token_id=0),
            "no rotary on every second layer (NoPE)"),
+    Family("bloom", "BloomConfig", "BloomForCausalLM",
+           {"vocab_size": VOCAB, "hidden_size": DIM, "n_layer": LAYERS, "n_head": HEADS,
+                "attention_dropout": 0.0, "hidden_dropout": 0.0},
+           "ALiBi: baddbmm of a per-head, per-key bias with q and k^T on [B*H, S, D], the "
+           "mask added after, float32 softmax (the baddbmm form: the bias cut to each rank's "
+           "heads after the all-to-all); no position ids (a packed batch attends across "
+           "documents, on one device as under SP)"),
     Family("gpt_bigcode", "GPTBigCodeConfig", "GPTBigCodeForCausalLM",
            {"vocab_size": VOCAB, "n_embd": DIM, "n_layer": LAYERS, "n_head": HEADS,
                 "n_positions": 256, "multi_query": True, "resid_pdrop": 0.0, "embd_pdrop": 0.0,
@@ -159,9 +166,9 @@ FAMILIES: dict[str, Family] = {f.name: f for f in [
 
 
 # families in the tested matrix, and the attention implementations each supports (GPT-J has
-# no SDPA path in transformers)
+# no SDPA path in transformers; BLOOM's attention is its own ops whatever the setting)
 MATRIX = list(FAMILIES)
-ATTN = {f: ("eager",) if f == "gptj" else ("sdpa", "eager") for f in FAMILIES}
+ATTN = {f: ("eager",) if f in ("gptj", "bloom") else ("sdpa", "eager") for f in FAMILIES}
 
 
 def unsupported(name: str, attn: str, data: str = "plain") -> str:

@@ -20,6 +20,7 @@ from spdsl._torch import make_graph_module, tree_map
 from spdsl.lower import mixers, ops, ring, tokenwise
 from spdsl.lower.factories import VAL as REPLICATED_VAL
 from spdsl.lower.factories import split_factories
+from spdsl.lower.layers import layer_of
 from spdsl.propagate.eager_attention import COMPUTE_DTYPE, OUT_DTYPE
 from spdsl.propagate.engine import Propagator, gradient_reaches, tensor_inputs
 from spdsl.propagate.forms import FORM, form_of
@@ -481,9 +482,14 @@ def bucket_gradient_reduces(graph: torch.fx.Graph, cap: int | None = None) -> in
     every rank, so summing before or after it is the same sum. A parameter's gradient is
     complete once backward has passed its first use, so buckets are
     filled in reverse order of first use (the last layer's weights first) and grouped by dtype;
-    a bucket reduces when its last gradient is known. The calls sit after the placeholders,
-    outside every layer (checkpointed regions never re-run them). A parameter read only
-    through ``detach()`` gets no marker: it keeps no gradient, eager or compiled.
+    a bucket reduces when its last gradient is known. Each bucket's call sits just before the
+    first use of its parameters, in that use's layer: collectives are issued in backward in the
+    reverse of their forward order (``collectives.backward_order``), so a bucket placed there
+    is issued as soon as backward has passed those uses, while earlier layers' backward still
+    runs (placed at the start, every bucket would wait for the backward of the step's first
+    collective). Its forward is an identity: a checkpointed layer that recomputes it issues
+    nothing. A parameter read only through ``detach()`` gets no marker: it keeps no gradient,
+    eager or compiled.
     """
     cap = GRAD_BUCKET_BYTES if cap is None else cap
     nodes = [m for m in (_marker_on_input(graph, n) for n in list(graph.nodes)
@@ -510,10 +516,11 @@ def bucket_gradient_reduces(graph: torch.fx.Graph, cap: int | None = None) -> in
             buckets.append(bucket)
         bucket.append(n)
         filling[kind] = (bucket, used + size)
-    anchor = [n for n in graph.nodes if n.op == "placeholder"][-1]
     for bucket in buckets:
         group = bucket[0].args[1]
-        with graph.inserting_after(anchor):
+        first = min((u for n in bucket for u in n.users), key=order.__getitem__)
+        layer = layer_of(first.meta.get("spdsl_module", "")) or ""
+        with graph.inserting_before(first):
             many = graph.call_function(C.grad_all_reduce_many,
                                        ([n.args[0] for n in bucket], group))
         anchor = many
@@ -521,11 +528,11 @@ def bucket_gradient_reduces(graph: torch.fx.Graph, cap: int | None = None) -> in
             with graph.inserting_after(anchor):
                 item = graph.call_function(operator.getitem, (many, k))
             item.meta.update(n.meta)
-            item.meta["spdsl_module"] = ""
+            item.meta["spdsl_module"] = layer
             anchor = item
             n.replace_all_uses_with(item)
             graph.erase_node(n)
-        many.meta.update(spdsl_module="", spdsl_origin="gradient bucket",
+        many.meta.update(spdsl_module=layer, spdsl_origin="gradient bucket",
                          stack_trace=None)
     return len(buckets)
 

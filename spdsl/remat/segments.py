@@ -13,28 +13,14 @@ was saved anyway.
 from __future__ import annotations
 
 import functools
-import re
 
 import torch
 from torch.fx.passes.split_module import split_module
 from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
 
+from spdsl.lower.layers import layer_of  # noqa: F401 - also read from here by remat, cli
 from spdsl.remat.offload import Offloader
 from spdsl.remat.policy import SavePolicy
-
-_LAYER = re.compile(r"^((?:[^.]+\.)*?\d+)(?:\.|$)")
-
-
-def layer_of(module_path: str) -> str | None:
-    """``"layers.3.attention.wq"`` -> ``"layers.3"``; None outside numbered layers.
-
-    Example::
-
-        >>> layer_of("model.layers.12.mlp"), layer_of("lm_head")
-        ('model.layers.12', None)
-    """
-    m = _LAYER.match(module_path or "")
-    return m.group(1) if m else None
 
 
 def layer_partition(gm: torch.fx.GraphModule) -> dict[torch.fx.Node, int]:

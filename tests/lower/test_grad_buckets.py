@@ -61,7 +61,9 @@ def test_buckets_follow_gradient_order_and_cap():
              if n.op == "placeholder"}
     cap = 3 * max(sizes.values())
     count = bucket_gradient_reduces(g, cap)
-    buckets = _buckets(gm)
+    # each bucket sits before the first use of its parameters: in graph order the embedding's
+    # first; filled (and reduced in backward) in the reverse order
+    buckets = _buckets(gm)[::-1]
     assert count == len(buckets) > 1
     assert all(sum(sizes[p] for p in b) <= cap for b in buckets)
     # placeholders come in the order of model.named_parameters()
@@ -76,6 +78,18 @@ def test_buckets_follow_gradient_order_and_cap():
                                                                                 "layers.1.")}
     first = {k: min(i for i, n in enumerate(flat) if n.startswith(k)) for k in last}
     assert last["layers.1."] < first["layers.0."]
+    # placed where backward is done with them: no layer's all-to-alls between a bucket and
+    # its first use, so backward issues each bucket before the earlier layers' exchanges
+    nodes = list(g.nodes)
+    at = {n: i for i, n in enumerate(nodes)}
+    a2a = [at[n] for n in nodes if getattr(n.target, "__name__", "") == "ulysses_attention"]
+    for many in [n for n in nodes if n.target is C.grad_all_reduce_many]:
+        uses = [u for item in many.users for u in item.users]
+        assert at[many] < min(at[u] for u in uses)
+        assert not [i for i in a2a if at[many] < i < min(at[u] for u in uses)]
+    head = next(n for n in nodes if n.target is C.grad_all_reduce_many
+                and any(names[a.target] == "lm_head.weight" for a in n.args[0]))
+    assert a2a and at[head] > min(a2a)       # not at the start: issued before layer 0's
 
 
 def test_a_parameter_read_through_detach_gets_no_all_reduce():

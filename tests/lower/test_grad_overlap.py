@@ -7,7 +7,8 @@ same all-reduce of the same buffer); a second ``backward()`` accumulates into ``
 ``torch.autograd.grad`` (which accumulates nothing) and a parameter with a hook take the
 waited path and are still exact; the overlapped path is the one taken otherwise (every bucket
 started in backward is finished by the end-of-backward callback, and no gradient is in
-``.grad`` before it runs).
+``.grad`` before it runs); with small buckets each is issued as soon as backward is done with
+its parameters, between the layers' all-to-alls.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 def _run(rank: int, world: int) -> dict:
     import spdsl
     from spdsl import collectives as C
+    from spdsl.lower import graph
     from spdsl.models.llama import Llama, LlamaConfig
 
     torch.manual_seed(0)
@@ -51,6 +53,7 @@ def _run(rank: int, world: int) -> dict:
         real_finish()
 
     C._finish_buckets = finish
+    cap = graph.GRAD_BUCKET_BYTES
     out = {}
     try:
         grads = {}
@@ -86,7 +89,20 @@ def _run(rank: int, world: int) -> dict:
         spdsl.sp_shard(seq=world)(model)(ids, labels).backward()
         out["hooked"] = max(_rel(p.grad, r) for p, r in zip(watched, refs))
         out["hook_ran"] = bool(seen)
+
+        # small buckets: issued during backward as each one's gradients complete, between
+        # the layers' all-to-alls (the process group's records, in the order they started)
+        graph.GRAD_BUCKET_BYTES = 64 * 1024
+        model = copy.deepcopy(ref)
+        loss = spdsl.sp_shard(seq=world)(model)(ids, labels)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            loss.backward()
+        calls = sorted((e.time_range.start, e.name) for e in prof.events()
+                       if e.name.startswith("c10d::"))
+        out["backward_calls"] = [name.removeprefix("c10d::").rstrip("_") for _, name in calls]
+        out["small_buckets"] = max(_rel(p.grad, r) for p, r in zip(model.parameters(), refs))
     finally:
+        graph.GRAD_BUCKET_BYTES = cap
         C._finish_buckets = real_finish
         C.GRAD_OVERLAP = True
     return out
@@ -110,3 +126,11 @@ def test_overlapped_buckets_are_exact_and_finish_at_the_end_of_backward():
         assert len(r["buckets_finished"]) == 2 and all(n >= 1 for n in r["buckets_finished"]), r
         assert not r["grad_before_finish"], r
         assert r["hooked"] <= GRAD_RTOL and r["hook_ran"], r
+        # each bucket issued as soon as backward is done with its parameters: the last layer's
+        # bucket before the first layer's all-to-alls (the embedding's last of all)
+        calls, last = r["backward_calls"], len(r["backward_calls"]) - 1
+        assert calls.count("allreduce") >= 3, calls
+        assert calls.index("allreduce") < max(i for i, c in enumerate(calls)
+                                              if c == "alltoall_base"), calls
+        assert calls[last] == "allreduce", calls
+        assert r["small_buckets"] <= GRAD_RTOL, r

@@ -22,7 +22,6 @@ try:
     from spdsl.annotate.mesh import mesh
     from spdsl.annotate.spec import P
     from spdsl.annotate.specs import with_sharding_constraint
-    from spdsl.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
     from spdsl.dtensor_ops import dtensor_attention
     from spdsl.errors import ShardingError
     from spdsl.inspect.plan import Collective, ShardingPlan
@@ -34,6 +33,27 @@ finally:
     if _collecting:
         _gc.enable()
     del _collecting
+
+# loaded on first use: importing torch.distributed.checkpoint (FSDP, elastic) costs 0.26 s of
+# CPU (1.91 s against 1.65 s for ``import spdsl``), 6% of ``python -m spdsl plan`` on an 8B
+# model, which never saves a step
+_ON_FIRST_USE = {"latest_checkpoint": "spdsl.checkpoint", "load_checkpoint": "spdsl.checkpoint",
+                 "save_checkpoint": "spdsl.checkpoint"}
+
+
+def __getattr__(name: str):
+    module = _ON_FIRST_USE.get(name)
+    if module is None:
+        raise AttributeError(f"module 'spdsl' has no attribute {name!r}")
+    import importlib
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_ON_FIRST_USE))
+
 
 __all__ = [
     "AttentionConfig",

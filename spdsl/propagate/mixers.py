@@ -54,6 +54,10 @@ form                      captured functions                             state p
                           recognised in the graph (``propagate.convs``)  across an edge
 ========================  =============================================  ==================
 
+Flash attention's kernels (``flash_attn_func``, ``flash_attn_varlen_func``: Hugging Face's
+``flash_attention_2``/``_3``) are captured the same way, as forms without a state: softmax
+attention needs every key before it, so heads (Ulysses) or whole.
+
 A call with a carried state (``initial_state``, a final state asked for: generation with a
 cache) runs traced as ops, as before. Packed documents are captured: a delta rule given their
 bounds (``cu_seqlens``), the SSD scan and the conv given each token's document (``seq_idx``).
@@ -241,7 +245,7 @@ def make_site(form: MixerForm, fn: Callable, bound: dict,
                 [tuple(x.shape) for x in tensors], positional), tensors
 
 
-_PACKAGES = ("transformers.", "fla.", "mamba_ssm.", "causal_conv1d")
+_PACKAGES = ("transformers.", "fla.", "mamba_ssm.", "causal_conv1d", "flash_attn")
 
 
 def _targets(form: MixerForm) -> Iterator[tuple[Any, str]]:
@@ -311,6 +315,10 @@ def captured_mixers() -> Iterator[int]:
             def wrapper(*args, _form=form, _fn=orig, **kwargs):
                 return _capture(_form, _fn, args, kwargs)
             wrapper._spdsl_mixer = form.name
+            with contextlib.suppress(TypeError, ValueError):
+                # callers that read the signature (Hugging Face's flash-attention dispatch
+                # passes only the options the function names) see the function's own
+                wrapper.__signature__ = inspect.signature(_signed(orig))
             setattr(mod, attr, wrapper)
             done.append((mod, attr, orig))
     try:
@@ -465,3 +473,40 @@ register_mixer(MixerForm(
     * (b["weight"].shape[-1] - 1) * b["hidden_states"].element_size(),
     exchange="halo", halo=lambda b: (b["weight"].shape[-1] - 1, 0),
     min_local=lambda b: b["weight"].shape[-1] - 1))
+
+
+# Flash attention (``flash_attn``'s ``flash_attn_func``/``flash_attn_varlen_func``, FA3's
+# ``flash_attn_interface`` under the same names; Hugging Face's ``flash_attention_2``/``_3``
+# call them through ``modeling_flash_attention_utils``, which keeps them as ``_flash_fn`` and
+# ``_flash_varlen_fn`` once loaded): softmax attention in one opaque kernel on
+# ``[batch, seq, heads, head_dim]`` (varlen: ``[tokens, heads, head_dim]``, the documents'
+# bounds in ``cu_seqlens_q``/``_k``). It needs the whole sequence of its heads, so the rule's
+# heads strategy (Ulysses all-to-alls around the kernel) or whole; no state passing. Packed
+# rows keep the whole sequence's ``cu_seqlens`` on every rank (replicated).
+def _flash_output(b: dict) -> tuple:
+    q, v = b["q"], b["v"]
+    return (*q.shape[:-1], v.shape[-1]), q.dtype
+
+
+def _flash_accepts(dims: int) -> Callable[[dict], bool]:
+    def accepts(b: dict) -> bool:
+        q, k, v = (b.get(n) for n in ("q", "k", "v"))
+        return (all(isinstance(t, torch.Tensor) and t.dim() == dims for t in (q, k, v))
+                and q.shape[dims - 3] == k.shape[dims - 3] == v.shape[dims - 3]   # no cache
+                and not b.get("return_attn_probs") and b.get("alibi_slopes") is None
+                and b.get("block_table") is None
+                and (dims == 4 or all(isinstance(b.get(n), torch.Tensor)
+                                      for n in ("cu_seqlens_q", "cu_seqlens_k"))))
+    return accepts
+
+
+register_mixer(MixerForm(
+    "flash_attention", ("flash_attn_func", "_flash_fn"),
+    roles={"q": Role(), "k": Role(), "v": Role()},
+    out=Role(), output=_flash_output, pack=lambda o: o, accepts=_flash_accepts(4)))
+
+_PACKED = Role(seq=0, heads=1, batch=None)          # [tokens, heads, head_dim]
+register_mixer(MixerForm(
+    "flash_attention_varlen", ("flash_attn_varlen_func", "_flash_varlen_fn"),
+    roles={"q": _PACKED, "k": _PACKED, "v": _PACKED},
+    out=_PACKED, output=_flash_output, pack=lambda o: o, accepts=_flash_accepts(3)))

@@ -148,6 +148,7 @@ def main() -> None:
         for c in REMAT_CASES + (COMPILED_CASES if w == 2 else []):
             if cell(results[w], c.name, w) != "not run":
                 lines.append(f"| {c.name} | {w} | {cell(results[w], c.name, w)} |")
+    lines += attention_section()
     lines += ["", "## Known gaps", "",
               ("- `not run`: the case is outside the tested subset (`tests/hf/cases.py`: "
               "`TEST_CASES`); `python -m tests.hf.matrix` without `--from` runs every cell."),
@@ -168,6 +169,37 @@ def main() -> None:
     with open(args.out, "w") as fh:
         fh.write("\n".join(lines) + "\n")
     print(args.out)
+
+
+def attention_section() -> list[str]:
+    """Each Hugging Face ``attn_implementation`` and what ``sp_shard`` does with it
+    (``spdsl.propagate.hf_attention``; ``tests/propagate/test_hf_attention.py`` checks the rows
+    against it)."""
+    return [
+        "", "## Attention implementations", "",
+        "| `attn_implementation` | under `sp_shard` | tested by |", "|---|---|---|",
+        ("| `sdpa` | split: `scaled_dot_product_attention` by Ulysses, ring or hybrid (the cost "
+         "model's choice, [plan.md](plan.md)) | the tables above |"),
+        ("| `eager` | split: the softmax of `q @ k^T` recognised as one attention "
+         "(`spdsl.propagate.forms`) | the tables above |"),
+        ("| `flash_attention_2` | with `flash_attn` and a CUDA device: each kernel call "
+         "(`flash_attn_func`; `flash_attn_varlen_func` for packed rows given `cu_seq_lens_q/k`, "
+         "every rank passing the whole sequence's bounds) captured as one node and split by "
+         "heads, Ulysses all-to-alls around it (kv heads fewer than the ranks: run whole on "
+         "every rank; a plain batch of one row: Hugging Face reads the position ids to tell "
+         "packed from plain, a graph break in each layer, run in segments as "
+         "[breaks.md](breaks.md) says, unless `cu_seq_lens_q/k` are passed); without: "
+         "refused, one line | `tests/hf/test_flash_attention.py`: Llama "
+         "at SP 2, plain and packed, loss and gradients exact, 4 all-to-alls a layer, on CPU "
+         "stand-ins of the kernels (sdpa inside, `tests/hf/varlen.py`); the CUDA kernels "
+         "themselves are not run here |"),
+        ("| `flash_attention_3` | as `flash_attention_2` (split by heads; refused, one line, "
+         "without the kernels of `flash_attn_interface`) | Hugging Face's flash path and the "
+         "plan, on the stand-ins |"),
+        ("| `flex_attention` | refused, one line: Hugging Face compiles it with "
+         "`torch.compile`, which FX cannot trace | `tests/propagate/test_hf_attention.py` |"),
+        ("| `flash_attention_4`, `paged\\|...`, hub kernels (`kernels-community/...`) | refused, "
+         "one line: kernels opaque to the tracer | `tests/propagate/test_hf_attention.py` |")]
 
 
 HYBRIDS_SP4 = os.path.join(ROOT, "bench", "results", "hybrid_parity_sp4_all.json")

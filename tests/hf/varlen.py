@@ -1,4 +1,5 @@
-"""Packed documents as Hugging Face's hybrids keep them apart on a GPU, run on CPU.
+"""Packed documents as Hugging Face's hybrids keep them apart on a GPU, run on CPU; and
+flash-attention's kernels as Hugging Face calls them, on CPU (``flash_attn_on_cpu``).
 
 With flash-linear-attention installed, Hugging Face calls its ``chunk_gated_delta_rule`` with
 ``cu_seqlens`` (the packing collator's ``cu_seq_lens_q``); with mamba_ssm and causal-conv1d,
@@ -16,7 +17,9 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import importlib.machinery
 import inspect
+import itertools
 import sys
 import types
 
@@ -208,3 +211,106 @@ def varlen_batch(s: int, docs: tuple[int, ...]):
     seq_idx = torch.cat([torch.full((n,), i, dtype=torch.int32)
                          for i, n in enumerate(docs)]).unsqueeze(0)
     return ids, labels, pos, cu, seq_idx
+
+
+# -- flash attention ---------------------------------------------------------------------------
+def _attend(q, k, v, dropout_p: float, softmax_scale, causal: bool) -> torch.Tensor:
+    """Softmax attention of ``[B, S, H, D]`` tensors (kv heads grouped) with sdpa."""
+    q, k, v = (x.transpose(1, 2) for x in (q, k, v))
+    if k.shape[1] != q.shape[1]:
+        k, v = (x.repeat_interleave(q.shape[1] // x.shape[1], 1) for x in (k, v))
+    out = torch.nn.functional.scaled_dot_product_attention(
+        q, k, v, dropout_p=dropout_p, is_causal=causal, scale=softmax_scale)
+    return out.transpose(1, 2)
+
+
+def _plain_options(window_size, softcap, alibi_slopes, return_attn_probs) -> None:
+    if tuple(window_size) != (-1, -1) or softcap or alibi_slopes is not None \
+            or return_attn_probs:
+        raise NotImplementedError("the CPU stand-in computes plain (causal) attention only")
+
+
+def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
+                    window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=False,
+                    return_attn_probs=False):
+    """flash-attn 2's ``flash_attn_func`` (``[B, S, H, D]``), computed with sdpa."""
+    _plain_options(window_size, softcap, alibi_slopes, return_attn_probs)
+    return _attend(q, k, v, dropout_p, softmax_scale, causal)
+
+
+def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                           dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
+                           softcap=0.0, alibi_slopes=None, deterministic=False,
+                           return_attn_probs=False, block_table=None):
+    """flash-attn 2's ``flash_attn_varlen_func`` (``[tokens, H, D]``, the documents' bounds in
+    ``cu_seqlens``), computed document by document with sdpa."""
+    _plain_options(window_size, softcap, alibi_slopes, return_attn_probs)
+    bq, bk = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    if bq != bk or block_table is not None:
+        raise NotImplementedError("the CPU stand-in computes self-attention of whole documents")
+    if max(b - a for a, b in itertools.pairwise(bq)) > int(max_seqlen_q):
+        raise ValueError("a document longer than max_seqlen_q")
+    outs = [_attend(q[None, a:b], k[None, a:b], v[None, a:b], dropout_p, softmax_scale,
+                    causal)[0] for a, b in itertools.pairwise(bq)]
+    return torch.cat(outs, 0)
+
+
+def _no_kvcache(*args, **kwargs):
+    raise NotImplementedError("the CPU stand-in has no paged (kv-cache) kernel")
+
+
+FLASH_CALLS: dict[str, int] = {"flash_attn_func": 0, "flash_attn_varlen_func": 0}
+
+
+def _counted(fn):
+    """``fn``, counting its calls in ``FLASH_CALLS`` (which path Hugging Face took)."""
+    def counted(*args, **kwargs):
+        FLASH_CALLS[fn.__name__] += 1
+        return fn(*args, **kwargs)
+    counted.__signature__ = inspect.signature(fn)
+    counted.__name__ = fn.__name__
+    return counted
+
+
+@contextlib.contextmanager
+def flash_attn_on_cpu(version: int = 2):
+    """Inside: Hugging Face's ``flash_attention_2`` (``version=3``: ``_3``) finds the CPU
+    stand-ins above as the ``flash_attn`` package (FA3: ``flash_attn_interface``) and runs its
+    own flash path (``integrations.flash_attention`` -> ``_flash_attention_forward`` ->
+    ``flash_attn_func``, or ``flash_attn_varlen_func`` for packed rows). For version 2 one
+    check is answered: ``is_flash_attn_2_available`` (False without CUDA) as seen by
+    ``modeling_flash_attention_utils``; FA3's path asks nothing. Hugging Face's loaded
+    implementation is reset on entry and exit."""
+    from transformers import modeling_flash_attention_utils as fa
+    from transformers.modeling_flash_attention_utils import _pad_input, _unpad_input
+    fns = {"flash_attn_func": _counted(flash_attn_func),
+           "flash_attn_varlen_func": _counted(flash_attn_varlen_func),
+           "flash_attn_with_kvcache": _no_kvcache}
+    if version == 2:
+        padding = _package("flash_attn.bert_padding", pad_input=_pad_input,
+                           unpad_input=_unpad_input)
+        modules = {"flash_attn": _package("flash_attn", bert_padding=padding, **fns),
+                   "flash_attn.bert_padding": padding}
+    else:
+        modules = {"flash_attn_interface": _package("flash_attn_interface", **fns)}
+    state = ("_loaded_implementation", "_flash_fn", "_flash_varlen_fn",
+             "_flash_with_kvcache_fn", "_pad_fn", "_unpad_fn", "_process_flash_kwargs_fn",
+             "_process_with_kvcache_kwargs_fn", "is_flash_attn_2_available")
+    for name, m in modules.items():     # found by importlib.util.find_spec, as installed
+        m.__spec__ = importlib.machinery.ModuleSpec(name, None)
+    saved = {n: getattr(fa, n) for n in state if hasattr(fa, n)}
+    saved_modules = {n: sys.modules.get(n) for n in modules}
+    sys.modules.update(modules)
+    fa._loaded_implementation = None
+    if version == 2:
+        fa.is_flash_attn_2_available = lambda *args, **kwargs: True
+    try:
+        yield
+    finally:
+        for n, v in saved.items():
+            setattr(fa, n, v)
+        for n, m in saved_modules.items():
+            if m is None:
+                sys.modules.pop(n, None)
+            else:
+                sys.modules[n] = m

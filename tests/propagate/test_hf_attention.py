@@ -1,6 +1,8 @@
 """Hugging Face attention implementations: ``sdpa`` and ``eager`` are split, the ones spdsl
-cannot trace or split (``flex_attention``, ``flash_attention_2``/``_3``, hub kernels) raise one
-``[attention implementation]`` ShardingError before tracing, not a RuntimeError from FX."""
+cannot trace or split (``flex_attention``, ``flash_attention_4``, paged and hub kernels), and
+``flash_attention_2``/``_3`` where their kernels are not installed (any CPU), raise one
+``[attention implementation]`` ShardingError before tracing, not a RuntimeError from FX or
+Hugging Face. (``flash_attention_2``/``_3`` with their kernels: tests/hf/test_flash_attention.py)"""
 
 from __future__ import annotations
 
@@ -38,11 +40,16 @@ def test_split_implementations_plan(impl, kind):
 
 @pytest.mark.parametrize("impl,why", [
     ("flex_attention", "compiled by Hugging Face with torch.compile"),
-    ("flash_attention_2", "a kernel opaque to the tracer"),
-    ("flash_attention_3", "a kernel opaque to the tracer"),
+    ("flash_attention_2", "needs the flash_attn package and a CUDA device"),
+    ("flash_attention_3", "needs the flash_attn_interface package"),
+    ("flash_attention_4", "a kernel opaque to the tracer"),
     ("kernels-community/flash-attn", "a kernel opaque to the tracer"),
+    ("paged|sdpa", "a kernel opaque to the tracer"),
 ])
 def test_unsplittable_implementations_say_so(impl, why):
+    from spdsl.propagate.hf_attention import _refused
+    if impl.startswith("flash_attention_") and "needs" in why and _refused(impl) is None:
+        pytest.skip(f"{impl}'s kernel is installed here")
     with pytest.raises(spdsl.ShardingError) as e:
         _plan(_model(impl))
     err = e.value
@@ -51,3 +58,31 @@ def test_unsplittable_implementations_say_so(impl, why):
     assert err.where == "LlamaForCausalLM.config"
     assert 'attn_implementation="sdpa"' in err.fix
     assert "\n" not in err.one_line()
+
+
+def test_docs_table_says_what_the_code_does():
+    """docs/hf.md's table of implementations is the one ``python -m tests.hf.matrix`` writes,
+    and each row's outcome is what ``spdsl.propagate.hf_attention`` decides."""
+    import re
+    from pathlib import Path
+
+    from spdsl.propagate.hf_attention import CAPTURED, SPLIT, _refused
+    from tests.hf.matrix import attention_section
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "hf.md").read_text()
+    section = attention_section()
+    assert "\n".join(section) in doc
+    rows = [r for r in section if r.startswith("| `") and "attn_implementation" not in r]
+    named = {}
+    for r in rows:
+        first, outcome = r.split(" | ")[:2]
+        for impl in re.findall(r"`([^`]+)`", first.replace("\\|", "|")):
+            named[impl] = outcome
+    assert set(SPLIT) | set(CAPTURED) | {"flex_attention", "flash_attention_4"} <= set(named)
+    for impl, outcome in named.items():
+        probe = impl.replace("...", "sdpa")           # paged|... , kernels-community/...
+        if impl in SPLIT:
+            assert outcome.startswith("split") and _refused(probe) is None
+        elif impl in CAPTURED:
+            assert "split by heads" in outcome and "refused" in outcome
+        else:
+            assert outcome.startswith("refused") and _refused(probe) is not None, impl

@@ -20,7 +20,12 @@ DDP at dp > 1):
   global sum over that count on every rank, so it is not scaled by the number of processes.
 - gathers (``num_input_tokens_seen``, eval losses) and ``total_flos``: over the data-parallel
   ranks only, so a token, an eval row and a batch's flops are counted once.
-- ``grad_norm``: ``clip_grad_norm_`` on the whole gradient, which every rank holds.
+- ``grad_norm``: ``clip_grad_norm_`` on the whole gradient, which every rank holds (on the
+  DTensor gradients under ``shard_state=True``: the norm over every rank).
+- evaluation at dp > 1: the filler rows accelerate adds to the last batch of an uneven set
+  do not count in the loss (``_Layout.real_rows``).
+- checkpoints: the Trainer's own; under ``shard_state=True`` the weights are gathered whole
+  and each rank keeps its optimizer rows (``spdsl.hf.trainer_state``).
 """
 
 from __future__ import annotations
@@ -40,6 +45,14 @@ from spdsl.annotate.mesh import mesh as make_mesh
 from spdsl.errors import ShardingError
 from spdsl.hf.fused import VARLEN_KWARGS, fused_output, token_sums
 from spdsl.hf.pad import pad_batch
+from spdsl.hf.trainer_state import (
+    gathering_save_pretrained,
+    has_sharded_state,
+    load_optimizer,
+    load_weights,
+    save_optimizer,
+    whole_state_dict,
+)
 
 
 def sequence_parallel(trainer, *, seq: int, **options: Any):
@@ -80,6 +93,9 @@ def sequence_parallel(trainer, *, seq: int, **options: Any):
     trainer.__class__ = type(f"SequenceParallel{cls.__name__}", (_SequenceParallelTrainer, cls),
                              {})
     trainer._spdsl_loss, trainer._spdsl_layout = runner, layout
+    trainer._spdsl_sharded = has_sharded_state(model)
+    if trainer._spdsl_sharded:
+        model.save_pretrained = gathering_save_pretrained(model)
     return trainer
 
 
@@ -119,6 +135,35 @@ class _Layout:
             dist.all_reduce(t, group=self.dp_group)
         return t
 
+    def real_rows(self, inputs: dict, trainer) -> dict:
+        """An evaluation batch with the labels of accelerate's filler rows set to -100.
+
+        At dp > 1 the last evaluation step of a set that dp x batch does not divide is filled
+        up with rows from the start of the set (``even_batches``), and ``gather_for_metrics``
+        keeps the first ``remainder`` rows in dp-rank order. The step's loss is one mean over
+        every dp group's rows, so the filler rows must not count in it: with them masked it
+        is the one-process loss of the real rows."""
+        state = trainer.accelerator.gradient_state
+        if self.dp == 1 or not state.end_of_dataloader or state.remainder <= 0:
+            return inputs
+        per = trainer.args.per_device_eval_batch_size
+        real = min(max(state.remainder - self.dp_rank * per, 0), per)
+        keys = [k for k in ("labels", "shift_labels") if torch.is_tensor(inputs.get(k))]
+        if any(inputs[k].shape[0] != per for k in keys):
+            raise ShardingError(
+                rule="uneven evaluation set", value=f"{state.remainder} rows left over",
+                detail=f"at dp={self.dp} the last evaluation batch is filled up with rows of the "
+                       "set, and a batch of packed rows (padding_free) does not say which are",
+                fix=f"make the evaluation set a multiple of dp x per_device_eval_batch_size "
+                    f"({self.dp * per}), or set dataloader_drop_last=True")
+        if real == per:
+            return inputs
+        inputs = dict(inputs)
+        for k in keys:
+            inputs[k] = inputs[k].clone()
+            inputs[k][real:] = -100
+        return inputs
+
 
 class _SequenceParallelTrainer:
     """The Trainer methods that differ under sequence parallelism (mixed in before the
@@ -126,6 +171,7 @@ class _SequenceParallelTrainer:
 
     _spdsl_loss: _SequenceParallelLoss
     _spdsl_layout: _Layout
+    _spdsl_sharded: bool
 
     def compute_loss_context_manager(self):
         stack = super().compute_loss_context_manager()
@@ -139,14 +185,46 @@ class _SequenceParallelTrainer:
         return self._spdsl_layout.sum(count) if torch.is_tensor(count) else count
 
     def store_flos(self) -> None:
-        # every sp rank counted its group's whole batch: add each group's once
-        flos = torch.tensor(float(self.current_flos), dtype=torch.float64)
+        # every sp rank counted its group's whole batch: add each group's once. On the
+        # accelerator's device: NCCL reduces no CPU tensor (float64 it does)
+        flos = torch.tensor(float(self.current_flos), dtype=torch.float64,
+                            device=self.args.device)
         self.state.total_flos += self._spdsl_layout.sum(flos).item()
         self.current_flos = 0
 
     def get_total_train_batch_size(self, args) -> int:
         # one batch per data-parallel group, not per rank (logged and used for the sample count)
         return self._train_batch_size * args.gradient_accumulation_steps * self._spdsl_layout.dp
+
+    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
+        return super().prediction_step(model, self._spdsl_layout.real_rows(inputs, self),
+                                       prediction_loss_only, ignore_keys=ignore_keys)
+
+    # shard_state=True: whole weights in the Hugging Face files, each rank's optimizer rows
+    # in its own file (spdsl.hf.trainer_state)
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        if not self._spdsl_sharded:
+            return super().save_model(output_dir, _internal_call)
+        state = whole_state_dict(self.model)            # a collective: on every rank
+        self._save(output_dir if output_dir is not None else self.args.output_dir,
+                   state_dict=state)
+        if self.args.push_to_hub and not _internal_call:
+            self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
+
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        if not self._spdsl_sharded:
+            return super()._save_optimizer_and_scheduler(output_dir)
+        save_optimizer(self, output_dir)
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        if not self._spdsl_sharded or checkpoint is None:
+            return super()._load_optimizer_and_scheduler(checkpoint)
+        load_optimizer(self, checkpoint)
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
+        if not self._spdsl_sharded:
+            return super()._load_from_checkpoint(resume_from_checkpoint, model)
+        load_weights(model if model is not None else self.model, resume_from_checkpoint)
 
 
 class _SequenceParallelLoss:
@@ -221,11 +299,15 @@ def _check(trainer, seq: int, world: int, options: dict) -> None:
         raise NotImplementedError(
             "spdsl.hf.sequence_parallel: TRL's loss_type='dft' weights each token's loss by its "
             "probability, which needs the per-token log-probabilities; use loss_type='nll'")
-    if trainer.compute_metrics is not None or trainer.preprocess_logits_for_metrics is not None:
+    # exact metrics would need every rank to gather the [batch, seq, vocab] logits the step
+    # keeps split (and the Trainer to hold them for the whole evaluation set): the memory
+    # sequence parallelism is there to save, so refused rather than done silently
+    if (trainer.compute_metrics is not None or trainer.preprocess_logits_for_metrics is not None
+            ) and not trainer.args.prediction_loss_only:
         raise NotImplementedError(
             "spdsl.hf.sequence_parallel: compute_metrics / preprocess_logits_for_metrics need "
             "the logits, which stay split over the sp ranks; evaluate with eval_loss only "
-            "(compute_metrics=None)")
+            "(compute_metrics=None, or prediction_loss_only=True)")
 
 
 def _broadcast_state(model: torch.nn.Module) -> None:

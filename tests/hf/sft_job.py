@@ -36,7 +36,7 @@ def documents(n: int, seed: int):
     return datasets.Dataset.from_dict({"input_ids": docs})
 
 
-def make_trainer(max_steps: int = 6, batch: int = 2):
+def make_trainer(max_steps: int = 6, batch: int = 2, eval_docs: int = 12):
     from trl import SFTConfig, SFTTrainer
     args = SFTConfig(
         output_dir=tempfile.mkdtemp(), use_cpu=True, seed=0, data_seed=0,
@@ -48,4 +48,4 @@ def make_trainer(max_steps: int = 6, batch: int = 2):
         dataset_num_proc=None, include_num_input_tokens_seen="all",
         bf16=False, gradient_checkpointing=False)   # SFTConfig defaults: bf16 autocast, HF checkpointing
     return SFTTrainer(model=build("llama"), args=args, processing_class=tokenizer(),
-                      train_dataset=documents(96, seed=1), eval_dataset=documents(12, seed=2))
+                      train_dataset=documents(96, seed=1), eval_dataset=documents(eval_docs, seed=2))

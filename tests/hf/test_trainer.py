@@ -3,9 +3,19 @@ what the same job logs in one process: every loss, eval loss, gradient norm, lea
 and token count, and ends at the same weights (``tests/hf/trainer_job.py``: a tiny Llama,
 padded rows, two micro-batches a step, warm-up + cosine, clipping, evaluation on rows of a
 length two ranks do not divide). The plain Trainer on the same two ranks (DDP: the ranks read
-different rows) does not, so the comparison can fail. One launch."""
+different rows) does not, so the comparison can fail.
+
+In the same launch (``tests/hf/trainer_state_job.py``): a run resumed from the Trainer's own
+checkpoint logs and ends where the uninterrupted run does; ``save_model`` writes an ordinary
+Hugging Face checkpoint (whole tensors in safetensors) that ``from_pretrained`` loads in one
+process; both also with ``shard_state=True``, which logs the one-process numbers too; and a
+LoRA model (``peft``) logs the one-process numbers, with the same LoRA gradients at step 1 and
+the same final LoRA weights. One launch."""
 
 from __future__ import annotations
+
+import os
+import tempfile
 
 import pytest
 
@@ -18,22 +28,21 @@ import spdsl
 from tests._util import assert_close
 from tests.dist import spawn
 from tests.hf.trainer_job import MAX_GRAD_NORM, make_trainer, run
+from tests.hf.trainer_state_job import first_gradients, lora_model, lora_run, on_ranks
 
 pytestmark = [pytest.mark.multirank, pytest.mark.slow]
 
 LOSS_RTOL, GRAD_NORM_RTOL, WEIGHT_RTOL = 1e-4, 1e-3, 1e-3
 
 
-def _on_ranks(rank: int, world: int) -> dict:
-    out = {}
+def _on_ranks(rank: int, world: int, root: str) -> dict:
+    out = on_ranks(world, root)
     for kind, kw in (("degree", {"seq": 3}), ("mesh", {"seq": 2, "batch": "global"})):
         try:                                          # settings that must raise
             spdsl.hf.sequence_parallel(make_trainer(), **kw)
         except Exception as e:  # noqa: BLE001 - the test reads the type and the message
             out[kind] = (type(e).__name__, str(e))
-    trainer = spdsl.hf.sequence_parallel(make_trainer(), seq=world, debug=True)
-    out["sp"] = run(trainer)
-    out["sp"]["programs"] = trainer._spdsl_loss.step._traces
+    out["sp"] = out["whole"]
     out["ddp"] = run(make_trainer(max_steps=2))["logs"]
     return out
 
@@ -41,8 +50,18 @@ def _on_ranks(rank: int, world: int) -> dict:
 @pytest.fixture(scope="module")
 def jobs():
     one = run(make_trainer())
-    ranks = spawn(_on_ranks, 2, timeout=900)
+    ranks = spawn(_on_ranks, 2, _ROOT.name, timeout=1500)
     return one, ranks
+
+
+_ROOT = tempfile.TemporaryDirectory()      # the ranks' checkpoints and saved models
+
+
+@pytest.fixture(scope="module")
+def lora_one():
+    pytest.importorskip("peft", reason="LoRA models are peft's (pip install peft)")
+    grads = first_gradients()
+    return lora_run(make_trainer(model=lora_model(), callbacks=[grads]), grads)
 
 
 def _pairs(one: list, other: list, key: str) -> list[tuple[float, float]]:
@@ -113,3 +132,73 @@ def test_settings_that_raise(jobs):
     assert kind == "ShardingError" and "seq=3 with 2 ranks" in msg
     kind, msg = ranks[0]["mesh"]
     assert kind == "ShardingError" and "leave out mesh= and batch=" in msg
+
+
+def _same_logs(ref: list, got: list, what: str) -> None:
+    for key, rtol in (("loss", LOSS_RTOL), ("eval_loss", LOSS_RTOL),
+                      ("grad_norm", GRAD_NORM_RTOL), ("train_loss", LOSS_RTOL)):
+        for i, (a, b) in enumerate(_pairs(ref, got, key)):
+            assert abs(a - b) <= rtol * abs(a), f"{what} {key} #{i}: one process {a}, sp {b}"
+    for key in ("learning_rate", "num_input_tokens_seen", "step", "total_flos"):
+        assert _pairs(ref, got, key) == [(a, a) for a, _ in _pairs(ref, got, key)], (what, key)
+    assert len(_pairs(ref, got, "loss")) == 6 and len(_pairs(ref, got, "eval_loss")) == 2
+
+
+def _same_weights(ref: dict, got: dict, what: str) -> None:
+    assert set(got) >= set(ref), what
+    for name, expected in ref.items():
+        tol = WEIGHT_RTOL * float(expected.abs().max())
+        assert_close(got[name], expected, rtol=WEIGHT_RTOL, atol=tol, name=f"{what} {name}")
+
+
+@pytest.mark.parametrize("name", ["whole", "sharded"])
+def test_resume_equals_the_uninterrupted_run(jobs, name):
+    _, ranks = jobs
+    full, resumed = ranks[0][name], ranks[0][name + "_resumed"]
+    after = [dict(e) for e in full["logs"] if e["step"] > 3]
+    new = [dict(e) for e in resumed["logs"] if e["step"] > 3]   # 1-3: the checkpoint's state
+    # train_loss is the Trainer's mean over the steps trained since the resume (one process
+    # too): the mean of the losses of steps 4-6
+    tail = [e["loss"] for e in after if "loss" in e]
+    assert abs(new[-1].pop("train_loss") - sum(tail) / 3) <= LOSS_RTOL * tail[0]
+    after[-1].pop("train_loss")
+    assert new == after and len(tail) == 3
+    for k, v in full["weights"].items():
+        assert torch.equal(resumed["weights"][k], v), k
+    if name == "sharded":          # each rank's own optimizer rows, no optimizer.pt
+        assert "optimizer.rank1.pt" in full["files"] and "optimizer.pt" not in full["files"]
+
+
+def test_sharded_state_matches_one_process(jobs):
+    one, ranks = jobs
+    _same_logs(one["logs"], ranks[0]["sharded"]["logs"], "shard_state")
+    _same_weights(one["weights"], ranks[0]["sharded"]["weights"], "shard_state")
+    assert ranks[1]["sharded"]["logs"] == ranks[0]["sharded"]["logs"]
+
+
+@pytest.mark.parametrize("name", ["whole", "sharded"])
+def test_saved_model_loads_in_one_process(jobs, name):
+    from transformers import AutoModelForCausalLM
+    _, ranks = jobs
+    final = os.path.join(_ROOT.name, name, "final")
+    assert "model.safetensors" in os.listdir(final)
+    saved = AutoModelForCausalLM.from_pretrained(final).state_dict()
+    trained = ranks[0][name]["weights"]
+    assert set(saved) == set(trained)
+    for k, v in saved.items():
+        assert v.shape == trained[k].shape and torch.equal(v, trained[k]), k
+
+
+def test_lora_matches_one_process(jobs, lora_one):
+    _, ranks = jobs
+    ref, got = lora_one, ranks[0]["lora"]
+    _same_logs(ref["logs"], got["logs"], "lora")
+    assert ref["grads"] and set(ref["grads"]) == set(got["grads"])
+    assert all("lora_" in n for n in got["grads"])           # the base model stays frozen
+    for n, g in ref["grads"].items():
+        assert g.abs().max() > 0, n
+        assert_close(got["grads"][n], g, rtol=GRAD_NORM_RTOL,
+                     atol=GRAD_NORM_RTOL * float(g.abs().max()), name=n)
+    _same_weights(ref["weights"], got["weights"], "lora")
+    start = lora_model().state_dict()
+    assert any((ref["weights"][k] - start[k]).abs().max() > 1e-3 for k in ref["weights"])

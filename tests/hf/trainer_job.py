@@ -38,27 +38,37 @@ class Rows(torch.utils.data.Dataset):
         return self.rows[i]
 
 
-def make_trainer(max_steps: int = 6, batch: int = 4, out: str | None = None):
+def make_trainer(max_steps: int = 6, batch: int = 4, out: str | None = None, model=None,
+                 save_steps: int | None = None, eval_rows: int = 8, callbacks=None):
     """The job's Trainer, built the same way on every rank; ``batch`` rows per device and
-    micro-batch (training and evaluation)."""
+    micro-batch (training and evaluation); a checkpoint every ``save_steps`` steps in ``out``
+    (the same directory on every rank)."""
     from transformers import Trainer, TrainingArguments
     args = TrainingArguments(
         output_dir=out or tempfile.mkdtemp(), use_cpu=True, seed=0, data_seed=0,
         per_device_train_batch_size=batch, per_device_eval_batch_size=batch,
         gradient_accumulation_steps=2, max_steps=max_steps, learning_rate=5e-3,
         warmup_steps=2, lr_scheduler_type="cosine", max_grad_norm=MAX_GRAD_NORM,
-        logging_steps=1, eval_strategy="steps", eval_steps=3, save_strategy="no",
+        logging_steps=1, eval_strategy="steps", eval_steps=3,
+        save_strategy="steps" if save_steps else "no", save_steps=save_steps or 500,
         include_num_input_tokens_seen="non_padding", report_to="none", disable_tqdm=True,
         dataloader_num_workers=0)
-    return Trainer(model=build("llama"), args=args, train_dataset=Rows(64, TRAIN_LEN, seed=1),
-                   eval_dataset=Rows(8, EVAL_LEN, seed=2))
+    return Trainer(model=model if model is not None else build("llama"), args=args,
+                   train_dataset=Rows(64, TRAIN_LEN, seed=1),
+                   eval_dataset=Rows(eval_rows, EVAL_LEN, seed=2), callbacks=callbacks)
 
 
 def run(trainer) -> dict:
-    """Train; the logs and the final weights."""
+    """Train; the logs and the final weights (sharded parameters gathered whole)."""
     trainer.train()
+    return result(trainer)
+
+
+def result(trainer) -> dict:
+    from torch.distributed.tensor import DTensor
     logs = [{k: v for k, v in e.items() if k not in _TIMINGS} for e in trainer.state.log_history]
-    weights = {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
+    weights = {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone()
+               for k, v in trainer.model.state_dict().items()}
     return {"logs": logs, "weights": weights}
 
 

@@ -8,7 +8,9 @@ by ``spdsl.lower.calls``:
 - a gradient bucket is one entry, naming the parameters it carries (``carries``);
 - a collective inside a layer that remat recomputes in backward (all-to-alls under
   ``Remat(recompute_collectives=True)``, parameter gathers of sharded state under
-  ``auto``/``full``) gets a second entry, backward only, ``recomputed=True``;
+  ``auto``/``full``) gets a second entry, backward only, ``recomputed=True``, where that
+  recomputation reaches it: it stops once the layer's saved tensors are rebuilt, so an
+  exchange after the layer's last saving op is not issued again (:func:`recompute_reach`);
 - halo exchanges carry this rank's buffer (the rows it keeps go through the exchange too).
 
 What runs outside the program is added from propagation: the backward gather of a split
@@ -25,15 +27,20 @@ from __future__ import annotations
 
 import operator
 import warnings
+import weakref
+from collections import Counter
 from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 
+from spdsl._torch import FakeTensorMode, TorchDispatchMode
+from spdsl.collectives import unordered
 from spdsl.inspect.plan import Collective, ShardingPlan
 from spdsl.lower.calls import Call, describe
 from spdsl.propagate.source import source_of
 from spdsl.remat import Remat
+from spdsl.remat.policy import COLLECTIVE_NAMESPACES, COMMUNICATING_OPS
 
 _GATHER_PARAM = torch.ops.spdsl.gather_param.default
 
@@ -76,10 +83,11 @@ def _floating(n: torch.fx.Node) -> bool:
 
 
 def _walk(gm: torch.nn.Module, in_grads: list[bool] | None, region, out: list,
-          top: int | None) -> Any:
+          top: int | None, reach: dict[torch.fx.Node, int | None] | None = None) -> Any:
     """Walk ``gm``'s graph; ``region``: the ``Checkpointed`` layer it runs in, if any;
-    ``top``: the top-level node's index (None: this is the top level). Returns whether each
-    output needs a gradient."""
+    ``top``: the top-level node's index (None: this is the top level); ``reach``: how many of
+    each node's forward collectives the layer's recomputation issues again
+    (:func:`recompute_reach`). Returns whether each output needs a gradient."""
     from spdsl.remat.segments import Checkpointed
 
     grad: dict[torch.fx.Node, Any] = {}
@@ -99,7 +107,11 @@ def _walk(gm: torch.nn.Module, in_grads: list[bool] | None, region, out: list,
             inner, where = (sub.inner, sub) if isinstance(sub, Checkpointed) else (sub, region)
             args = [needs(a) for a in n.args if isinstance(a, torch.fx.Node)]
             if isinstance(inner, torch.fx.GraphModule):
-                grad[n] = _walk(inner, args, where, out, at)
+                if where is not region:         # a checkpointed layer starts
+                    inner_reach = _reach_of(inner, args) if _recomputes(sub) else None
+                else:                           # a graph inside one: counted as its node
+                    inner_reach = None
+                grad[n] = _walk(inner, args, where, out, at, inner_reach)
             else:                               # a tiled MLP: no collectives inside
                 grad[n] = any(args)
                 out.append(Event(n, None, False, where, at, grad[n], sub))
@@ -112,9 +124,14 @@ def _walk(gm: torch.nn.Module, in_grads: list[bool] | None, region, out: list,
             calls = describe(n, needs)
             if not calls:
                 out.append(Event(n, None, False, region, at, grad[n]))
+            again = 0               # how many of its calls backward's recomputation issues
+            if _recomputed(region, n):
+                k = reach.get(n) if reach is not None else None
+                again = len(calls) if k is None else k
             for c in calls:
                 out.append(Event(n, c, False, region, at, grad[n]))
-                if c.bytes and _recomputed(region, n):
+                if c.bytes and again > 0:
+                    again -= 1
                     out.append(Event(n, Call(c.kind, c.group, 0, c.bytes, c.purpose, c.values),
                                      True, region, at, grad[n]))
         elif n.op == "output":
@@ -124,17 +141,111 @@ def _walk(gm: torch.nn.Module, in_grads: list[bool] | None, region, out: list,
 
 
 def _recomputed(region, n: torch.fx.Node) -> bool:
-    """Whether the checkpointed layer ``region`` runs ``n``'s forward collective again in
-    backward: its SAC policy (``spdsl.remat.policy``) saves collective outputs unless told
-    not to, and always recomputes parameter gathers. This assumes the recomputation reaches
-    ``n``: non-reentrant checkpoint stops once every tensor the layer saved is rebuilt, so a
-    collective after the layer's last saving op would not run again (in the Llama layer
-    ``tests/inspect/test_plan_runs.py`` measures, that op is the MLP's output projection,
-    after every collective of the layer)."""
+    """Whether the checkpointed layer ``region`` would run ``n``'s forward collectives again
+    in backward, were its recomputation to reach them (:func:`recompute_reach`): its SAC
+    policy (``spdsl.remat.policy``) saves collective outputs unless told not to, and always
+    recomputes parameter gathers."""
     if region is None:
         return False
     policy = region.policy
     return n.target is _GATHER_PARAM or policy is None or not policy.save_collectives
+
+
+def _recomputes(region) -> bool:
+    """Whether the checkpointed layer ``region`` recomputes any collective in backward."""
+    return region.policy is None or not region.policy.save_collectives or any(
+        n.target is _GATHER_PARAM for n in region.inner.graph.nodes)
+
+
+class _Reach(torch.fx.Interpreter):
+    """One forward of a layer on fake tensors that notes, in order, each collective a node
+    issues and each tensor autograd saves for backward."""
+
+    def __init__(self, gm: torch.fx.GraphModule) -> None:
+        super().__init__(gm)
+        self.node: torch.fx.Node | None = None
+        self.events: list[tuple[str, torch.fx.Node]] = []
+
+    def run_node(self, n: torch.fx.Node) -> Any:
+        self.node = n
+        return super().run_node(n)
+
+
+class _Issued(TorchDispatchMode):
+    def __init__(self, reach: _Reach) -> None:
+        super().__init__()
+        self.reach = reach
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in COMMUNICATING_OPS or (getattr(func, "namespace", "") in COLLECTIVE_NAMESPACES
+                                         and func.overloadpacket.__name__ != "wait_tensor"):
+            self.reach.events.append(("collective", self.reach.node))
+        return func(*args, **(kwargs or {}))
+
+
+def recompute_reach(inner: torch.fx.GraphModule, in_grads: list[bool]
+                    ) -> dict[torch.fx.Node, int | None] | None:
+    """How many of each node's forward collectives backward issues again when it recomputes
+    the checkpointed layer ``inner`` (its inputs' gradient flags ``in_grads``): None where
+    all of them.
+
+    Non-reentrant ``torch.utils.checkpoint`` stops recomputing once every tensor the layer
+    saved for backward is rebuilt (its early stop): a collective issued after the layer's last
+    saving op is not issued again. The layer whose attention output goes through its
+    all-to-all into a residual add, with no projection after it to save that value, recomputes
+    its input exchange and not its output one. One forward on fake tensors, with grad, tells
+    which: the collectives issued before autograd's last save. None (every collective again)
+    where that forward cannot run here.
+
+    Example::
+
+        reach = recompute_reach(layer.inner, [True, True])
+        reach[attention_node]      # 1: the input exchange, not the output one
+    """
+    if not any(n.op == "call_function" and describe(n, lambda _: True)
+               for n in inner.graph.nodes):
+        return None                 # nothing in it issues a collective
+    run = _Reach(inner)
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        run.events.append(("saved", run.node))
+        return t
+
+    holders = [n for n in inner.graph.nodes if n.op == "placeholder"]
+    try:
+        with FakeTensorMode(allow_non_fake_inputs=True), torch.enable_grad(), unordered():
+            args = [_fake(n.meta.get("val"), g) for n, g in zip(holders, in_grads)]
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), _Issued(run):
+                run.run(*args)
+    except Exception as e:  # noqa: BLE001 - a layer this host cannot run: all of it again
+        warnings.warn(f"spdsl.plan: could not tell how far the recomputation of a "
+                      f"checkpointed layer reaches ({type(e).__name__}: {e}); its "
+                      "collectives are all listed again", stacklevel=2)
+        return None
+    last = max((i for i, (what, _) in enumerate(run.events) if what == "saved"), default=-1)
+    issued = Counter(n for what, n in run.events if what == "collective")
+    again = Counter(n for what, n in run.events[:last + 1] if what == "collective")
+    return {n: None if again[n] == issued[n] else again[n] for n in inner.graph.nodes}
+
+
+# per layer graph and input gradient flags: the plan and its timing walk the same program
+_REACH: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _reach_of(inner: torch.fx.GraphModule, in_grads: list[bool]
+              ) -> dict[torch.fx.Node, int | None] | None:
+    known = _REACH.setdefault(inner, {})
+    key = tuple(in_grads)
+    if key not in known:
+        known[key] = recompute_reach(inner, in_grads)
+    return known[key]
+
+
+def _fake(val: Any, grad: bool) -> Any:
+    if not isinstance(val, torch.Tensor):
+        return val
+    t = torch.empty_strided(val.shape, val.stride(), dtype=val.dtype, device=val.device)
+    return t.requires_grad_(grad) if grad and t.is_floating_point() else t
 
 
 def collectives_of(gm: torch.nn.Module, plan: ShardingPlan, axes: dict[str, str]
@@ -223,7 +334,8 @@ def program_for_plan(job, entry, args: tuple, kwargs: dict, *, fit: bool = False
         local = step.program
         if any(n.op == "call_function" and "val" not in n.meta for n in local.graph.nodes):
             fill_shapes(local, step.state + step.inputs)    # remat "none" leaves it unfilled
-        return local, step.axes, step.why
+        program_events(local)   # how far each layer's recomputation reaches: found on fake
+        return local, step.axes, step.why      # tensors, with the step's groups (kept)
 
 
 def attach(plan: ShardingPlan, job, entry, args: tuple, kwargs: dict, *,

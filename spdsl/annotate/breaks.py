@@ -3,7 +3,7 @@
 One traced program has no values, so a forward that branches on a tensor (``if x.mean() > 0``),
 reads a number (``.item()``, ``.tolist()``), makes a shape from data (``nonzero``,
 ``unique``, ``x[mask]``) or draws from Python's ``random`` cannot be one program. ``Sharded``
-runs such a function here instead, every call:
+runs such a function here instead; a call that records its path:
 
 1. the user's Python runs under the same trace as one program would (``propagate.trace``,
    global shapes, fake tensors), so its branches, loops and side effects happen as in eager;
@@ -22,7 +22,13 @@ runs such a function here instead, every call:
    the next segment as a replicated constant; ``x[mask]`` becomes ``x[mask.nonzero()]``, so
    ``x``'s gradient still flows.
 
-Cost: the trace runs every call (docs/breaks.md has the figure), plus one collective per read.
+A call whose reads give values a recorded call's reads gave replays that call's path: its
+segment programs in order, each read computed and checked against the recorded continuations
+(``Segments.paths``), no trace and none of the function's Python. A number read with ``.item()``
+and used only in torch ops stays a tensor (``spdsl.annotate.lifted``), so it is no guard. A
+function that draws from Python's ``random``, changes module attributes or has forward hooks
+traces every call. Cost: a trace per new path, plus one collective per read.
+
 Random draws: Python's ``random`` runs in the user's Python, once a call, on every rank; torch's
 random ops run once each, in order, inside their segment -- both the same on every rank when the
 ranks' generators agree, which the first call checks. Not supported (the read stays a
@@ -31,6 +37,7 @@ ranks' generators agree, which the first call checks. Not supported (the read st
 
 from __future__ import annotations
 
+import contextlib
 import pickle
 import random
 import time
@@ -51,9 +58,17 @@ from spdsl._torch import (
     tree_unflatten,
 )
 from spdsl.annotate.api import Sharded
+from spdsl.annotate.lifted import LiftMode, number
 from spdsl.annotate.runtime import _out_nodes
 from spdsl.annotate.segment import (
+    PathNode,
+    Read,
+    Replayed,
+    SegStep,
+    attributes,
     graph,
+    guard,
+    hooked,
     made_whole,
     no_trace_hooks,
     outside,
@@ -65,12 +80,22 @@ from spdsl.annotate.spec import P
 from spdsl.errors import ShardingError
 from spdsl.inspect.breaks import Break, Segment, SegmentedPlan
 from spdsl.propagate.placement import REPLICATE, Shard, typed_shape
-from spdsl.propagate.trace import GraphBreak, Traced, shape_from_data, stack_line, trace
+from spdsl.propagate.trace import (
+    GraphBreak,
+    Traced,
+    reachable_modules,
+    shape_from_data,
+    stack_line,
+    state_of,
+    trace,
+)
 
 _READ = torch.ops.aten._local_scalar_dense.default
 _INDEX = torch.ops.aten.index.Tensor
 _MASKED_SELECT = torch.ops.aten.masked_select.default
 _PROGRAMS = 64          # segment programs kept per function (a read value baked in each)
+_PATHS = 4096           # nodes of recorded paths kept per function (then they start over)
+_MISS = object()
 
 
 def segmented(owner: Sharded, args: tuple, kwargs: dict, error: GraphBreak | None = None):
@@ -125,7 +150,10 @@ def plan_segments(owner: Sharded, args: tuple, kwargs: dict,
 
 class Segments:
     """How one sharded function runs when it reads values: its segment programs (by
-    structure), the program keys that run this way, and the rank agreement check."""
+    structure), the program keys that run this way, the paths calls took (replayed without
+    a trace) and the rank agreement check."""
+
+    replay = True       # False: every call traces (the paths are neither kept nor replayed)
 
     def __init__(self, owner: Sharded) -> None:
         self.owner = owner
@@ -134,6 +162,11 @@ class Segments:
         self.checked: set = set()       # the generators checked to agree across ranks
         self.last: list[Break] = []          # the breaks of the last call
         self.seconds = (0.0, 0.0)
+        self.paths: dict = {}           # call key -> the root of its recorded paths (PathNode)
+        self.nodes = 0                  # nodes in all paths
+        self.volatile: dict = {}        # call key -> why its calls are traced every time
+        self.traces = 0                 # calls that ran the function's Python under the trace
+        self.replays = 0                # calls that ran recorded segments only
 
     def _key(self, args, kwargs):
         leaves, spec = tree_flatten((args, kwargs))
@@ -147,11 +180,87 @@ class Segments:
 
     def __call__(self, args: tuple, kwargs: dict):
         t0 = time.perf_counter()
+        key = self._key(args, kwargs)
+        root = self.paths.get(key)
+        if root is not None and self.replay:
+            out = self._replay(root, args, kwargs)
+            if out is not _MISS:
+                self.replays += 1
+                self.seconds = (time.perf_counter() - t0, 0.0)
+                return out
+        before = attributes(self.owner, args, kwargs)
+        drawn = random.getstate()
         cut = self.run(args, kwargs)
+        self.traces += 1
+        why = "it draws from Python's random" if random.getstate() != drawn else \
+            "it changes module attributes" if attributes(self.owner, args, kwargs) != before \
+            else "its modules have forward hooks" if hooked(self.owner, args, kwargs) else None
+        if why is not None:
+            self.volatile[key] = why
+            self.paths.pop(key, None)
+        elif key not in self.volatile and self.replay:
+            self._record(key, cut)
         self.last = cut.breaks
         # seconds of the last call: all of it, and the part outside the segments (the trace)
         self.seconds = (time.perf_counter() - t0, time.perf_counter() - t0 - cut.running)
         return cut.result
+
+    # -- recorded paths ---------------------------------------------------------------------
+    def _record(self, key, cut: _Cut) -> None:
+        """Add the call's path (segments and reads, in order) to the paths of ``key``."""
+        if self.nodes > _PATHS:
+            self.paths.clear()
+            self.nodes = 0
+        node = self.paths.get(key)
+        if node is None:
+            node = self.paths[key] = PathNode(cut.n_in)
+            self.nodes += 1
+        steps: list = []
+        for step in cut.path:
+            if isinstance(step, SegStep):
+                steps.append(step)
+                continue
+            if node.steps is None:
+                node.steps, node.read = steps, step
+            nxt = node.kids.get(step.guard)
+            if nxt is None:
+                nxt = node.kids[step.guard] = PathNode(cut.n_in)
+                self.nodes += 1
+            node, steps = nxt, []
+        if node.steps is None:
+            node.steps = steps
+        node.result, node.out_spec = cut.recipe, cut.out_spec
+
+    def _replay(self, node: PathNode, args: tuple, kwargs: dict):
+        """Run a recorded path: its segments in order, each read computed and checked against
+        the recorded continuations. ``_MISS`` where a read takes a path not recorded (the
+        random generators are then as they were at the call)."""
+        leaves = [x for x in tree_flatten((args, kwargs))[0] if isinstance(x, torch.Tensor)]
+        ins = state_of(reachable_modules(self.owner.fn, args, kwargs))[1] + leaves
+        if len(ins) != node.n_in:
+            return _MISS
+        rng = torch.get_rng_state()
+        dev = torch.cuda.get_rng_state() if torch.cuda.is_initialized() else None
+        run = Replayed(ins)
+        breaks: list = []
+        while True:
+            for step in node.steps:
+                with torch.set_grad_enabled(step.grad):
+                    run.outs.append(step.prog(*[run.value(s) for s in step.srcs]))
+            if node.read is None:
+                break
+            got, made = node.read.compute(run)
+            nxt = node.kids.get(got)
+            if nxt is None:
+                torch.set_rng_state(rng)
+                if dev is not None:
+                    torch.cuda.set_rng_state(dev)
+                return _MISS
+            breaks.append(node.read.brk)
+            run.made[node.read.index] = made
+            node = nxt
+        self.last = [b for b in breaks if b is not None]
+        return tree_unflatten([run.value(s) for s in node.result], node.out_spec)
 
     def run(self, args: tuple, kwargs: dict, planning: bool = False) -> _Cut:
         owner = self.owner
@@ -171,6 +280,17 @@ class Segments:
                                      getattr(cut.tracer.root, n.target)   # a constant
                                      if isinstance(n, torch.fx.Node) else n
                                      for n in flat], traced.out_spec)
+        cut.recipe = [cut.src[n] if n in cut.env else
+                      cut.source(getattr(cut.tracer.root, n.target))
+                      if isinstance(n, torch.fx.Node) else ("lit", number(n)) for n in flat]
+        if cut.lifted:        # a number returned as it is: the value Python read
+            cut.result = tree_unflatten([number(x) for x in tree_flatten(cut.result)[0]],
+                                        traced.out_spec)
+            for ref in cut.lifts:          # numbers Python kept: their values, not the call
+                kept = ref()
+                if kept is not None:
+                    kept.settle(cut.env[cut.node_of(kept.tensor)])
+        cut.out_spec = traced.out_spec
         return cut
 
     def program(self, key, make, specs: list, final: bool, planning: bool) -> Sharded:
@@ -244,18 +364,33 @@ class _Cut:
     drawn: Any = field(default_factory=random.getstate)    # Python's random at the call
     placed: dict = field(default_factory=dict)     # node -> its placement in its segment
     cost: dict = field(default_factory=dict)       # node -> the moves that made it whole
+    # the path, for calls that take it again (``Segments._replay``)
+    path: list = field(default_factory=list)       # SegStep and Read, in order
+    src: dict = field(default_factory=dict)        # node -> where its value comes from
+    made: dict = field(default_factory=dict)       # id -> (tensor, source): read results
+    n_in: int = 0
+    recipe: list = field(default_factory=list)     # the output's leaves: sources
+    out_spec: Any = None
+    read_src: Any = None                           # the source of the last value read
+    lifted: list = field(default_factory=list)     # the nodes of Lifted numbers
+    lifts: list = field(default_factory=list)      # weak references to them
 
     def __call__(self, tracer, state, leaves, assign, module):
         self.tracer, self.assign, self.module = tracer, assign, module
         phs = [n for n in tracer.graph.nodes if n.op == "placeholder"]
+        self.n_in = len(state) + len(leaves)
         for i, (n, x) in enumerate(zip(phs, list(state) + list(leaves))):
             self.env[n] = x
+            self.src[n] = ("in", i)
             self.done.add(n)
             if i >= len(state):
                 s = self.leaf_specs[i - len(state)]
                 self.spec[n] = spec_of(x, self.segs.owner.axis) if isinstance(x, DTensor) \
                     else s
-        return _BreakMode(self)
+        stack = contextlib.ExitStack()
+        stack.enter_context(LiftMode(self))
+        stack.enter_context(_BreakMode(self))
+        return stack
 
     # -- values ---------------------------------------------------------------------------
     def node_of(self, t: torch.Tensor) -> torch.fx.Node | None:
@@ -264,9 +399,35 @@ class _Cut:
         except (KeyError, AttributeError, RuntimeError):
             return None
 
+    def source(self, t: torch.Tensor) -> tuple:
+        """Where a tensor that is not an op's output comes from: a read's result (computed
+        again on replay) or a constant of the function."""
+        got = self.made.get(id(t))
+        return got[1] if got is not None and got[0] is t else ("const", t)
+
+    def record(self, kind: str, srcs: Any, result: Any, made: list) -> None:
+        """A read: what the segments must compute again on replay, and the value it gave."""
+        r = sum(isinstance(s, Read) for s in self.path)
+        for j, t in enumerate(made):
+            self.made[id(t)] = (t, ("read", r, j))
+        g = outside(lambda: guard(kind, result), False)    # real tensors' bytes
+        self.path.append(Read(r, kind, srcs, g, self.breaks[-1]
+                               if self.breaks else None))
+
+    def read_number(self, t: torch.Tensor, where: str) -> float | int | bool:
+        """``t.item()``: the global value, a read guarded on it."""
+        real = self.value(t, "bool" if t.dtype == torch.bool else "item", where)
+        got = outside(lambda: _READ(real), False)
+        if self.read_src[0] in ("in", "out"):     # else a constant: the same on replay
+            self.record("item", self.read_src, got, [])
+        return got
+
     def value(self, t: torch.Tensor, kind: str, where: str) -> torch.Tensor:
-        """The global value of traced tensor ``t``: its segment run first if pending."""
+        """The global value of traced tensor ``t``: its segment run first if pending;
+        ``read_src`` is where it comes from (None: a constant)."""
+        self.read_src = None
         if not isinstance(t, FakeTensor):
+            self.read_src = self.source(t)
             return t
         node = self.node_of(t)
         if node is None:
@@ -274,10 +435,13 @@ class _Cut:
                                 detail="a tensor read in Python was not made by a traced op",
                                 fix="compute it from the function's arguments")
         if node.op == "get_attr":
-            return getattr(self.tracer.root, node.target)
+            got = getattr(self.tracer.root, node.target)
+            self.read_src = self.source(got)
+            return got
         if node not in self.env:
             self.cut(read=node)
         v = self.env[node]
+        self.read_src = self.src[node]
         self.breaks.append(self._break(node, v, kind, where))
         return outside(lambda: (v.full_tensor() if isinstance(v, DTensor) else v).detach(),
                         False)
@@ -319,7 +483,8 @@ class _Cut:
         self.assign(g)
         in_seg = set(seg)
         if final is not None:
-            outs = [n for n in dict.fromkeys(final) if n in in_seg]
+            # and the numbers Python may still look at after the trace (a Lifted returned)
+            outs = [n for n in dict.fromkeys(final + self.lifted) if n in in_seg]
         else:
             live = set()
             for t in list(self.tracer.tensor_tracker.keys()):
@@ -330,10 +495,11 @@ class _Cut:
                     and isinstance(n.meta.get("val"), torch.Tensor)]
         outs += [n for n in seg if seeded(n) and n not in outs]
         gm, ext, key = graph(seg, outs, self.tracer.root)
-        inputs, specs = [], []
+        inputs, specs, srcs = [], [], []
         for a in ext:
             x = self.env[a] if a.op != "get_attr" else getattr(self.tracer.root, a.target)
             inputs.append(x)
+            srcs.append(self.src[a] if a.op != "get_attr" else self.source(x))
             s = None if isinstance(x, DTensor) or a.op == "get_attr" else self.spec.get(a)
             specs.append(s)
         key = (key, tuple((tuple(x.shape), x.dtype, x.requires_grad, spec_key(x, s))
@@ -382,8 +548,10 @@ class _Cut:
         with no_trace_hooks():
             entry, placed, vals = outside(run, torch.is_grad_enabled())
         self.running += time.perf_counter() - t0
-        for o, v, p in zip(outs, vals, placed):
+        self.path.append(SegStep(prog, srcs, torch.is_grad_enabled()))
+        for j, (o, v, p) in enumerate(zip(outs, vals, placed)):
             self.env[o] = v
+            self.src[o] = ("out", len(self.segments), j)
             self.placed[o] = p if not isinstance(p, tuple) else REPLICATE
         self.segments.append(Segment(len(self.segments), len(seg), len(outs), entry.plan))
         self.done.update(seg)
@@ -402,22 +570,22 @@ class _BreakMode(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func is _READ:
-            where = stack_line()
-            kind = "bool" if args[0].dtype == torch.bool else "item"
-            real = self.c.value(args[0], kind, where)
-            return outside(lambda: func(real), False)
+            return self.c.read_number(args[0], stack_line())
         if func is _MASKED_SELECT and args[0].shape == args[1].shape:
             func, args = _INDEX, (args[0], [args[1]])
         if func is _INDEX and any(isinstance(i, torch.Tensor) and i.dtype in
                                   (torch.bool, torch.uint8) for i in args[1]):
             where = stack_line()
-            index = []
+            index, srcs, made = [], [], []
             for i in args[1]:
                 if isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8):
                     mask = self.c.value(i, "x[mask]", where)
-                    index += list(outside(lambda m=mask: m.nonzero(as_tuple=True), False))
+                    srcs.append(self.c.read_src)
+                    made += list(outside(lambda m=mask: m.nonzero(as_tuple=True), False))
+                    index += made[-mask.dim():]
                 else:
                     index.append(i)
+            self.c.record("mask", srcs, made, made)
             return func(args[0], index)
         if shape_from_data(func, args):
             where = stack_line()
@@ -429,8 +597,17 @@ class _BreakMode(TorchDispatchMode):
                     detail=f"{name} makes a shape from data: it runs on the whole sequence "
                            "on every rank, and strict=True refuses that",
                     fix="drop strict=True, or compute it with fixed-shape ops")
-            real = [self.c.value(x, name, where) if isinstance(x, torch.Tensor) else x
-                    for x in flat]
+            real, srcs = [], []
+            for x in flat:
+                if isinstance(x, torch.Tensor):
+                    real.append(self.c.value(x, name, where))
+                    srcs.append(self.c.read_src)
+                else:
+                    real.append(x)
+                    srcs.append(("lit", x))
             a, kw = tree_unflatten(real, spec)
-            return outside(lambda: func(*a, **kw), False)   # a constant of the next segment
+            got = outside(lambda: func(*a, **kw), False)   # a constant of the next segment
+            made = [t for t in tree_flatten(got)[0] if isinstance(t, torch.Tensor)]
+            self.c.record("data", (func, srcs, spec), got, made)
+            return got
         return func(*args, **kwargs)

@@ -1,19 +1,22 @@
 """The pieces a segment is made of (``spdsl.annotate.breaks``): the segment as a graph module of
-its own, its structural key, the collectives that make a value whole, and the thread a segment
-runs on while the function's trace is open."""
+its own, its structural key, the collectives that make a value whole, the thread a segment
+runs on while the function's trace is open, and the recorded paths a later call replays (its
+segments, its reads and their guards, and what makes a call trace every time)."""
 
 from __future__ import annotations
 
 import contextlib
 import threading
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor import Shard as DShard
 
-from spdsl._torch import outside_fx_trace
+from spdsl._torch import outside_fx_trace, tree_flatten, tree_unflatten
 from spdsl.annotate.spec import P
+from spdsl.propagate.trace import reachable_modules
 
 
 def graph(seg: list, outs: list, root: torch.nn.Module):
@@ -109,3 +112,129 @@ def no_trace_hooks():
         yield
     finally:
         T._TRACING[0] = was
+
+
+# -- recorded paths (``Segments.paths``): what a call that takes a path again replays --------
+
+_READ = torch.ops.aten._local_scalar_dense.default
+
+
+@dataclass
+class SegStep:
+    """A segment of a recorded path: its program and where each of its inputs comes from."""
+
+    prog: Any              # the segment's Sharded
+    srcs: list
+    grad: bool
+
+
+@dataclass
+class Read:
+    """A read of a recorded path: how to compute it again and the guard the value gave."""
+
+    index: int
+    kind: str             # "item" (a number or a bool), "mask" (x[mask]), "data" (a shape)
+    srcs: Any
+    guard: Any
+    brk: Any               # spdsl.inspect.breaks.Break
+
+    def compute(self, run: Replayed) -> tuple[Any, list]:
+        """The value read on this call, as the recording computed it: its guard and the
+        tensors it makes (inputs of later segments)."""
+        with torch.no_grad():
+            if self.kind == "item":
+                got = _READ(run.whole(self.srcs))
+                return guard("item", got), []
+            if self.kind == "mask":
+                made = [i for s in self.srcs for i in run.whole(s).nonzero(as_tuple=True)]
+                return guard("mask", made), made
+            func, srcs, spec = self.srcs
+            a, kw = tree_unflatten([run.whole(s) if s[0] != "lit" else s[1] for s in srcs],
+                                   spec)
+            got = func(*a, **kw)
+            return guard("data", got), [t for t in tree_flatten(got)[0]
+                                         if isinstance(t, torch.Tensor)]
+
+
+@dataclass
+class PathNode:
+    """A point of the recorded paths: the segments run up to the next read, that read, and
+    the path each value it gave continues with; at the end, the output."""
+
+    n_in: int
+    steps: list | None = None
+    read: Read | None = None
+    kids: dict = field(default_factory=dict)
+    result: list | None = None
+    out_spec: Any = None
+
+
+class Replayed:
+    """The values of one replayed call: its inputs, segments' outputs and reads' results."""
+
+    def __init__(self, ins: list) -> None:
+        self.ins, self.outs, self.made = ins, [], {}
+
+    def value(self, s: tuple):
+        kind = s[0]
+        if kind == "in":
+            return self.ins[s[1]]
+        if kind == "out":
+            return self.outs[s[1]][s[2]]
+        if kind == "read":
+            return self.made[s[1]][s[2]]
+        return s[1]                          # "const", "lit"
+
+    def whole(self, s: tuple) -> torch.Tensor:
+        v = self.value(s)
+        return (v.full_tensor() if isinstance(v, DTensor) else v).detach()
+
+
+def guard(kind: str, value: Any) -> Any:
+    """What a replayed read must equal to continue a recorded path. A number or a bool, and
+    a shape made from data (``unique``, ``nonzero``): the exact value, since Python sees it.
+    ``x[mask]``: the number of elements picked; the indices stay tensors, inputs of the next
+    segment, which Python never sees."""
+    if kind == "mask":
+        return tuple(tuple(t.shape) for t in value)
+    if kind == "item":
+        return type(value), repr(value)
+    return tuple((t.dtype, tuple(t.shape), t.cpu().contiguous().view(-1).view(torch.uint8)
+                  .numpy().tobytes()) if isinstance(t, torch.Tensor) else (type(t), repr(t))
+                 for t in tree_flatten(value)[0])
+
+
+_MODULE_OWN = frozenset(torch.nn.Module().__dict__) - {"training"}
+
+
+def attributes(owner, args: tuple, kwargs: dict) -> list:
+    """A fingerprint of the attributes of the modules the function reaches (not parameters,
+    buffers or submodules): a forward that changes one (a counter, a list it appends to) has
+    Python effects a replay would skip, so its calls are traced every time."""
+    out = []
+    for root in reachable_modules(owner.fn, args, kwargs):
+        for m in root.modules():
+            out.append([(k, _fingerprint(v, 2)) for k, v in m.__dict__.items()
+                        if k not in _MODULE_OWN])
+    return out
+
+
+def hooked(owner, args: tuple, kwargs: dict) -> bool:
+    """Forward hooks run Python at every call of their module, which a replay would skip."""
+    return any(m._forward_hooks or m._forward_pre_hooks
+               for root in reachable_modules(owner.fn, args, kwargs) for m in root.modules())
+
+
+def _fingerprint(v: Any, depth: int) -> Any:
+    if v is None or isinstance(v, (bool, int, float, str, bytes)):
+        return v
+    if isinstance(v, torch.Tensor):
+        return id(v), tuple(v.shape), v._version
+    if isinstance(v, (list, tuple, dict, set, frozenset)):
+        items = [x for kv in v.items() for x in kv] if isinstance(v, dict) else list(v)
+        # a tuple is its items; a list, dict or set is also which one it is
+        return (type(v), None if isinstance(v, (tuple, frozenset)) else id(v), len(items),
+                tuple(_fingerprint(x, depth - 1) for x in items[:64]) if depth > 0 else ())
+    return type(v), id(v)
+
+

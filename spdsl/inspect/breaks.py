@@ -6,7 +6,7 @@ Example::
 
     plan = spdsl.plan(step, x)        # step reads x.mean() in an `if`
     print(plan)
-    # 2 segments, 1 break; traced every call
+    # 2 segments, 1 break; the function reads tensor values in Python: ...
     # segment 0: 6 ops, 2 outputs
     #   break at model.py:12: if h.mean() > 0:   bool bool[] <- all_reduce 4 B
     # segment 1: 9 ops, 1 output
@@ -73,7 +73,7 @@ class SegmentedPlan:
 
     def __str__(self) -> str:
         lines = [(f"{len(self.segments)} segments, {len(self.breaks)} breaks; the function "
-                 "reads tensor values in Python, so it is traced every call")]
+                 "reads tensor values in Python, so each new path of values traces")]
         for s in self.segments:
             n = len(s.plan.collectives)
             lines.append(f"segment {s.index}: {s.ops} ops, {s.outputs} outputs, "

@@ -259,18 +259,7 @@ def trace(fn: Callable, args: tuple, kwargs: dict, breaks: Any = None) -> Traced
     roots = reachable_modules(fn, args, kwargs)
     from spdsl.propagate.hf_attention import check_attention
     check_attention(roots)        # flex/flash attention: one line, not an error from FX
-    state_names, state = [], []
-    seen: dict[int, int] = {}
-    per_root: list[dict[str, int]] = []
-    for r, root in enumerate(roots):
-        names: dict[str, int] = {}
-        for name, t in _named_state(root):
-            if id(t) not in seen:
-                seen[id(t)] = len(state)
-                state_names.append(f"{r}.{name}" if len(roots) > 1 else name)
-                state.append(t)
-            names[name] = seen[id(t)]
-        per_root.append(names)
+    state_names, state, per_root = state_of(roots)
     leaves, arg_spec = tree_flatten((args, kwargs))
     tensor_leaf_index = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
     out_spec_box: list[Any] = []
@@ -592,6 +581,24 @@ def _fake_meta(ts: list[torch.Tensor]) -> list[torch.Tensor]:
             else:
                 out.append(t)
     return out
+
+
+def state_of(roots: list[torch.nn.Module]) -> tuple[list[str], list[torch.Tensor], list]:
+    """The parameters and buffers of ``roots`` in the order ``trace`` takes them as inputs
+    (each once): their names, the tensors, and per root its names' indices."""
+    state_names, state = [], []
+    seen: dict[int, int] = {}
+    per_root: list[dict[str, int]] = []
+    for r, root in enumerate(roots):
+        names: dict[str, int] = {}
+        for name, t in _named_state(root):
+            if id(t) not in seen:
+                seen[id(t)] = len(state)
+                state_names.append(f"{r}.{name}" if len(roots) > 1 else name)
+                state.append(t)
+            names[name] = seen[id(t)]
+        per_root.append(names)
+    return state_names, state, per_root
 
 
 def _named_state(module: torch.nn.Module):

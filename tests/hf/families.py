@@ -90,8 +90,8 @@ FAMILIES: dict[str, Family] = {f.name: f for f in [
                 "layerdrop": 0.0},
            "learned positions from the attention mask's cumsum (a scan along the sequence), "
            "ReLU MLP; run in eval() mode here (one program): its training-mode layerdrop draw "
-           "(torch.rand([]) < p, Python control flow on data) runs in segments, traced every "
-           "call (tests/hf/test_opt_layerdrop.py)", train=False),
+           "(torch.rand([]) < p, Python control flow on data) runs in segments, traced once "
+           "per path of draws (tests/hf/test_opt_layerdrop.py)", train=False),
     Family("gemma2", "Gemma2Config", "Gemma2ForCausalLM",
            _llama_like(head_dim=16, hidden_activation="gelu_pytorch_tanh", sliding_window=8,
                        attn_logit_softcapping=0.05, final_logit_softcapping=30.0,

@@ -155,7 +155,8 @@ def main() -> None:
               ("- OPT runs in `eval()` mode here: with every dropout at 0 it computes the "
               "training loss and gradients as one program. Its training mode draws layerdrop "
               "in Python (`torch.rand([]) < p`, even with `layerdrop=0.0`) and runs in "
-              "segments, traced every call (docs/breaks.md); `tests/hf/test_opt_layerdrop.py` "
+              "segments, traced once per path of draws and replayed after (docs/breaks.md); "
+              "`tests/hf/test_opt_layerdrop.py` "
               "checks it at SP 2 and 4 with `layerdrop=0.5`."),
               ("- `skipped:` the installed transformers builds no such model (Gemma 2 has no "
               "SDPA attention from transformers 5.23 on). The extras allow "

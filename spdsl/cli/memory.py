@@ -32,8 +32,13 @@ swapped in); --reserve is kept back from --device-memory for what the tensor pla
 (default: the CUDA context, NCCL's buffers, allocator fragmentation and the card's unaddressable
 capacity, part by part in spdsl.memory.reserve: 7.9 GiB of 80). The answer of --max-seq is
 the full-depth simulation's: the depth extrapolation proposes, the full model is simulated at
-the proposal and stepped down until it fits. --max-seq says on stderr each length it simulates
-and whether it fits.
+the proposal and stepped down until it fits. No mode is searched past its bound (every layer's
+input, which no mode recomputes, per token against the device budget, plus the host budget
+when it offloads); best skips a combination whose bound, or whose extrapolation one granule
+past the longest proposal so far, says it cannot be longer. With several modes the full depth
+checks the longest proposals, longest first, until one verified answer is at least every
+proposal left; the other modes' answers are the extrapolation's, and say so. --max-seq says on
+stderr each length it simulates and whether it fits.
 """
 
 from __future__ import annotations
@@ -46,10 +51,13 @@ from dataclasses import dataclass
 
 from spdsl.cli.search import (
     Estimator,
-    bytes_per_token_per_layer,
+    granule,
     max_seq,
     model_plan,
+    over_budget,
     propose,
+    seq_bound,
+    token_floor,
 )
 from spdsl.errors import ShardingError
 from spdsl.memory.report import fmt_bytes
@@ -240,34 +248,109 @@ def _estimator(cfg, a, remat: Remat, shards: int, budget: int, host: int) -> _Sa
                    host_budget=host_budget)
 
 
+@dataclass
+class _Search:
+    """One ``--max-seq`` run: an estimator per (remat, shards), shared by the modes and
+    ``best``'s grid, and each one's proposal."""
+
+    cfg: object
+    a: argparse.Namespace
+    budget: int
+    host: int
+
+    def __post_init__(self):
+        self.ests: dict[tuple[Remat, int], _Saying] = {}
+        self.proposed: dict[tuple[Remat, int], int] = {}
+
+    def est(self, remat: Remat, shards: int) -> _Saying:
+        key = (remat, shards)
+        if key not in self.ests:
+            self.ests[key] = _estimator(self.cfg, self.a, remat, shards, self.budget,
+                                        self.host)
+        return self.ests[key]
+
+    def bound(self, remat: Remat, shards: int) -> int | None:
+        est = self.est(remat, shards)
+        return seq_bound(est, self.budget, est.host_budget, granularity=self.a.granularity)
+
+    def propose(self, remat: Remat, shards: int, who: str) -> int:
+        key = (remat, shards)
+        if key in self.proposed:
+            return self.proposed[key]
+        est, bound = self.est(remat, shards), self.bound(remat, shards)
+        where = "device and host" if remat.offload else "device"
+        print(f"  {who}: searching up to {'no bound' if bound is None else f'{bound:,} tokens'}"
+              f" (every layer's input, {token_floor(self.cfg, est.dtype):,} B per token, "
+              f"against the {where} budget)", file=sys.stderr, flush=True)
+        self.proposed[key] = propose(est, self.budget, granularity=self.a.granularity,
+                                     host_budget=est.host_budget,
+                                     probes=(self.a.probe // 4, self.a.probe))
+        print(f"  {who}: the 2-3 layer line says {self.proposed[key]:,} tokens",
+              file=sys.stderr, flush=True)
+        return self.proposed[key]
+
+    def beats(self, remat: Remat, shards: int, bar: int) -> bool:
+        """Whether the combination could pass ``bar`` tokens: its bound, then (memory grows
+        with the sequence past the tiling thresholds, as the bisection assumes) whether the
+        extrapolation fits one granule past it."""
+        bound = self.bound(remat, shards)
+        if bound is not None and bound <= bar:
+            return False
+        est = self.est(remat, shards)
+        return over_budget(est.phases(bar + granule(self.a.granularity, est.sp)), self.budget,
+                     est.host_budget) <= 0
+
+    def verify(self, remat: Remat, shards: int):
+        est = self.est(remat, shards)
+        print(f"  {_name(remat)}: the full-depth simulation decides ...", file=sys.stderr,
+              flush=True)
+        return max_seq(est, self.budget, granularity=self.a.granularity, verify=True,
+                       host_budget=est.host_budget, probes=(self.a.probe // 4, self.a.probe))
+
+
 def _longest(cfg, a, remat: Remat, shards: int, budget: int, host: int, verify: bool):
     est = _estimator(cfg, a, remat, shards, budget, host)
     return max_seq(est, budget, granularity=a.granularity, verify=verify,
                    host_budget=est.host_budget, probes=(a.probe // 4, a.probe))
 
 
-def _best(cfg, a, shards: int, budget: int, host: int) -> tuple[Remat, int]:
-    """``best``: every combination of ``best_grid`` proposed by the extrapolation; the
-    longest (fewest shards, then least recomputation on a tie) is the one verified."""
+def _best(search: _Search, shards: int, bar: int = 0) -> tuple[Remat, int, int]:
+    """``best``: the combinations of ``best_grid``, those with the longest bound first (the
+    leanest first among equals; those the modes searched already before all); one whose bound
+    or extrapolation cannot pass the longest proposal so far is not searched. The longest
+    (fewest shards, then least recomputation on a tie) is returned as (remat, shards, seq)."""
+    a = search.a
+    grid = best_grid(a.offload, shards, a.dp * a.sp)
+
+    def order(i: int):
+        r, n = grid[i]
+        b = search.bound(r, n)
+        return ((r, n) not in search.proposed, -(b if b is not None else float("inf")), -i)
+
     found = []
-    for i, (r, n) in enumerate(best_grid(a.offload, shards, a.dp * a.sp)):
-        est = _estimator(cfg, a, r, n, budget, host)
-        seq = propose(est, budget, granularity=a.granularity, host_budget=est.host_budget,
-                      probes=(a.probe // 4, a.probe))
-        print(f"  best: {_name(r, n)} proposes {seq:,} tokens", file=sys.stderr, flush=True)
+    for i in sorted(range(len(grid)), key=order):
+        r, n = grid[i]
+        name = _name(r, n)
+        if (r, n) not in search.proposed and bar and not search.beats(r, n, bar):
+            print(f"  best: {name} cannot pass {bar:,} tokens (bound "
+                  f"{search.bound(r, n) or 0:,}), not searched", file=sys.stderr, flush=True)
+            continue
+        seq = search.propose(r, n, f"best: {name}")
         found.append((seq, -n, -i, r, n))
+        bar = max(bar, seq)
     seq, _, _, r, n = max(found, key=lambda x: x[:3])
-    return r, n
+    return r, n, seq
 
 
-def suggest(cfg, a, budget: int, host: int) -> str:
+def suggest(search: _Search, budget: int) -> str:
     """The options that make something fit, when nothing does: state split over every rank,
     then the leanest remat, then offload."""
+    a = search.a
     shards = a.dp * a.sp
     tries = [(shards, Remat("full")), (shards, Remat("full", recompute_collectives=True)),
              (shards, Remat("full", recompute_collectives=True, offload=True))]
     for n, r in tries:
-        seq, _ = _longest(cfg, a, r, n, budget, host, verify=False)
+        seq = search.propose(r, n, f"suggest: {_name(r, n)}")
         if seq:
             flags = ["--state-shards all" if n == shards else "", "--remat full",
                      "--recompute-collectives" if r.recompute_collectives else "",
@@ -309,7 +392,6 @@ def _run(a) -> int:
         raise UsageError(f"--reserve {fmt_bytes(reserve)} leaves nothing of --device-memory "
                          f"{fmt_bytes(total)}")
     shards = state_shards(a.state_shards, a.dp, a.sp)
-    h = field(cfg, "hidden")
     kept = " + ".join(f"{k} {fmt_bytes(v)}" for k, v in parts.items())
     where = "on the host" if a.optimizer_on_host else "on the device"
     print(f"{a.model}: {a.dtype}, mesh dp {a.dp} x sp {a.sp}, batch {a.batch} per dp replica, "
@@ -322,45 +404,98 @@ def _run(a) -> int:
                "state_shards": shards, "kernels": a.kernels, "dp": a.dp,
                "optimizer_on_host": a.optimizer_on_host,
                "attention": attention_of(a.attention)}
+    if a.max_seq:
+        _max_seq(cfg, a, shards, budget, host)
+        return 0
     for mode in a.remat:
-        if not a.max_seq:
-            cands = [(r, n) for r, n in best_grid(a.offload, shards, a.dp * a.sp)] \
-                if mode == "best" else [(remat_of(mode, a), shards)]
-            for remat, n in cands:
-                plan = model_plan(cfg, a.seq, a.sp, remat, **{**plan_kw, "state_shards": n})
-                print(plan.to_json() if a.json else
-                      f"\n== remat={_name(remat, n if mode == 'best' else None)}, "
-                      f"seq {a.seq:,}\n{plan}")
-            continue
-        remat, n = _best(cfg, a, shards, budget, host) if mode == "best" else \
-            (remat_of(mode, a), shards)
-        if not a.no_verify:
-            print(f"  {_name(remat)}: the full-depth simulation decides ...", file=sys.stderr,
-                  flush=True)
-        seq, plan = _longest(cfg, a, remat, n, budget, host, verify=not a.no_verify)
-        label = _name(remat) if mode != "best" else f"best = {_name(remat, n)}"
-        print(f"  {_name(remat)}: activations per token per layer (1- and 2-layer models) ...",
-              file=sys.stderr, flush=True)
-        per = bytes_per_token_per_layer(cfg, a.sp, remat, dtype=dtype, kernels=a.kernels,
-                                        attention=attention_of(a.attention))
-        per_host = bytes_per_token_per_layer(cfg, a.sp, remat, dtype=dtype, kernels=a.kernels,
-                                             host=True, attention=attention_of(a.attention)) \
-            if remat.offload else 0.0
-        if a.json:
-            print(json.dumps({"mode": mode, "remat": _name(remat), "state_shards": n,
-                              "max_seq": seq, "verified": plan is not None,
-                              "bytes_per_token_per_layer": per,
-                              "host_bytes_per_token_per_layer": per_host,
-                              "plan": plan.to_dict() if plan else None}))
-            continue
-        how = "full depth" if plan is not None else \
-            "extrapolated, not verified" if a.no_verify else "none fits at full depth"
-        print(f"\n== remat={label}: longest sequence {seq:,} tokens ({seq // a.sp:,} per "
-              f"rank; {how}); activations kept on the device {per:,.0f} B/token/layer = "
-              f"{per / h:.1f}*h, on the host {per_host:,.0f} = {per_host / h:.1f}*h "
-              f"(analytic: 34*h = {34 * h:,} without checkpointing, 2*h = {2 * h:,} full)")
-        if seq == 0:
-            print("   nothing fits: " + suggest(cfg, a, budget, host))
-        if plan is not None:
-            print(plan)
+        cands = [(r, n) for r, n in best_grid(a.offload, shards, a.dp * a.sp)] \
+            if mode == "best" else [(remat_of(mode, a), shards)]
+        for remat, n in cands:
+            plan = model_plan(cfg, a.seq, a.sp, remat, **{**plan_kw, "state_shards": n})
+            print(plan.to_json() if a.json else
+                  f"\n== remat={_name(remat, n if mode == 'best' else None)}, "
+                  f"seq {a.seq:,}\n{plan}")
     return 0
+
+
+@dataclass
+class _Answer:
+    mode: str
+    remat: Remat
+    shards: int
+    seq: int                        # the extrapolation's, then the full depth's where verified
+    plan: object = None
+    verified: bool = False
+
+
+def _max_seq(cfg, a, shards: int, budget: int, host: int) -> None:
+    """``--max-seq``: every mode's proposal (bounded, its probes said on stderr), then the
+    full-depth simulation at the longest proposals, longest first, until the longest verified
+    answer is at least every proposal left: that one is the answer, the others are reported as
+    the extrapolation gave them (they are shorter)."""
+    search = _Search(cfg, a, budget, host)
+    answers: list[_Answer] = []
+    for mode in a.remat:
+        if mode == "best":
+            bar = max((x.seq for x in answers if (x.remat, x.shards) in
+                       set(best_grid(a.offload, shards, a.dp * a.sp))), default=0)
+            r, n, seq = _best(search, shards, bar)
+        else:
+            r, n = remat_of(mode, a), shards
+            seq = search.propose(r, n, _name(r))
+        answers.append(_Answer(mode, r, n, seq))
+    if not a.no_verify:
+        done: dict[tuple[Remat, int], tuple[int, object]] = {}
+        longest = 0
+        for x in sorted(answers, key=lambda x: -x.seq):
+            key = (x.remat, x.shards)
+            if key not in done:
+                if x.seq <= longest or x.seq == 0:
+                    continue
+                done[key] = search.verify(x.remat, x.shards)
+                longest = max(longest, done[key][0])
+            x.seq, x.plan = done[key]
+            x.verified = True
+    h = field(cfg, "hidden")
+    for x in answers:
+        _report(search, x, h)
+
+
+def _report(search: _Search, x: _Answer, h: int) -> None:
+    a = search.a
+    est = search.est(x.remat, x.shards)
+    fitting = [s for s in est.seen() if over_budget(est.phases(s), search.budget,
+                                               est.host_budget) <= 0]
+    at = max(fitting, default=min(est.seen(), default=0))
+    per, per_host = est.per_layer(at) if at else (0.0, 0.0)
+    per_host = per_host if x.remat.offload else 0.0
+    bound = search.bound(x.remat, x.shards)
+    if a.json:
+        print(json.dumps({"mode": x.mode, "remat": _name(x.remat), "state_shards": x.shards,
+                          "max_seq": x.seq, "verified": x.verified, "bound": bound,
+                          "bytes_per_token_per_layer": per,
+                          "host_bytes_per_token_per_layer": per_host, "per_layer_at": at,
+                          "plan": x.plan.to_dict() if x.plan else None}))
+        return
+    label = _name(x.remat) if x.mode != "best" else f"best = {_name(x.remat, x.shards)}"
+    how = "full depth" if x.plan is not None else \
+        "extrapolated, not verified" if a.no_verify else \
+        "none fits at full depth" if x.verified else \
+        "extrapolated from 2-3 layer models; shorter than the best, not simulated at full depth"
+    print(f"\n== remat={label}: longest sequence {x.seq:,} tokens ({x.seq // a.sp:,} per "
+          f"rank; {how}); activations kept on the device {per:,.0f} B/token/layer = "
+          f"{per / h:.1f}*h, on the host {per_host:,.0f} = {per_host / h:.1f}*h at "
+          f"{at:,} tokens (analytic: 34*h = {34 * h:,} without checkpointing, 2*h = "
+          f"{2 * h:,} full)")
+    if x.seq == 0:
+        gran = granule(a.granularity, a.sp)
+        if bound is not None and bound < gran:
+            floor = token_floor(search.cfg, est.dtype)
+            room = search.budget + (est.host_budget or 0 if x.remat.offload else 0)
+            print(f"   never fits: every layer's input alone, {floor:,} B per token, is "
+                  f"{fmt_bytes(floor * a.batch * gran // a.sp)} per rank at {gran:,} tokens, "
+                  f"over the {fmt_bytes(room)} it may use")
+        else:
+            print("   nothing fits: " + suggest(search, search.budget))
+    if x.plan is not None:
+        print(x.plan)

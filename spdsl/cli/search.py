@@ -8,6 +8,12 @@ simulates 1- and 2-layer versions of the model and extrapolates: per phase of th
 loss, sequence-chunked MLP). Two sequence lengths give each phase's line; the answer is where
 the highest line meets the budget, rounded down to ``granularity`` and checked again. The
 full-depth model is then simulated once at the answer (``verify=True``).
+
+No length past :func:`seq_bound` is ever simulated: every mode keeps each layer's input from
+forward to backward (spdsl checkpoints at layer boundaries, so no mode recomputes one), on the
+device or, offloaded, on the host, so ``layers * hidden`` elements per token against the device
+and host budgets bound the search. Without it, a mode whose device bytes barely grow (offload)
+extrapolated to 151 billion tokens at SP 64 and simulated a tiled MLP of millions of chunks.
 """
 
 from __future__ import annotations
@@ -190,8 +196,51 @@ class Estimator:
     def peak(self, seq: int) -> int:
         return max(v for k, v in self.phases(seq).items() if k != "host")
 
+    def per_layer(self, seq: int) -> tuple[float, float]:
+        """What one more layer keeps from forward to backward, per token a rank holds, at
+        ``seq``: (device, host) bytes, from the depth line's two plans."""
+        one, two = self.plans(seq)
+        tokens = self.batch * seq // self.sp
+        return ((two.saved_activations - one.saved_activations) / tokens,
+                (two.host - one.host) / tokens)
 
-def _over(p: dict[str, int], budget: int, host_budget: int | None) -> float:
+
+def token_floor(cfg, dtype: torch.dtype = torch.bfloat16) -> int:
+    """Bytes per token a rank holds from forward to backward whatever the remat mode: every
+    layer's input (``layers * hidden`` elements; spdsl checkpoints at layer boundaries, so no
+    mode recomputes one: on the device, or offloaded on the host) and the token's id and label
+    (two int64, on the device).
+
+    Example::
+
+        token_floor(LlamaConfig.llama3_8b())     # 32 * 4096 * 2 + 16 = 262,160
+    """
+    item = torch.empty((), dtype=dtype).element_size()
+    return field(cfg, "layers") * field(cfg, "hidden") * item + 16
+
+
+def seq_bound(est: Estimator, budget: int, host_budget: int | None, *,
+              granularity: int = 1024) -> int | None:
+    """The longest global sequence (multiple of ``granularity``) any plan of ``est``'s mode
+    could fit: :func:`token_floor` per token against the device budget, plus the host budget
+    when the mode offloads; None where nothing bounds it (offload with no host budget).
+
+    Example::
+
+        est = Estimator(LlamaConfig.llama3_8b(), sp=64, remat=Remat("full", offload=True))
+        seq_bound(est, parse_bytes("72GiB"), parse_bytes("192GiB"))   # 69,337,088
+    """
+    offload = Remat.of(est.remat).offload
+    if offload and host_budget is None:
+        return None
+    room = budget + (host_budget if offload else 0)
+    tokens = room // token_floor(est.cfg, est.dtype)        # per rank
+    gran = granule(granularity, est.sp)
+    return tokens * est.sp // est.batch // gran * gran
+
+
+def over_budget(p: dict[str, int], budget: int, host_budget: int | None) -> float:
+    """Bytes by which :meth:`Estimator.phases` ``p`` overflow the device (or host) budget."""
     dev = max(v for k, v in p.items() if k != "host") - budget
     if host_budget is None:
         return dev
@@ -226,7 +275,7 @@ def max_seq(est: Estimator, budget: int, *, granularity: int = 1024,
     seq = propose(est, budget, granularity=granularity, probes=probes, host_budget=host_budget)
     if not verify or seq <= 0:
         return seq, None
-    gran = _gran(granularity, est.sp)
+    gran = granule(granularity, est.sp)
     best, tried = (0, None), set()
     dev_err = host_err = 0
     for _ in range(4):
@@ -252,7 +301,8 @@ def max_seq(est: Estimator, budget: int, *, granularity: int = 1024,
     return best
 
 
-def _gran(granularity: int, sp: int) -> int:
+def granule(granularity: int, sp: int) -> int:
+    """The step of the search: ``granularity``, at least and a multiple of ``sp``."""
     gran = max(granularity, sp)
     return gran - gran % sp
 
@@ -265,11 +315,17 @@ def propose(est: Estimator, budget: int, *, granularity: int = 1024,
     short lengths backward peaks at the loss (the head's weight gradients), at long ones in a
     layer's recompute. So the lines are fitted again through (answer / 2, answer) until the
     answer holds still, then checked: stepped down on a miss, and the last step bisected
-    (host bytes pinned in powers of two are a staircase, not a line).
+    (host bytes pinned in powers of two are a staircase, not a line). Nothing past
+    :func:`seq_bound` is proposed or simulated.
     """
-    gran = _gran(granularity, est.sp)
+    gran = granule(granularity, est.sp)
+    limit = seq_bound(est, budget, host_budget, granularity=granularity)
+    if limit is not None and limit < gran:
+        return 0                        # its layer inputs alone overflow at one granule
 
     def snap(x: float) -> int:
+        if limit is not None:
+            x = min(x, limit)
         return max(gran, int(x // gran) * gran)
 
     def fit(s1: int, s2: int) -> tuple[float | None, float]:
@@ -290,10 +346,14 @@ def propose(est: Estimator, budget: int, *, granularity: int = 1024,
         return best, steepest
 
     s1, s2 = (snap(p) for p in probes)
+    if s1 == s2:                # both probes past the bound: below it, a quarter apart
+        s1 = snap(s2 / 4)
+        if s1 == s2:
+            return s2 if over_budget(est.phases(s2), budget, host_budget) <= 0 else 0
     found, steepest = fit(s1, s2)
     for _ in range(3):
-        if found is None:
-            found = s2          # nothing grows with the sequence: the longest probe
+        if found is None:       # nothing grows with the sequence: as long as the bound allows
+            found = limit if limit is not None else s2
             break
         if found <= 0:
             return 0
@@ -307,7 +367,7 @@ def propose(est: Estimator, budget: int, *, granularity: int = 1024,
     for _ in range(8):
         if seq <= 0:
             return 0
-        over = _over(est.phases(seq), budget, host_budget)
+        over = over_budget(est.phases(seq), budget, host_budget)
         if over <= 0:
             break
         seq -= gran * max(1, -(-int(over / max(steepest, 1e-9)) // gran))
@@ -315,13 +375,13 @@ def propose(est: Estimator, budget: int, *, granularity: int = 1024,
         return 0
     # the longest that fits below the shortest length seen not to fit: bisect (lines through
     # pinned host bytes, a staircase, stop short of the step or run past it)
-    seen = [x for x in est.seen() if x > seq and _over(est.phases(x), budget, host_budget) > 0]
+    seen = [x for x in est.seen() if x > seq and over_budget(est.phases(x), budget, host_budget) > 0]
     lo, hi = seq, min(seen, default=None)
     while hi is not None and hi - lo > max(gran, lo // 1000):
         mid = snap((lo + hi) / 2)
         if mid <= lo:
             break
-        if _over(est.phases(mid), budget, host_budget) <= 0:
+        if over_budget(est.phases(mid), budget, host_budget) <= 0:
             lo = mid
         else:
             hi = mid

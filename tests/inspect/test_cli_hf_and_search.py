@@ -36,13 +36,12 @@ def test_remat_modes_are_named_in_the_output(capsys):
     assert "== remat=auto(16.00 MiB), seq 256" in out
 
 
-def test_max_seq_says_each_length_it_probes(capsys, monkeypatch):
-    # the per-layer figures (two more simulations at 65,536 tokens) are not what this checks
-    monkeypatch.setattr("spdsl.cli.memory.bytes_per_token_per_layer", lambda *a, **k: 1.0)
+def test_max_seq_says_each_length_it_probes(capsys):
     assert memory(["--model", TINY, "--sp", "2", "--max-seq", "--remat", "full", "--reserve",
                    "0", "--device-memory", "6MiB", "--probe", "2048", "--granularity", "256",
                    "--kernels", "auto", "--optimizer", "none", "--no-verify"]) == 0
     out, err = capsys.readouterr()
+    assert "  full: searching up to " in err.splitlines()[1]
     probes = [line for line in err.splitlines() if "probing" in line]
     assert len(probes) >= 2, err
     assert probes[0].startswith("  full: probing 512 tokens ... fits (")

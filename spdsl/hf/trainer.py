@@ -25,7 +25,8 @@ DDP at dp > 1):
 - evaluation at dp > 1: the filler rows accelerate adds to the last batch of an uneven set
   do not count in the loss (``_Layout.real_rows``).
 - checkpoints: the Trainer's own; under ``shard_state=True`` the weights are gathered whole
-  and each rank keeps its optimizer rows (``spdsl.hf.trainer_state``).
+  and the model's and optimizer's shards are also saved with ``spdsl.save_checkpoint``, which
+  reshards on resume to any number of ranks and ``seq`` (``spdsl.hf.trainer_state``).
 """
 
 from __future__ import annotations
@@ -46,11 +47,13 @@ from spdsl.errors import ShardingError
 from spdsl.hf.fused import VARLEN_KWARGS, fused_output, token_sums
 from spdsl.hf.pad import pad_batch
 from spdsl.hf.trainer_state import (
+    check_resumable,
     gathering_save_pretrained,
     has_sharded_state,
-    load_optimizer,
-    load_weights,
-    save_optimizer,
+    holds_shards,
+    load_state,
+    resuming_shards,
+    save_state,
     whole_state_dict,
 )
 
@@ -63,8 +66,9 @@ def sequence_parallel(trainer, *, seq: int, **options: Any):
     sequence parallelism (docs/trainer.md).
 
     ``options`` are ``spdsl.sp_shard``'s (``remat``, ``compile``, ``attention``, ``debug``,
-    ...). In one process it returns ``trainer`` unchanged, so the same script runs with and
-    without torchrun. Every rank must build the same trainer (same model, data and arguments).
+    ...). In one process it returns ``trainer`` as it is (but for resuming a checkpoint that
+    ``shard_state=True`` wrote on several ranks), so the same script runs with and without
+    torchrun. Every rank must build the same trainer (same model, data and arguments).
 
     Example::
 
@@ -74,7 +78,7 @@ def sequence_parallel(trainer, *, seq: int, **options: Any):
     """
     world = dist.get_world_size() if dist.is_initialized() else 1
     if world == 1:
-        return trainer
+        return resuming_shards(trainer)
     _check(trainer, seq, world, options)
     layout = _Layout.of(seq, world)
     model = trainer.model
@@ -200,8 +204,8 @@ class _SequenceParallelTrainer:
         return super().prediction_step(model, self._spdsl_layout.real_rows(inputs, self),
                                        prediction_loss_only, ignore_keys=ignore_keys)
 
-    # shard_state=True: whole weights in the Hugging Face files, each rank's optimizer rows
-    # in its own file (spdsl.hf.trainer_state)
+    # shard_state=True: whole weights in the Hugging Face files, the shards of the weights and
+    # the optimizer state in spdsl's resharding checkpoint (spdsl.hf.trainer_state)
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         if not self._spdsl_sharded:
             return super().save_model(output_dir, _internal_call)
@@ -214,17 +218,18 @@ class _SequenceParallelTrainer:
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         if not self._spdsl_sharded:
             return super()._save_optimizer_and_scheduler(output_dir)
-        save_optimizer(self, output_dir)
+        save_state(self, output_dir)
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
-        if not self._spdsl_sharded or checkpoint is None:
+        if checkpoint is None or not self._spdsl_sharded and not holds_shards(checkpoint):
             return super()._load_optimizer_and_scheduler(checkpoint)
-        load_optimizer(self, checkpoint)
+        load_state(self, checkpoint)
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
         if not self._spdsl_sharded:
             return super()._load_from_checkpoint(resume_from_checkpoint, model)
-        load_weights(model if model is not None else self.model, resume_from_checkpoint)
+        # the weights' shards load with the optimizer state (load_state), once it exists
+        check_resumable(resume_from_checkpoint)
 
 
 class _SequenceParallelLoss:

@@ -7,28 +7,32 @@ What changes against the Trainer's own files, and why:
   every rank gathers each sharded parameter whole (one all-gather each, a collective, so every
   rank takes part), and the main process writes an ordinary Hugging Face checkpoint
   (safetensors, whole tensors) that ``from_pretrained`` loads on one device.
-- the optimizer state: each rank writes its own shards (``optimizer.rank<R>.pt``: plain
-  tensors, the rank's rows), since the Trainer's ``optimizer.pt`` is written by the main
-  process alone and would hold its rows only. A resume needs the same ranks and ``seq``.
-- resuming: the weights are read whole from the checkpoint and split again as the parameters
-  are (``distribute_tensor``); the optimizer's rows go back into DTensors of their
-  parameters' placements; the scheduler, the RNG states and the Trainer state load as usual.
+- the optimizer state: the model's and the optimizer's shards go through spdsl's own
+  checkpoint (``spdsl.save_checkpoint``: DCP, each rank writes its own rows and every shard's
+  global offset is recorded) into the checkpoint's ``sharded_state`` folder, since the
+  Trainer's ``optimizer.pt`` is written by the main process alone and would hold its rows
+  only. The scheduler is the Trainer's ``scheduler.pt``.
+- resuming: ``spdsl.load_checkpoint`` reads the weights and the optimizer state from that
+  folder, resharded to the current ranks (any number of ranks and any ``seq``: the state is
+  split over every rank in rank order), and runs no code from the files; the scheduler, the
+  RNG states and the Trainer state load as usual. A checkpoint without the folder (the
+  per-rank ``optimizer.rank<R>.pt`` files of earlier versions, or ``save_only_model``) is
+  refused before anything loads.
 """
 
 from __future__ import annotations
 
-import json
 import os
 
 import torch
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import DTensor
 
+from spdsl.checkpoint import load_checkpoint, save_checkpoint
 from spdsl.errors import ShardingError
 from spdsl.state import is_sharded_state
 
-SCHEDULER_NAME = "scheduler.pt"       # transformers.trainer's names for the files it writes
-SAFE_WEIGHTS_NAME = "model.safetensors"
-SAFE_WEIGHTS_INDEX_NAME = "model.safetensors.index.json"
+SCHEDULER_NAME = "scheduler.pt"       # transformers.trainer's name for the file
+STATE_DIR = "sharded_state"           # the save_checkpoint root inside a Trainer checkpoint
 
 
 def has_sharded_state(model: torch.nn.Module) -> bool:
@@ -54,64 +58,70 @@ def gathering_save_pretrained(model: torch.nn.Module):
     return save_pretrained
 
 
-def optimizer_file(checkpoint: str, rank: int) -> str:
-    return os.path.join(checkpoint, f"optimizer.rank{rank}.pt")
+def state_dir(checkpoint: str) -> str:
+    """Where a Trainer checkpoint keeps the model's and optimizer's shards (a
+    ``save_checkpoint`` root)."""
+    return os.path.join(checkpoint, STATE_DIR)
 
 
-def save_optimizer(trainer, output_dir: str) -> None:
-    """Each rank's optimizer rows; the scheduler from the main process."""
-    os.makedirs(output_dir, exist_ok=True)
-    state = trainer.optimizer.state_dict()
-    state["state"] = {i: {k: v.to_local() if isinstance(v, DTensor) else v
-                          for k, v in s.items()} for i, s in state["state"].items()}
-    torch.save(state, optimizer_file(output_dir, trainer.args.process_index))
+def _torch_optimizer(optimizer):
+    # accelerate's AcceleratedOptimizer wraps the torch optimizer, whose state DCP maps to names
+    return getattr(optimizer, "optimizer", optimizer)
+
+
+def save_state(trainer, output_dir: str) -> None:
+    """The model's and optimizer's shards through ``save_checkpoint`` (every rank writes its
+    own); the scheduler from the main process."""
+    save_checkpoint(state_dir(output_dir), trainer.model, _torch_optimizer(trainer.optimizer),
+                    step=trainer.state.global_step)
     if trainer.args.should_save:
         torch.save(trainer.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
 
 
-def load_optimizer(trainer, checkpoint: str) -> None:
-    path = optimizer_file(checkpoint, trainer.args.process_index)
-    if not os.path.isfile(path):
+def holds_shards(checkpoint: str) -> bool:
+    """``checkpoint`` keeps its optimizer state as shards (``save_state``), not as the
+    Trainer's ``optimizer.pt``: a run without sharded state resumes it through ``load_state``
+    too (the Trainer's own loading would find no optimizer state and start a fresh one)."""
+    return os.path.isdir(state_dir(checkpoint)) and \
+        not os.path.isfile(os.path.join(checkpoint, "optimizer.pt"))
+
+
+def resuming_shards(trainer):
+    """``trainer`` (one process, or ranks without sharded state) resuming a checkpoint of
+    shards through ``load_state``, resharded to its whole parameters."""
+    own = trainer._load_optimizer_and_scheduler
+
+    def load(checkpoint):
+        if checkpoint is not None and holds_shards(checkpoint):
+            return load_state(trainer, checkpoint)
+        return own(checkpoint)
+    trainer._load_optimizer_and_scheduler = load
+    return trainer
+
+
+def check_resumable(checkpoint: str) -> None:
+    """A ``ShardingError`` unless ``checkpoint`` holds the shards ``save_state`` writes."""
+    if os.path.isdir(state_dir(checkpoint)):
+        return
+    old = "per-rank optimizer.rank<R>.pt files of an earlier version" if any(
+        f.startswith("optimizer.rank") for f in os.listdir(checkpoint)) else "no optimizer state"
+    raise ShardingError(
+        rule="sharded resume", value=checkpoint,
+        detail=f"shard_state=True resumes from the checkpoint's {STATE_DIR} folder, and this "
+               f"one holds {old}",
+        fix="resume from a checkpoint this version wrote with shard_state=True (not "
+            "save_only_model), or from its weights alone: from_pretrained, then train anew")
+
+
+def load_state(trainer, checkpoint: str) -> None:
+    """The weights and optimizer state, resharded to the current ranks; then the
+    scheduler."""
+    check_resumable(checkpoint)
+    if load_checkpoint(state_dir(checkpoint), trainer.model,
+                       _torch_optimizer(trainer.optimizer)) is None:
         raise ShardingError(
-            rule="sharded optimizer state", value=path,
-            detail="resuming with shard_state=True, but this rank's optimizer rows are missing",
-            fix="resume from a checkpoint written with shard_state=True on the same ranks and seq")
-    state = torch.load(path, weights_only=True)
-    params = [p for g in trainer.optimizer.param_groups for p in g["params"]]
-    for i, s in state["state"].items():
-        p = params[i]
-        if isinstance(p, DTensor):
-            state["state"][i] = {
-                k: DTensor.from_local(v, p.device_mesh, p.placements, shape=p.shape,
-                                      stride=p.stride(), run_check=False)
-                if torch.is_tensor(v) and v.shape == p.to_local().shape and v.dim() else v
-                for k, v in s.items()}
-    trainer.optimizer.load_state_dict(state)
+            rule="sharded resume", value=state_dir(checkpoint),
+            detail="the folder holds no complete checkpoint (its save was cut short)",
+            fix="resume from an earlier checkpoint of the run")
     trainer.lr_scheduler.load_state_dict(
         torch.load(os.path.join(checkpoint, SCHEDULER_NAME), weights_only=True))
-
-
-def load_weights(model: torch.nn.Module, checkpoint: str) -> None:
-    """The checkpoint's whole weights, split again as ``model``'s parameters are."""
-    from safetensors.torch import load_file
-    index = os.path.join(checkpoint, SAFE_WEIGHTS_INDEX_NAME)
-    if os.path.isfile(index):
-        with open(index) as f:
-            files = sorted(set(json.load(f)["weight_map"].values()))
-    elif os.path.isfile(os.path.join(checkpoint, SAFE_WEIGHTS_NAME)):
-        files = [SAFE_WEIGHTS_NAME]
-    else:
-        raise ShardingError(
-            rule="sharded resume", value=checkpoint,
-            detail="shard_state=True resumes from model.safetensors (or its index) only",
-            fix="resume from a checkpoint the Trainer wrote with save_safetensors=True")
-    whole: dict[str, torch.Tensor] = {}
-    for name in files:
-        whole.update(load_file(os.path.join(checkpoint, name)))
-    own = model.state_dict()
-    state = {}
-    for k, v in whole.items():
-        if k in own and isinstance(own[k], DTensor):
-            v = distribute_tensor(v.to(own[k].dtype), own[k].device_mesh, own[k].placements)
-        state[k] = v
-    model.load_state_dict(state, strict=False)

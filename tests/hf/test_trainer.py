@@ -6,11 +6,16 @@ length two ranks do not divide). The plain Trainer on the same two ranks (DDP: t
 different rows) does not, so the comparison can fail.
 
 In the same launch (``tests/hf/trainer_state_job.py``): a run resumed from the Trainer's own
-checkpoint logs and ends where the uninterrupted run does; ``save_model`` writes an ordinary
-Hugging Face checkpoint (whole tensors in safetensors) that ``from_pretrained`` loads in one
-process; both also with ``shard_state=True``, which logs the one-process numbers too; and a
-LoRA model (``peft``) logs the one-process numbers, with the same LoRA gradients at step 1 and
-the same final LoRA weights. One launch."""
+checkpoint logs and ends where the uninterrupted run does, bit for bit; ``save_model`` writes
+an ordinary Hugging Face checkpoint (whole tensors in safetensors) that ``from_pretrained``
+loads in one process, also with ``shard_state=True``, which logs the one-process numbers too;
+and a LoRA model (``peft``) logs the one-process numbers, with the same LoRA gradients at
+step 1 and the same final LoRA weights, with and without ``shard_state=True``. One launch.
+
+A second launch on 3 ranks (``seq=3``: every parameter split unevenly, over other ranks than
+it was saved from) resumes the ``shard_state=True`` run from its step-3 checkpoint: its
+``sharded_state`` folder reshards, and steps 4-6 log the numbers of the uninterrupted 2-rank
+run and end at its weights; an earlier version's per-rank files are refused."""
 
 from __future__ import annotations
 
@@ -28,7 +33,13 @@ import spdsl
 from tests._util import assert_close
 from tests.dist import spawn
 from tests.hf.trainer_job import MAX_GRAD_NORM, make_trainer, run
-from tests.hf.trainer_state_job import first_gradients, lora_model, lora_run, on_ranks
+from tests.hf.trainer_state_job import (
+    first_gradients,
+    lora_model,
+    lora_run,
+    on_other_ranks,
+    on_ranks,
+)
 
 pytestmark = [pytest.mark.multirank, pytest.mark.slow]
 
@@ -55,6 +66,16 @@ def jobs():
 
 
 _ROOT = tempfile.TemporaryDirectory()      # the ranks' checkpoints and saved models
+
+
+def _on_other_ranks(rank: int, world: int, root: str) -> dict:
+    return on_other_ranks(world, root)
+
+
+@pytest.fixture(scope="module")
+def other_ranks(jobs):
+    """The 2-rank checkpoints of ``jobs`` resumed on 3 ranks."""
+    return spawn(_on_other_ranks, 3, _ROOT.name, timeout=1500)
 
 
 @pytest.fixture(scope="module")
@@ -151,10 +172,9 @@ def _same_weights(ref: dict, got: dict, what: str) -> None:
         assert_close(got[name], expected, rtol=WEIGHT_RTOL, atol=tol, name=f"{what} {name}")
 
 
-@pytest.mark.parametrize("name", ["whole", "sharded"])
-def test_resume_equals_the_uninterrupted_run(jobs, name):
+def test_resume_equals_the_uninterrupted_run(jobs):
     _, ranks = jobs
-    full, resumed = ranks[0][name], ranks[0][name + "_resumed"]
+    full, resumed = ranks[0]["whole"], ranks[0]["whole_resumed"]
     after = [dict(e) for e in full["logs"] if e["step"] > 3]
     new = [dict(e) for e in resumed["logs"] if e["step"] > 3]   # 1-3: the checkpoint's state
     # train_loss is the Trainer's mean over the steps trained since the resume (one process
@@ -165,8 +185,58 @@ def test_resume_equals_the_uninterrupted_run(jobs, name):
     assert new == after and len(tail) == 3
     for k, v in full["weights"].items():
         assert torch.equal(resumed["weights"][k], v), k
-    if name == "sharded":          # each rank's own optimizer rows, no optimizer.pt
-        assert "optimizer.rank1.pt" in full["files"] and "optimizer.pt" not in full["files"]
+
+
+def test_sharded_resume_on_other_ranks(jobs, other_ranks):
+    """Saved on 2 ranks, resumed on 3: steps 4-6 are the uninterrupted 2-rank run's (the
+    step is exact at any number of ranks, so within the parity tolerances, not bit for
+    bit)."""
+    _, ranks = jobs
+    name = "sharded"
+    full, resumed = ranks[0][name], other_ranks[0][name]
+    # the shards in spdsl's checkpoint, no optimizer.pt
+    assert "sharded_state" in full["files"] and "optimizer.pt" not in full["files"]
+    after = [e for e in full["logs"] if e["step"] > 3]
+    new = [e for e in resumed["logs"] if e["step"] > 3]
+    assert [sorted(e) for e in new] == [sorted(e) for e in after] and len(new) == 5
+    for key, rtol in (("loss", LOSS_RTOL), ("eval_loss", LOSS_RTOL),
+                      ("grad_norm", GRAD_NORM_RTOL)):
+        for i, (a, b) in enumerate(_pairs(after, new, key)):
+            assert abs(a - b) <= rtol * abs(a), f"{name} {key} #{i}: 2 ranks {a}, 3 ranks {b}"
+    for key in ("learning_rate", "num_input_tokens_seen", "step", "total_flos"):
+        assert _pairs(after, new, key) == [(a, a) for a, _ in _pairs(after, new, key)], key
+    tail = [e["loss"] for e in after if "loss" in e]
+    assert abs(new[-1]["train_loss"] - sum(tail) / 3) <= LOSS_RTOL * tail[0]
+    _same_weights(full["weights"], resumed["weights"], f"{name} on 3 ranks")
+    assert other_ranks[2][name]["logs"] == resumed["logs"]
+
+
+def test_sharded_checkpoint_resumes_in_one_process(jobs):
+    """Saved with shard_state=True on 2 ranks, resumed in one process (where
+    ``sequence_parallel`` changes nothing else): the optimizer state comes from the shards,
+    resharded whole, so steps 4-6 are the uninterrupted run's; the Trainer's own loading would
+    find no optimizer.pt and go on with a fresh optimizer."""
+    from tests.hf.trainer_job import result
+    _, ranks = jobs
+    full = ranks[0]["sharded"]
+    trainer = spdsl.hf.sequence_parallel(
+        make_trainer(out=os.path.join(_ROOT.name, "sharded_one")), seq=2, shard_state=True)
+    trainer.train(resume_from_checkpoint=os.path.join(_ROOT.name, "sharded", "checkpoint-3"))
+    resumed = result(trainer)
+    after = [e for e in full["logs"] if e["step"] > 3]
+    new = [e for e in resumed["logs"] if e["step"] > 3]
+    assert len(new) == len(after) == 5
+    for key, rtol in (("loss", LOSS_RTOL), ("eval_loss", LOSS_RTOL),
+                      ("grad_norm", GRAD_NORM_RTOL)):
+        for i, (a, b) in enumerate(_pairs(after, new, key)):
+            assert abs(a - b) <= rtol * abs(a), f"{key} #{i}: 2 ranks {a}, one process {b}"
+    _same_weights(full["weights"], resumed["weights"], "sharded, resumed in one process")
+
+
+def test_earlier_sharded_checkpoint_refused(other_ranks):
+    kind, msg = other_ranks[0]["old"]
+    assert kind == "ShardingError" and "[sharded resume]" in msg
+    assert "optimizer.rank<R>.pt files of an earlier version" in msg
 
 
 def test_sharded_state_matches_one_process(jobs):
@@ -189,16 +259,20 @@ def test_saved_model_loads_in_one_process(jobs, name):
         assert v.shape == trained[k].shape and torch.equal(v, trained[k]), k
 
 
-def test_lora_matches_one_process(jobs, lora_one):
+@pytest.mark.parametrize("name", ["lora", "lora_sharded"])
+def test_lora_matches_one_process(jobs, lora_one, name):
     _, ranks = jobs
-    ref, got = lora_one, ranks[0]["lora"]
-    _same_logs(ref["logs"], got["logs"], "lora")
+    ref, got = lora_one, ranks[0][name]
+    assert got["sharded"] == (name == "lora_sharded")
+    if got["sharded"]:
+        assert {"adapter_model.safetensors", "sharded_state"} <= set(got["files"])
+    _same_logs(ref["logs"], got["logs"], name)
     assert ref["grads"] and set(ref["grads"]) == set(got["grads"])
     assert all("lora_" in n for n in got["grads"])           # the base model stays frozen
     for n, g in ref["grads"].items():
         assert g.abs().max() > 0, n
         assert_close(got["grads"][n], g, rtol=GRAD_NORM_RTOL,
                      atol=GRAD_NORM_RTOL * float(g.abs().max()), name=n)
-    _same_weights(ref["weights"], got["weights"], "lora")
+    _same_weights(ref["weights"], got["weights"], name)
     start = lora_model().state_dict()
     assert any((ref["weights"][k] - start[k]).abs().max() > 1e-3 for k in ref["weights"])

@@ -49,11 +49,27 @@ def lora_run(trainer, grads) -> dict:
     return out
 
 
+def as_old_checkpoint(checkpoint: str, old: str) -> None:
+    """``checkpoint`` copied to ``old`` as an earlier version wrote it: per-rank
+    ``optimizer.rank<R>.pt`` files (empty here) instead of the ``sharded_state`` folder. On
+    every rank: a barrier after rank 0's copy."""
+    import shutil
+
+    import torch.distributed as dist
+    if dist.get_rank() == 0:
+        shutil.copytree(checkpoint, old, ignore=shutil.ignore_patterns("sharded_state"))
+        for r in range(dist.get_world_size()):
+            torch.save({}, os.path.join(old, f"optimizer.rank{r}.pt"))
+    dist.barrier()
+
+
 def on_ranks(world: int, root: str) -> dict:
     """The runs of the job that keep something, on ``world`` sp ranks: ``whole`` and
-    ``sharded`` (``shard_state=True``) each checkpoint at step 3, save the final model in
-    ``root/<name>/final`` and resume from step 3 (``<name>_resumed``); ``lora`` (if peft is
-    installed) records its step-1 gradients."""
+    ``sharded`` (``shard_state=True``) each checkpoint at step 3 and save the final model in
+    ``root/<name>/final``; ``whole`` resumes from step 3 here (``whole_resumed``), ``sharded``
+    on other ranks (``on_other_ranks``), and its checkpoint is also copied to ``root/sharded/old-3`` as an earlier version wrote it;
+    ``lora`` and ``lora_sharded`` (if peft is installed) record their step-1 gradients, the
+    latter checkpointing at step 3 (the adapter and the ``sharded_state`` folder)."""
     import spdsl
     out = {}
     for name, opts in (("whole", {}), ("sharded", {"shard_state": True})):
@@ -64,14 +80,44 @@ def on_ranks(world: int, root: str) -> dict:
         out[name]["programs"] = trainer._spdsl_loss.step._traces
         trainer.save_model(os.path.join(d, "final"))
         out[name]["files"] = sorted(os.listdir(os.path.join(d, "checkpoint-3")))
+        if opts:
+            continue
         resumed = spdsl.hf.sequence_parallel(make_trainer(out=d), seq=world, **opts)
         resumed.train(resume_from_checkpoint=os.path.join(d, "checkpoint-3"))
         out[name + "_resumed"] = result(resumed)
+    d = os.path.join(root, "sharded")
+    as_old_checkpoint(os.path.join(d, "checkpoint-3"), os.path.join(d, "old-3"))
     try:
         import peft  # noqa: F401
     except ImportError:
         return out
-    grads = first_gradients()
-    out["lora"] = lora_run(spdsl.hf.sequence_parallel(
-        make_trainer(model=lora_model(), callbacks=[grads]), seq=world), grads)
+    for name, opts in (("lora", {}), ("lora_sharded", {"shard_state": True})):
+        grads = first_gradients()
+        trainer = make_trainer(model=lora_model(), callbacks=[grads],
+                               out=os.path.join(root, name), save_steps=3 if opts else None)
+        trainer = spdsl.hf.sequence_parallel(trainer, seq=world, **opts)
+        out[name] = lora_run(trainer, grads)
+        out[name]["sharded"] = trainer._spdsl_sharded
+        if opts:
+            out[name]["files"] = sorted(os.listdir(os.path.join(root, name, "checkpoint-3")))
+    return out
+
+
+def on_other_ranks(world: int, root: str) -> dict:
+    """On ``world`` ranks other than ``on_ranks``' (``seq=world``), with
+    ``shard_state=True``: ``sharded`` resumed from ``on_ranks``' step-3 checkpoint (its
+    ``sharded_state`` folder resharded), and the refusal of ``root/sharded/old-3`` (an
+    earlier version's per-rank files)."""
+    import spdsl
+    out = {}
+    trainer = spdsl.hf.sequence_parallel(make_trainer(out=os.path.join(root, "sharded_other")),
+                                         seq=world, shard_state=True)
+    trainer.train(resume_from_checkpoint=os.path.join(root, "sharded", "checkpoint-3"))
+    out["sharded"] = result(trainer)
+    old = spdsl.hf.sequence_parallel(make_trainer(out=os.path.join(root, "old_other")),
+                                     seq=world, shard_state=True)
+    try:
+        old.train(resume_from_checkpoint=os.path.join(root, "sharded", "old-3"))
+    except Exception as e:  # noqa: BLE001 - the test reads the type and the message
+        out["old"] = (type(e).__name__, str(e))
     return out

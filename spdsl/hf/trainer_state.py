@@ -27,7 +27,6 @@ import os
 import torch
 from torch.distributed.tensor import DTensor
 
-from spdsl.checkpoint import load_checkpoint, save_checkpoint
 from spdsl.errors import ShardingError
 from spdsl.state import is_sharded_state
 
@@ -72,6 +71,7 @@ def _torch_optimizer(optimizer):
 def save_state(trainer, output_dir: str) -> None:
     """The model's and optimizer's shards through ``save_checkpoint`` (every rank writes its
     own); the scheduler from the main process."""
+    from spdsl.checkpoint import save_checkpoint    # DCP loads when a run first saves
     save_checkpoint(state_dir(output_dir), trainer.model, _torch_optimizer(trainer.optimizer),
                     step=trainer.state.global_step)
     if trainer.args.should_save:
@@ -116,6 +116,7 @@ def check_resumable(checkpoint: str) -> None:
 def load_state(trainer, checkpoint: str) -> None:
     """The weights and optimizer state, resharded to the current ranks; then the
     scheduler."""
+    from spdsl.checkpoint import load_checkpoint
     check_resumable(checkpoint)
     if load_checkpoint(state_dir(checkpoint), trainer.model,
                        _torch_optimizer(trainer.optimizer)) is None:

@@ -222,7 +222,8 @@ class _SequenceParallelTrainer:
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
         if checkpoint is None or not self._spdsl_sharded and not holds_shards(checkpoint):
-            return super()._load_optimizer_and_scheduler(checkpoint)
+            with _unindexed_cpu(self.args):
+                return super()._load_optimizer_and_scheduler(checkpoint)
         load_state(self, checkpoint)
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
@@ -351,3 +352,21 @@ def _loader_per_group(accel, layout: _Layout):
         accel._dataloaders.append(prepared)
         return prepared
     return prepare
+
+
+@contextlib.contextmanager
+def _unindexed_cpu(args):
+    """``args.device`` as plain ``cpu`` where it is an indexed CPU device (``cpu:0``, CPU
+    ranks): on several ranks transformers 5.17 loads the optimizer's file onto
+    ``args.device``, a location ``torch.load`` cannot restore (it raises); 5.18 and later
+    load it onto ``cpu`` there themselves."""
+    device = args.device
+    if device.type != "cpu" or device.index is None:
+        yield
+        return
+    args.__dict__["_setup_devices"] = torch.device("cpu")   # the cached property's value
+    try:
+        yield
+    finally:
+        args.__dict__["_setup_devices"] = device
+

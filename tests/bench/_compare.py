@@ -16,5 +16,14 @@ def run_compare(out, *args: str) -> list:
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
                           check=False)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.returncode == 0, _failure(proc)
     return json.loads(out.read_text())
+
+
+def _failure(proc) -> str:
+    """What a failed launch said: the ranks' own error lines first (torchrun's summary of
+    which rank died and by which signal comes last and says nothing of why), then the tails."""
+    said = [line for line in (proc.stdout + proc.stderr).splitlines()
+            if any(k in line for k in ("Error", "error:", "terminate called", "Abort", "what():"))]
+    return "\n".join(["errors:", *said[:40], "stdout:", proc.stdout[-2000:],
+                      "stderr:", proc.stderr[-3000:]])

@@ -44,11 +44,14 @@ rank its own (a reduce-scatter): every rank's outputs depend on every state befo
 
 from __future__ import annotations
 
+import weakref
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 
 import spdsl.collectives as C
-from spdsl._torch import FakeTensor
+from spdsl._torch import FakeTensor, TorchDispatchMode, tree_flatten
 from spdsl.lower.calls import Call, register
 from spdsl.propagate.mixers import SITES
 from spdsl.propagate.placement import chunk_bounds
@@ -58,7 +61,7 @@ def run(args: list[torch.Tensor], site: int) -> torch.Tensor:
     """The mixer of ``site`` on this rank's tensors, as the single device computes it."""
     s = SITES[site]
     if _planning(args):
-        return _Planned.apply((s.form.output(s.bound(args)), kept_bytes(s, args)), *args)
+        return _Planned.apply((s.form.output(s.bound(args)), footprint(s, args)), *args)
     return _first(s.call(args))
 
 
@@ -69,61 +72,118 @@ def _planning(args) -> bool:
 
 
 class _Planned(torch.autograd.Function):
-    """A mixer as the memory planner sees it: its output, its inputs kept for backward, and
-    the bytes the function keeps besides (``kept_bytes``: its chunk loop's intermediates),
-    as one buffer saved for backward."""
+    """A mixer as the memory planner sees it: its output, its inputs kept for backward, the
+    bytes the function keeps besides (its chunk loop's intermediates) as one buffer saved for
+    backward, and the peaks it reaches inside its forward and its backward (``footprint``) as
+    buffers made and freed there."""
 
     @staticmethod
     def forward(ctx, spec, *args):
-        (shape, dtype), kept = spec
-        extra = [args[0].new_empty(kept, dtype=torch.uint8)] if kept else []
+        (shape, dtype), use = spec
+        extra = [args[0].new_empty(use.kept, dtype=torch.uint8)] if use.kept else []
         ctx.save_for_backward(*args, *extra)
-        ctx.n_args = len(args)
-        return args[0].new_empty(shape, dtype=dtype)
+        ctx.n_args, ctx.backward_peak = len(args), use.backward
+        out = args[0].new_empty(shape, dtype=dtype)
+        _passing(args[0], use.forward - use.kept - out.untyped_storage().nbytes())
+        return out
 
     @staticmethod
     def backward(ctx, grad):
-        return (None, *(torch.zeros_like(a) if a.is_floating_point() else None
-                        for a in ctx.saved_tensors[:ctx.n_args]))
+        grads = [torch.zeros_like(a) if a.is_floating_point() else None
+                 for a in ctx.saved_tensors[:ctx.n_args]]
+        made = sum(g.untyped_storage().nbytes() for g in grads if g is not None)
+        _passing(grad, ctx.backward_peak - made)
+        return (None, *grads)
 
 
-_KEPT: dict[tuple, int] = {}
+def _passing(like: torch.Tensor, nbytes: int) -> None:
+    """A buffer of ``nbytes`` made and dropped at once: the planner's count passes the peak."""
+    if nbytes > 0:
+        like.new_empty(nbytes, dtype=torch.uint8)
+
+
+class Footprint(NamedTuple):
+    """Bytes of a mixer's function at some local shapes, beyond its inputs (and, in backward,
+    beyond what is live when it starts): ``kept`` for backward, the ``forward`` peak (the
+    output and ``kept`` included) and the ``backward`` peak (the inputs' gradients included)."""
+    kept: int
+    forward: int
+    backward: int
+
+
+_FOOTPRINT: dict[tuple, Footprint] = {}
 
 
 def kept_bytes(s, args: list[torch.Tensor]) -> int:
-    """Bytes the mixer's function keeps for backward beyond its inputs at these (local)
-    shapes: the chunk loops of Hugging Face's torch functions keep each chunk's intermediates
-    (Kimi delta attention's per-channel decays most: 7.7x the inputs at SP 2). Measured once
-    per function and shapes, on fake tensors of 2, 3 and 4 chunks' length outside the
-    planner's count, and fitted by a quadratic in the chunks (the SSD's inter-chunk decays
-    grow with their square); 0 where the function does not run on fake tensors (a GPU
-    kernel: it keeps what its own backward needs, not counted)."""
+    """Bytes the mixer's function keeps for backward beyond its inputs (``footprint``)."""
+    return footprint(s, args).kept
+
+
+def footprint(s, args: list[torch.Tensor]) -> Footprint:
+    """What the mixer's function holds at these (local) shapes beyond its inputs: the chunk
+    loops of Hugging Face's torch functions keep each chunk's intermediates (Kimi delta
+    attention's per-channel decays most: 7.7x the inputs at SP 2), and some make larger ones
+    they free at once (transformers 5.17's SSD broadcasts the inter-chunk decays against
+    every chunk's state: ``[chunks + 1, chunks + 1, heads, head_dim, state]``, 2.5x a Bamba
+    step's other memory at 2,048 tokens). Measured once per function and shapes on fake
+    tensors (``_Live``, outside the planner's count): at the length itself, or where a Python
+    loop over chunks makes that slow, at fewer chunks and fitted by a quadratic in the chunks
+    (``_measure``); zero where the function does not run on fake tensors (a GPU kernel: what
+    it holds inside is its own, not counted)."""
     seq = {i: r.seq for i, r in ((i, s.role(i)) for i in range(len(args)))
            if r is not None and r.seq is not None}
     if not seq or not any(a.requires_grad for a in args):
-        return 0
+        return Footprint(0, 0, 0)
     length = args[next(iter(seq))].shape[seq[next(iter(seq))]]
     key = (id(s.fn), s.form.name, tuple((tuple(a.shape), a.dtype, a.requires_grad)
                                         for a in args))
-    if key not in _KEPT:
+    if key not in _FOOTPRINT:
         chunk = int(s.bound(args).get("chunk_size") or 64)
         try:
-            at = [_kept_at(s, args, seq, n * chunk) for n in (2, 3, 4)]
+            _FOOTPRINT[key] = _measure(s, args, seq, length, chunk)
         except Exception:       # noqa: BLE001 - a kernel without a fake implementation
-            at = None
-        if at is None:
-            _KEPT[key] = 0
-        else:
-            # the quadratic through (2, at[0]), (3, at[1]), (4, at[2]) in the chunks (the
-            # first chunk is unlike the others: not measured), linear where it bends down
-            c2 = max(0.0, (at[2] - 2 * at[1] + at[0]) / 2)
-            c1 = at[2] - at[1] - 7 * c2
-            n = -(-length // chunk)
-            _KEPT[key] = max(0, int(at[2] + c1 * (n - 4) + c2 * (n * n - 16)))
-    return _KEPT[key]
+            _FOOTPRINT[key] = Footprint(0, 0, 0)
+    return _FOOTPRINT[key]
 
 
-def _kept_at(s, args, seq: dict[int, int], length: int) -> int:
+# ops dispatched on fake tensors a mixer's footprint may cost (about a second): a function
+# written over whole tensors runs once at the length itself; one looping over chunks in
+# Python runs at lengths within it and is fitted
+OPS_BUDGET = 4000
+
+
+def _measure(s, args, seq: dict[int, int], length: int, chunk: int) -> Footprint:
+    """The footprint at ``length``: measured there where that costs at most ``OPS_BUDGET``
+    ops (the ops of 2 and 4 chunks give the cost of one more), else at the three largest
+    powers of two of chunks within it (at least 2, 4 and 8) and fitted. The peak inside is
+    the largest of several terms, and points near 2-4 chunks miss the one that grows with
+    the square (transformers 5.17's SSD: 3x low at 128 chunks)."""
+    n = -(-length // chunk)
+    if n <= 4:
+        return Footprint(*_footprint_at(s, args, seq, length)[0])
+    (_, ops2), (_, ops4) = (_footprint_at(s, args, seq, m * chunk) for m in (2, 4))
+    per_chunk = max(0, ops4 - ops2) / 2
+    if ops4 + per_chunk * (n - 4) <= OPS_BUDGET:
+        return Footprint(*_footprint_at(s, args, seq, length)[0])
+    m = 8
+    while 2 * m < n and ops4 + per_chunk * (2 * m - 4) <= OPS_BUDGET:
+        m *= 2
+    at = {k: _footprint_at(s, args, seq, k * chunk)[0] for k in (m // 4, m // 2, m)}
+    return Footprint(*(_quadratic({k: a[i] for k, a in at.items()}, n) for i in range(3)))
+
+
+def _quadratic(at: dict[int, int], n: int) -> int:
+    """The quadratic through the three points ``at`` (chunks -> bytes) at ``n`` chunks,
+    linear where it bends down."""
+    (x0, y0), (x1, y1), (x2, y2) = sorted(at.items())
+    s1, s2 = (y1 - y0) / (x1 - x0), (y2 - y1) / (x2 - x1)
+    c2 = max(0.0, (s2 - s1) / (x2 - x0))
+    c1 = s2 - c2 * (x1 + x2)
+    return max(0, int(y2 + c1 * (n - x2) + c2 * (n * n - x2 * x2)))
+
+
+def _footprint_at(s, args, seq: dict[int, int], length: int) -> tuple[tuple[int, int, int], int]:
+    """(kept, forward peak, backward peak) at ``length`` tokens, and the ops it dispatched."""
     from spdsl._torch import FakeTensorMode, disable_current_modes
     with disable_current_modes(), FakeTensorMode():
         small = []
@@ -137,18 +197,62 @@ def _kept_at(s, args, seq: dict[int, int], length: int) -> int:
             small.append(x.requires_grad_(a.requires_grad))
         inputs = {x.untyped_storage()._cdata for x in small}
         seen: set[int] = set()
-        total = 0
+        kept = 0
 
         def pack(t):
-            nonlocal total
+            nonlocal kept
             k = t.untyped_storage()._cdata
             if k not in inputs and k not in seen:
                 seen.add(k)
-                total += t.untyped_storage().nbytes()
+                kept += t.untyped_storage().nbytes()
             return t
+        live = _Live(small)                    # views of the inputs are theirs, not new bytes
         with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            s.call(small)
-    return total
+            with live:
+                out = _first(s.call(small))
+        forward = live.peak
+        if not (isinstance(out, torch.Tensor) and out.requires_grad):
+            return (kept, forward, 0), live.ops
+        grad = torch.ones_like(out)
+        live.peak = start = live.current
+        with live:
+            torch.autograd.backward(out, grad)
+        return (kept, forward, live.peak - start), live.ops
+
+
+class _Live(TorchDispatchMode):
+    """Bytes of the live storages the ops under it make (views counted once, uncounted when
+    the storage dies), their peak, and the ops dispatched (what a fake run costs). The memory
+    planner's count (``spdsl.memory.tracker.LiveBytes``) is the same quantity with categories
+    and phases; that layer sits above this one."""
+
+    def __init__(self, before: list[torch.Tensor]) -> None:
+        super().__init__()
+        self.before = {x.untyped_storage()._cdata for x in before}   # not made here
+        self.live: dict[int, int] = {}
+        self._refs: dict[int, weakref.ref] = {}
+        self.current = self.peak = self.ops = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops += 1
+        out = func(*args, **(kwargs or {}))
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor):
+                self._add(t.untyped_storage())
+        return out
+
+    def _add(self, st) -> None:
+        key = st._cdata
+        if key in self.live or key in self.before:
+            return
+        self.live[key] = st.nbytes()
+        self.current += st.nbytes()
+        self.peak = max(self.peak, self.current)
+        self._refs[key] = weakref.ref(st, lambda _r, k=key: self._free(k))
+
+    def _free(self, key: int) -> None:
+        self.current -= self.live.pop(key, 0)
+        self._refs.pop(key, None)
 
 
 def _first(out):
@@ -160,7 +264,7 @@ def run_state(args: list[torch.Tensor], site: int, parts: int, rank: int,
     """This rank's piece of the mixer's output, the states of the pieces before it passed in."""
     s = SITES[site]
     if _planning(args):
-        out = _Planned.apply((s.form.output(s.bound(args)), kept_bytes(s, args)), *args)
+        out = _Planned.apply((s.form.output(s.bound(args)), footprint(s, args)), *args)
         # the pieces' states, gathered: what the exchange allocates on every rank
         state = s.form.state_bytes(s.bound(args), parts)
         if s.form.exchange == "all_gather":

@@ -29,18 +29,19 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import os
 
 import torch
 
+import spdsl.env as env
 import spdsl.watchdog as watchdog
 from spdsl._torch import (
+    all_gather_single,
     at_backward_end,
     backward_task_id,
     c10d_functional,
     engine_will_accumulate,
+    reduce_scatter_single,
 )
-from spdsl._torch import all_gather_single, reduce_scatter_single
 from spdsl._torch import functional_collectives as fc
 from spdsl.propagate.placement import chunk_bounds, window_plan
 
@@ -220,7 +221,7 @@ class _GradAllReduce(torch.autograd.Function):
 # Gradient buckets reduced while backward goes on (``SPDSL_GRAD_OVERLAP``, default on): a
 # bucket's all-reduce is started when its last gradient is known and waited for once, when
 # backward ends, so the reduction runs under the rest of backward instead of stopping it.
-GRAD_OVERLAP = os.environ.get("SPDSL_GRAD_OVERLAP", "1") != "0"
+GRAD_OVERLAP = env.on("SPDSL_GRAD_OVERLAP")
 
 
 class _GradAllReduceMany(torch.autograd.Function):

@@ -11,6 +11,8 @@ import re
 import sys
 import time
 
+import spdsl.env as env
+
 
 class ShardingError(ValueError):
     """A sharding rule cannot be satisfied; the message says which, where, and how to fix it.
@@ -108,7 +110,7 @@ def one_error_per_job() -> None:
     previous = sys.excepthook
 
     def hook(kind, value, tb) -> None:
-        if not isinstance(value, ShardingError) or os.environ.get(TRACEBACK_ENV) == "1":
+        if not isinstance(value, ShardingError) or env.on(TRACEBACK_ENV):
             previous(kind, value, tb)
             return
         rank = _rank()

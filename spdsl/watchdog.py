@@ -38,10 +38,12 @@ from typing import Any
 
 import torch
 
+import spdsl.env as env
+
 HANG_EXIT = 124
 KINDS = ("all_to_all", "all_reduce", "all_gather", "reduce_scatter")
 
-_bound = [float(os.environ.get("SPDSL_COLLECTIVE_TIMEOUT", "600"))]
+_bound = [float(env.value("SPDSL_COLLECTIVE_TIMEOUT"))]
 _check = [False]
 
 

@@ -17,7 +17,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent / "spdsl"
 # below everything, and the tests further down keep it apart from the rest both ways)
 LAYERS = [
     {"models"},
-    {"_version"},
+    {"_version", "env"},      # env: every SPDSL_* switch, read in one place
     {"_torch", "errors", "modelspec"},
     {"checkpoint_reader"},    # reading a checkpoint without running code from it
     {"watchdog"},             # the collectives' numbers, order check and hang bound

@@ -12,7 +12,6 @@ the cache of decisions per call signature, and the call itself.
 from __future__ import annotations
 
 import functools
-import os
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -23,6 +22,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 import spdsl.collectives as C
+import spdsl.env as env
 import spdsl.watchdog as watchdog
 from spdsl._torch import tree_flatten, tree_unflatten
 from spdsl.annotate.mesh import axis_size
@@ -110,7 +110,7 @@ class Sharded(InputSpecs, StateSharding, Runtime):
         self.remat = _remat_of(remat, memory_budget)   # "fit" | "none" | "full" | "auto" | budget
         self.kernels = KernelChoice.of(kernels)   # spdsl.lower.kernels: "auto"|"on"|"off"|names
         self.seq_dim, self.compile = seq_dim, compile
-        self.debug = os.environ.get("SPDSL_DEBUG", "0") == "1" if debug is None else debug
+        self.debug = env.on("SPDSL_DEBUG") if debug is None else debug
         self.axis = axis or _axis_of(in_specs) or "sp"
         self._parts = parts
         self._cache: dict[Any, _Compiled] = {}

@@ -19,6 +19,8 @@ from collections.abc import Iterator
 
 import torch
 
+import spdsl.env as env
+
 _MODES = ("auto", "triton", "reference")
 _override: list[str] = []
 # Looked up once, without importing triton; a plain constant also keeps dynamo from tracing
@@ -51,7 +53,7 @@ def backend_mode() -> str:
         ...     backend_mode()
         'reference'
     """
-    mode = _override[-1] if _override else os.environ.get("SPDSL_KERNELS", "auto").strip().lower()
+    mode = _override[-1] if _override else env.value("SPDSL_KERNELS").strip().lower()
     if mode not in _MODES:
         raise ValueError(
             f"SPDSL_KERNELS={mode!r} is not a kernel backend; use one of {', '.join(_MODES)}"
@@ -125,7 +127,7 @@ def masked_attn_backend(q: torch.Tensor) -> str:
         'flex'
     """
     mode = _masked_override[-1] if _masked_override else \
-        os.environ.get("SPDSL_MASKED_ATTN", "auto").strip().lower()
+        env.value("SPDSL_MASKED_ATTN").strip().lower()
     if mode not in _MASKED_MODES:
         raise ValueError(f"SPDSL_MASKED_ATTN={mode!r} is not a masked attention backend; use "
                          f"one of {', '.join(_MASKED_MODES)}")

@@ -49,16 +49,16 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import operator
-import os
 from dataclasses import dataclass
 
 import torch
 
+import spdsl.env as env
 from spdsl.kernels.cpu_flash import flash_cpu_backward, flash_cpu_forward
 from spdsl.kernels.masked_attn import _grouped, mask_program, softcap_of, typed_leaves
 
 aten = torch.ops.aten
-FUSED = os.environ.get("SPDSL_MASK_FUSED", "1") != "0"
+FUSED = env.on("SPDSL_MASK_FUSED")
 _AND = {aten.bitwise_and.Tensor, aten.logical_and.default, operator.and_}
 # (key position's argument, query position's argument): keep k <= q, the causal triangle
 _CAUSAL = {aten.le.Tensor: (0, 1), aten.ge.Tensor: (1, 0), operator.le: (0, 1),

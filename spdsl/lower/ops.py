@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import os
 from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 
+import spdsl.env as env
 from spdsl.collectives import all_reduce, all_to_all, all_to_all_many, all_to_all_many_start
 from spdsl.kernels import flash_attn
 from spdsl.kernels import masked_attn as _masked_attn  # noqa: F401  (spdsl::masked_attn)
@@ -24,7 +24,7 @@ aten = torch.ops.aten
 # the one-group output; a kv head read by two groups gets its gradient in two parts (fp32
 # rounding). One by default: on CPU ranks the pipelined exchange measured no faster
 # (bench/RESULTS.md) and no GPU has measured it yet.
-ULYSSES_GROUPS = int(os.environ.get("SPDSL_ULYSSES_GROUPS", "1"))
+ULYSSES_GROUPS = int(env.value("SPDSL_ULYSSES_GROUPS"))
 
 
 class HeadGroup(NamedTuple):

@@ -26,10 +26,9 @@ backward takes again (``spdsl.lower.ops._Share``): the same bytes as the unfused
 
 from __future__ import annotations
 
-import os
-
 import torch
 
+import spdsl.env as env
 from spdsl.lower import ops
 from spdsl.lower.shapes import fill_shapes
 
@@ -37,7 +36,7 @@ aten = torch.ops.aten
 
 # ``SPDSL_FUSE_PROJECTION=0``: leave the projection where the model has it (read at each
 # program's build)
-FUSE = os.environ.get("SPDSL_FUSE_PROJECTION", "1") != "0"
+FUSE = env.on("SPDSL_FUSE_PROJECTION")
 _ATTENTION = {ops.ulysses_attention: 8, ops.ulysses_attention_fn: 7}   # op -> index of parts
 _VIEWS = {aten.clone.default, aten.contiguous.default, aten.reshape.default, aten.view.default,
           aten._unsafe_view.default}

@@ -52,6 +52,7 @@ from collections.abc import Callable
 
 import torch
 
+import spdsl.env as env
 from spdsl.lower.shapes import TensorSpec
 from spdsl.memory.report import fmt_bytes
 from spdsl.memory.reserve import reserve_parts
@@ -84,7 +85,7 @@ def given_budget(remat: Remat) -> tuple[int, str] | None:
     """The budget the user gave (``memory_budget=``, then ``SPDSL_MEMORY_BUDGET``), if any."""
     if remat.budget is not None:
         return remat.budget, "memory_budget="
-    text = os.environ.get(ENV, "").strip()
+    text = env.value(ENV).strip()
     if text:
         try:
             return parse_bytes(text), ENV

@@ -34,10 +34,10 @@ from __future__ import annotations
 
 import math
 import operator
-import os
 
 import torch
 
+import spdsl.env as env
 from spdsl._torch import OpOverload, detect_fake_mode
 from spdsl.propagate.forms import FORM
 from spdsl.propagate.heads import UNREPEATED
@@ -266,7 +266,7 @@ class _Match:
                     self.scale *= c
             elif u.target is aten.tanh.default and soft is None and self.mask is None and \
                     self.bias is None and not self.tanh and \
-                    os.environ.get("SPDSL_MASK_FUNCTIONS", "1") != "0":
+                    env.on("SPDSL_MASK_FUNCTIONS"):
                 self.tanh = True
             elif u.target in (aten.add.Tensor, aten.add_.Tensor) and soft is None and self.mask is None and \
                     len(u.args) == 2 and not u.kwargs:
@@ -426,7 +426,7 @@ def fuse_biased_attention(gm: torch.fx.GraphModule) -> int:
 
 
 def _fuse(gm: torch.fx.GraphModule, biased: bool) -> int:
-    if os.environ.get("SPDSL_FUSE_EAGER_ATTENTION", "1") == "0":
+    if not env.on("SPDSL_FUSE_EAGER_ATTENTION"):
         return 0
     g = gm.graph
     done, live, shared = 0, _live(g), {}

@@ -26,10 +26,9 @@ the pass off.
 
 from __future__ import annotations
 
-import os
-
 import torch
 
+import spdsl.env as env
 from spdsl._torch import OpOverload, use_lazy_graph_module
 from spdsl.errors import ShardingError
 from spdsl.kernels.masked_attn import register_mask_program
@@ -169,7 +168,7 @@ def _describe(pairs: list, leaves: list, positions: bool) -> str:
 def masks_as_functions(gm: torch.fx.GraphModule) -> int:
     """Rewrite every ``spdsl.attention`` whose mask is a program of per-token values into
     ``spdsl.attention_fn``; returns how many were rewritten."""
-    if os.environ.get("SPDSL_MASK_FUNCTIONS", "1") == "0":
+    if not env.on("SPDSL_MASK_FUNCTIONS"):
         return 0
     g = gm.graph
     done = _unmasked_written_out(g)

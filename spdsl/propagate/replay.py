@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -33,6 +32,7 @@ from torch.fx.experimental.proxy_tensor import (
     track_tensor_tree,
 )
 
+import spdsl.env as env
 from spdsl._torch import OpOverload, tree_flatten, tree_unflatten
 from spdsl.propagate.modes import MODULE_KEYS as _MODULE_KEYS
 from spdsl.propagate.modes import SIMPLE as _SIMPLE
@@ -99,7 +99,7 @@ class LayerReplay:
     @contextlib.contextmanager
     def installed(self) -> Iterator[None]:
         wrapped: list[nn.Module] = []
-        if os.environ.get("SPDSL_TRACE_REPLAY", "1") != "0":
+        if env.on("SPDSL_TRACE_REPLAY"):
             for root in self.roots:
                 for container in root.modules():
                     if isinstance(container, (nn.ModuleList, nn.Sequential)):

@@ -55,6 +55,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
+import spdsl.collectives as C
 from spdsl.checkpoint_reader import SafeLoadPlanner, SafeReader, read_metadata, refused
 from spdsl.errors import ShardingError
 
@@ -74,7 +75,7 @@ def _rank() -> int:
 
 def _barrier() -> None:
     if _distributed():
-        dist.barrier()
+        C.barrier()
 
 
 def _module(model: Any) -> torch.nn.Module:
@@ -273,9 +274,7 @@ def _resolve(path: str) -> str | None:
     else:
         found = None
     if _distributed():
-        box = [found]
-        dist.broadcast_object_list(box, src=0)
-        found = box[0]
+        found = C.share(found)
     return found
 
 

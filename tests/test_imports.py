@@ -21,10 +21,10 @@ LAYERS = [
     {"_torch", "errors", "modelspec"},
     {"checkpoint_reader"},    # reading a checkpoint without running code from it
     {"watchdog"},             # the collectives' numbers, order check and hang bound
-    {"kernels", "state", "checkpoint"},
+    {"kernels", "state"},
     {"propagate"},
     {"collectives"},
-    {"lower", "dtensor_ops"},
+    {"lower", "dtensor_ops", "checkpoint"},   # checkpoint: its barrier and broadcast
     {"remat"},
     {"pipeline"},             # one rank's program: lower, kernels, remat, compile
     {"memory"},

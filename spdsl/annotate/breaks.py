@@ -51,6 +51,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor import Shard as DShard
 from torch.fx.experimental.proxy_tensor import get_proxy_slot
 
+import spdsl.collectives as C
 from spdsl._torch import (
     FakeTensor,
     TorchDispatchMode,
@@ -316,9 +317,7 @@ class Segments:
         self.checked.add(what)
         mine = torch.tensor([zlib.crc32(state)], dtype=torch.int64)
         pg = self.owner.mesh.get_group(self.owner.axis)
-        every = [torch.zeros_like(mine) for _ in range(dist.get_world_size(pg))]
-        dist.all_gather(every, mine, group=pg)
-        col = [int(e[0]) for e in every]
+        col = [int(e[0]) for e in C.gather_each(mine, group=pg)]
         if len(set(col)) > 1:
             raise ShardingError(
                 rule="same random state", value=f"{what}: state checksums {col}",

@@ -11,6 +11,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor import Replicate as DReplicate
 from torch.distributed.tensor import Shard as DShard
 
+import spdsl.collectives as C
 from spdsl._torch import tree_flatten
 from spdsl.annotate.mesh import axis_size
 from spdsl.errors import ShardingError, user_line
@@ -48,7 +49,7 @@ class Runtime:
         t = torch.tensor([index], device="cuda" if mesh.device_type == "cuda" else "cpu")
         for name in mesh.mesh_dim_names or ():
             if axis_size(mesh, name) > 1:
-                dist.all_reduce(t, op=dist.ReduceOp.MAX, group=mesh.get_group(name))
+                C.reduce_(t, "max", group=mesh.get_group(name))
         return int(t.item())
 
     def _same_order(self, gm: torch.fx.GraphModule) -> bool:
@@ -68,11 +69,10 @@ class Runtime:
         for name in mesh.mesh_dim_names or ():
             if axis_size(mesh, name) == 1:
                 continue
-            box = [keys]
-            dist.broadcast_object_list(box, group=mesh.get_group(name), group_src=0)
+            first = C.share(keys, group=mesh.get_group(name))
             if failed is None:
                 try:
-                    moved = follow(gm, box[0]) or moved
+                    moved = follow(gm, first) or moved
                 except ShardingError as e:
                     failed = e
             if self._most(int(failed is not None)):
@@ -106,7 +106,6 @@ class Runtime:
         (replicated), so its gradient is the whole one: gathered in backward where it is
         asked for."""
         if x.requires_grad and torch.is_grad_enabled() and parts > 1:
-            import spdsl.collectives as C
             return C.take(x, (p.dim, 1, p.size, 1), parts, rank,
                           self._group_and_rank(axis)[0])
         lo, hi = chunk_bounds(p.size, parts, rank)
@@ -131,14 +130,12 @@ class Runtime:
         with torch.no_grad():
             mine = torch.stack([_checksum(leaves[i], full) for i in idx]).to(device)  # [n, k]
         if full:
-            every = [torch.empty_like(mine) for _ in range(dist.get_world_size(pg))]
-            dist.all_gather(every, mine, group=pg)
-            sums = torch.stack(every).cpu()                    # [ranks, n, k]
+            sums = torch.stack(C.gather_each(mine, group=pg)).cpu()                    # [ranks, n, k]
             bad = [j for j in range(len(idx)) if not bool((sums[:, j] == sums[0, j]).all())]
             seen = {j: [[round(float(c), 4) for c in r] for r in sums[:, j]] for j in bad}
         else:
             both = torch.cat([mine, -mine])
-            dist.all_reduce(both, op=dist.ReduceOp.MAX, group=pg)
+            C.reduce_(both, "max", group=pg)
             hi, lo = both[:len(idx)].cpu(), -both[len(idx):].cpu()
             bad = [j for j in range(len(idx)) if not bool((hi[j] == lo[j]).all())]
             seen = {j: [round(float(lo[j, 0]), 4), round(float(hi[j, 0]), 4)] for j in bad}

@@ -41,6 +41,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
+import spdsl.collectives as C
 from spdsl.annotate.api import sp_shard
 from spdsl.annotate.mesh import mesh as make_mesh
 from spdsl.errors import ShardingError
@@ -129,14 +130,12 @@ class _Layout:
 
         def one(t: torch.Tensor) -> torch.Tensor:
             t = t.reshape(1) if t.dim() == 0 else t.contiguous()
-            parts = [torch.empty_like(t) for _ in range(self.dp)]
-            dist.all_gather(parts, t, group=self.dp_group)
-            return torch.cat(parts)
+            return torch.cat(C.gather_each(t, group=self.dp_group))
         return recursively_apply(one, data, error_on_other_type=True)
 
     def sum(self, t: torch.Tensor) -> torch.Tensor:
         if self.dp > 1:
-            dist.all_reduce(t, group=self.dp_group)
+            C.reduce_(t, group=self.dp_group)
         return t
 
     def real_rows(self, inputs: dict, trainer) -> dict:
@@ -320,7 +319,7 @@ def _broadcast_state(model: torch.nn.Module) -> None:
     """Rank 0's parameters and buffers on every rank (DDP's guarantee at construction)."""
     with torch.no_grad():
         for t in itertools.chain(model.parameters(), model.buffers()):
-            dist.broadcast(t.data, src=0)
+            C.broadcast_(t.data)
 
 
 def _without_ddp(prepare_model):

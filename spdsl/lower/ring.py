@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from spdsl.collectives import all_to_all, all_to_all_rows
+from spdsl.collectives import all_to_all, all_to_all_rows, new_group
 from spdsl.kernels import ring_attn as _ring_attn  # noqa: F401  (spdsl::ring_attn)
 from spdsl.kernels.masked_attn import register_mask_program
 from spdsl.lower.ops import _HEADS, _SEQ, _to_heads
@@ -125,7 +125,7 @@ def factor_ranks(ranks: torch.Tensor, u: int) -> tuple:
     for row in ranks.reshape(-1, parts // u, u):           # [ring, U]
         for kind, members in [(0, g) for g in row] + [(1, g) for g in row.t()]:
             members = members.tolist()
-            pg = dist.new_group(members)
+            pg = new_group(members)
             if me in members:
                 found[kind] = (pg.group_name, members.index(me))
     (ug, ur), (rg, rr) = found

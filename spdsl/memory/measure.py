@@ -103,9 +103,11 @@ def _settle() -> None:
     import time
 
     import torch.distributed as dist
+
+    import spdsl.collectives as C
     gc.collect()
     if dist.is_available() and dist.is_initialized():
-        dist.barrier()
+        C.barrier()
     time.sleep(0.5)
 
 

@@ -18,7 +18,7 @@ bf16 weights keeps bf16 moments, 4 B per parameter less than any ``optimizer=`` 
 offers.) Its state exists before the step, as the planner assumes.
 
 Planned (``plan_memory(step, ids, ids, optimizer="adamw")``, pinned host copies counted as
-CUDA's pinned allocator takes them, plus ``spdsl.cli.search.kernel_workspace``: what the
+CUDA's pinned allocator takes them, plus ``spdsl.memory.workspace.kernel_workspace``: what the
 Triton kernels allocate inside their op, which the planner adds for a GPU run) against
 measured, by the caching allocators themselves:
 
@@ -57,11 +57,11 @@ import torch
 
 import spdsl
 from bench.gpu.common import close_group, device_info, one_rank_mesh, sync, write_json
-from spdsl.cli.search import kernel_workspace
 from spdsl.kernels.backend import use_triton
 from spdsl.memory import fmt_bytes, measure_step, plan_memory, track_cpu_allocations
 from spdsl.memory.host import pinned_bytes, round_threshold
 from spdsl.memory.reserve import default_reserve
+from spdsl.memory.workspace import kernel_workspace
 from spdsl.models.llama import Llama, LlamaConfig, num_params
 from spdsl.remat import Remat
 from spdsl.remat.config import device_memory

@@ -49,19 +49,21 @@ import sys
 import time
 from dataclasses import dataclass
 
-from spdsl.cli.search import (
+from spdsl.annotate.api import sp_shard
+from spdsl.errors import ShardingError
+from spdsl.memory.model import model_plan
+from spdsl.memory.report import fmt_bytes
+from spdsl.memory.reserve import reserve_parts
+from spdsl.memory.search import (
     Estimator,
+    best_grid,
     granule,
     max_seq,
-    model_plan,
     over_budget,
     propose,
     seq_bound,
     token_floor,
 )
-from spdsl.errors import ShardingError
-from spdsl.memory.report import fmt_bytes
-from spdsl.memory.reserve import reserve_parts
 from spdsl.memory.simulate import OPTIMIZERS
 from spdsl.modelspec import field, load_config
 from spdsl.modelspec.cli import (
@@ -191,21 +193,6 @@ def remat_of(mode: str, a) -> Remat:
     return r
 
 
-def best_grid(offload: bool, shards: int, every: int) -> list[tuple[Remat, int]]:
-    """What ``best`` searches: remat mode (auto, lean, full) x MLP tiling (by size, or in
-    sequence chunks at any size; lean tiles always) x recomputed all-to-alls x offload (with
-    --offload) x state shards (as given, and over every rank), as (Remat, shards)."""
-    modes = [Remat("auto"), Remat("auto", tile_mlp=True), Remat("auto", budget=0),
-             Remat("full"), Remat("full", tile_mlp=True)]
-    out = []
-    for n in sorted({shards, every}):
-        for r in modes:
-            for rc in (False, True):
-                for off in ((False, True) if offload else (False,)):
-                    out.append((r.with_(recompute_collectives=rc, offload=off), n))
-    return out
-
-
 def _name(r: Remat, shards: int | None = None) -> str:
     base = r.mode if r.mode != "auto" or r.budget is None else \
         "lean" if r.budget == 0 else f"auto({fmt_bytes(r.budget)})"
@@ -245,7 +232,7 @@ def _estimator(cfg, a, remat: Remat, shards: int, budget: int, host: int) -> _Sa
     host_budget = host if remat.offload or a.optimizer_on_host else None
     return _Saying(cfg, a.sp, remat, DTYPES[a.dtype], a.batch, a.optimizer, shards, a.kernels,
                    attention_of(a.attention), a.dp, a.optimizer_on_host, budget=budget,
-                   host_budget=host_budget)
+                   host_budget=host_budget, shard=sp_shard)
 
 
 @dataclass
@@ -306,12 +293,6 @@ class _Search:
               flush=True)
         return max_seq(est, self.budget, granularity=self.a.granularity, verify=True,
                        host_budget=est.host_budget, probes=(self.a.probe // 4, self.a.probe))
-
-
-def _longest(cfg, a, remat: Remat, shards: int, budget: int, host: int, verify: bool):
-    est = _estimator(cfg, a, remat, shards, budget, host)
-    return max_seq(est, budget, granularity=a.granularity, verify=verify,
-                   host_budget=est.host_budget, probes=(a.probe // 4, a.probe))
 
 
 def _best(search: _Search, shards: int, bar: int = 0) -> tuple[Remat, int, int]:
@@ -400,7 +381,7 @@ def _run(a) -> int:
           f"{fmt_bytes(total)} - reserve {fmt_bytes(reserve)} ({kept}) = {fmt_bytes(budget)} "
           f"per rank, host {fmt_bytes(host)} per rank (pinned copies in powers of two), "
           f"kernels {a.kernels}", file=sys.stderr)
-    plan_kw = {"dtype": dtype, "batch": a.batch, "optimizer": a.optimizer,
+    plan_kw = {"shard": sp_shard, "dtype": dtype, "batch": a.batch, "optimizer": a.optimizer,
                "state_shards": shards, "kernels": a.kernels, "dp": a.dp,
                "optimizer_on_host": a.optimizer_on_host,
                "attention": attention_of(a.attention)}

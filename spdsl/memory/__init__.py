@@ -1,9 +1,9 @@
 """Memory planning: predicted per-rank peak of a training step, and the longest sequence that fits.
 
 ``plan_memory(sharded_fn, *args)`` simulates one step on fake tensors under the function's
-remat policy; ``max_seq`` searches the longest sequence under a device budget; ``LiveBytes``
-runs the planner's own count on real runs; ``measure_step`` reads the allocator's (the
-independent check: ``spdsl/memory/measure.py``).
+remat policy; ``spdsl.memory.search.max_seq`` searches the longest sequence under a device
+budget; ``LiveBytes`` runs the planner's own count on real runs; ``measure_step`` reads the
+allocator's (the independent check: ``spdsl/memory/measure.py``).
 """
 
 from spdsl.memory.measure import StepMemory, measure_step, track_cpu_allocations

@@ -11,6 +11,21 @@ spdsl's fused linear + cross-entropy holds a logits chunk (and a piece of its we
 inside its op the same way. Each entry maps an op to its scratch bytes, live while the op
 runs, on top of its outputs. The sizes are those of torch 2.13's kernel; threads are the planning process's own
 (``torch.get_num_threads()``), so plan where you run or set the threads alike.
+
+Two counts of kernel scratch live here:
+
+- :func:`workspace_bytes`: per op, from the op's own arguments, added by the planner's tracker
+  (``LiveBytes(workspace=True)``) while that op runs, so ``spdsl.memory.plan_memory`` includes
+  it: ATen's CPU flash attention, spdsl's masked and ring attention, the fused cross-entropy's
+  logits chunk.
+- :func:`kernel_workspace`: per phase of a GPU run, from the model's configuration, a lump
+  that ``python -m spdsl memory --kernels triton`` (``spdsl.memory.model.model_plan``) and
+  ``bench/gpu/bigstep.py`` add on top of the plan (``MemoryPlan.with_extra``); ``plan_memory``
+  does not: the fused cross-entropy's logits chunk and one ``[V, E]`` product (forward), and
+  the Triton flash attention backward's fp32 ``delta`` (backward), which no entry above covers.
+  Its forward lump repeats the logits chunk the fused cross-entropy's entry already counts when
+  that op is in the program (tiny Llama, fp32, 4,096 tokens over SP 2: 512 KiB in each), an
+  over-count kept so that the command's figures stay as published.
 """
 
 from __future__ import annotations
@@ -19,6 +34,8 @@ import torch
 
 from spdsl.kernels.cpu_flash import flash_cpu_backward as _flash_cpu_backward
 from spdsl.kernels.cpu_flash import flash_cpu_forward as _flash_cpu_forward
+from spdsl.kernels.reference import default_chunk_size
+from spdsl.modelspec import FIELDS, field
 
 aten = torch.ops.aten
 
@@ -98,3 +115,26 @@ def workspace_bytes(func, args, kwargs) -> int:
     """
     rule = WORKSPACE.get(func)
     return rule(args, kwargs or {}) if rule is not None else 0
+
+
+def kernel_workspace(cfg, tokens: int, sp: int, dtype: torch.dtype) -> dict[str, int]:
+    """Bytes spdsl's Triton kernels allocate inside their op (invisible to a dispatcher-level
+    tracker), per phase, for a model ``cfg`` (``spdsl.modelspec``) with ``tokens`` per rank
+    over ``sp`` ranks: the fused cross-entropy's logits chunk and, in bf16/fp16, one ``[V, E]``
+    product before it is added to the fp32 weight gradient (forward: the loss computes its
+    gradients there); flash attention's backward ``delta`` (fp32, one per query row and local
+    head). The module docstring says how this differs from :func:`workspace_bytes`.
+
+    Example::
+
+        kernel_workspace(LlamaConfig.tiny(), tokens=2048, sp=2, dtype=torch.float32)
+        # {'forward': 524288, 'backward': 32768}
+    """
+    item = torch.empty((), dtype=dtype).element_size()
+    v, e = field(cfg, "vocab"), field(cfg, "hidden")
+    rows = min(tokens, default_chunk_size(tokens, v, e))
+    loss = rows * v * item + (v * e * item if item < 4 else 0)
+    # a model without attention heads (Mamba-2, Mamba) runs no flash attention: no delta
+    heads = next((int(getattr(cfg, a)) for a in FIELDS["heads"] if hasattr(cfg, a)), 0)
+    delta = tokens * sp * max(1, heads // sp) * 4 if heads else 0
+    return {"forward": loss, "backward": delta}

@@ -7,9 +7,9 @@ import pytest
 import torch
 
 import spdsl
-from spdsl.cli.search import model_plan
 from spdsl.memory import plan_memory
 from spdsl.memory.host import pinned_bytes, round_threshold
+from spdsl.memory.model import model_plan
 from spdsl.models.llama import Llama, LlamaConfig
 from spdsl.remat import Remat
 from spdsl.remat.offload import recording_host_requests
@@ -90,7 +90,7 @@ def test_optimizer_bytes_per_parameter(name):
     n = sum(p.numel() for p in params)
     counters = 4 * len(params)                  # AdamW's step, a 4 B tensor per parameter
     plan = model_plan(cfg, 256, 2, "full", optimizer=name.split("/")[0],
-                      optimizer_on_host=on_host)
+                      optimizer_on_host=on_host, shard=spdsl.sp_shard)
     buffers = plan.parameters - 2 * n           # state that is not a parameter (RoPE's)
     at = plan.phases["optimizer"]
     state = at["parameter"] + at["gradient"] + at["optimizer"]
@@ -104,4 +104,5 @@ def test_optimizer_bytes_per_parameter(name):
 
 def test_host_optimizer_needs_masters():
     with pytest.raises(ValueError, match="fp32-master"):
-        model_plan(LlamaConfig.tiny(), 256, 2, "full", optimizer_on_host=True)
+        model_plan(LlamaConfig.tiny(), 256, 2, "full", optimizer_on_host=True,
+                   shard=spdsl.sp_shard)

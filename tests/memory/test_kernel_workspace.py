@@ -1,5 +1,5 @@
-"""``spdsl.cli.search.kernel_workspace``: the bytes spdsl's kernels allocate inside their ops,
-as the memory command adds them; a model without attention heads (Mamba-2) has no flash
+"""``spdsl.memory.workspace.kernel_workspace``: the bytes spdsl's kernels allocate inside their
+ops, as the memory command adds them; a model without attention heads (Mamba-2) has no flash
 attention backward, so no ``delta`` (it used to stop the command: its config names no heads)."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import torch
 
-from spdsl.cli.search import kernel_workspace
+from spdsl.memory.workspace import kernel_workspace
 
 
 def test_attention_heads_give_the_backward_delta_and_none_give_none():

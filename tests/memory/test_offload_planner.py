@@ -6,10 +6,12 @@ from __future__ import annotations
 import pytest
 import torch
 
+from spdsl import sp_shard
 from spdsl.cli.memory import main, state_shards
-from spdsl.cli.search import Estimator, bytes_per_token_per_layer, model_plan
+from spdsl.memory.model import bytes_per_token_per_layer, gathered_bytes, model_plan
 from spdsl.memory.report import MemoryPlan
 from spdsl.memory.reserve import default_reserve
+from spdsl.memory.search import Estimator
 from spdsl.models.llama import LlamaConfig
 from spdsl.remat import Remat, parse_bytes
 
@@ -27,21 +29,23 @@ def test_full_offload_holds_the_layer_inputs_on_the_host():
     rng = torch.get_rng_state().numel()
     for dtype in (torch.float32, torch.bfloat16):
         item = torch.empty((), dtype=dtype).element_size()
-        host = bytes_per_token_per_layer(cfg, 2, LEAN, seq=2048, dtype=dtype, host=True)
-        dev = bytes_per_token_per_layer(cfg, 2, LEAN, seq=2048, dtype=dtype)
+        host = bytes_per_token_per_layer(cfg, 2, LEAN, seq=2048, dtype=dtype, host=True,
+                                         shard=sp_shard)
+        dev = bytes_per_token_per_layer(cfg, 2, LEAN, seq=2048, dtype=dtype, shard=sp_shard)
         assert host == item * cfg.dim and dev == rng / (2048 // 2), (dtype, host, dev)
 
 
 def test_host_bytes_are_every_layer_input():
     cfg = LlamaConfig.tiny().replace(n_layers=3)
     seq, sp = 1024, 2
-    plan = model_plan(cfg, seq, sp, LEAN, dtype=torch.float32)
+    plan = model_plan(cfg, seq, sp, LEAN, dtype=torch.float32, shard=sp_shard)
     assert plan.host == 2 * cfg.dim * (seq // sp) * cfg.n_layers * 2       # fp32 = 2 * 2 bytes
-    kept = model_plan(cfg, seq, sp, Remat("full", offload=True), dtype=torch.float32)
+    kept = model_plan(cfg, seq, sp, Remat("full", offload=True), dtype=torch.float32,
+                      shard=sp_shard)
     h, kv = cfg.dim, cfg.n_kv_heads * cfg.head_dim
     # with the all-to-alls kept, their outputs move too: q, k, v (h + 2 kv) and o (h)
     assert kept.host == 4 * (h + (h + 2 * kv) + h) * (seq // sp) * cfg.n_layers
-    none = model_plan(cfg, seq, sp, Remat("full"), dtype=torch.float32)
+    none = model_plan(cfg, seq, sp, Remat("full"), dtype=torch.float32, shard=sp_shard)
     assert none.host == 0 and plan.saved_activations < none.saved_activations
 
 
@@ -59,7 +63,6 @@ def test_state_shards_count_the_gathered_weights():
 
 
 def test_gathered_bytes_are_the_largest_unit():
-    from spdsl.cli.search import gathered_bytes
     from spdsl.models.llama import Llama
 
     with torch.device("meta"):
@@ -97,7 +100,8 @@ def test_llama3_8b_reaches_4m_tokens_on_8_ranks():
     the all-to-alls recomputed and offloaded: 4,194,304 tokens fit the device (less the default
     reserve) and the host (192 GiB per rank: 32 layer inputs of exactly 4 GiB, pinned without
     rounding); one granule more rounds every layer input up to 8 GiB, 256 GiB per rank."""
-    est = Estimator(LlamaConfig.llama3_8b(), 8, LEAN, state_shards=8, kernels="triton")
+    est = Estimator(LlamaConfig.llama3_8b(), 8, LEAN, state_shards=8, kernels="triton",
+                    shard=sp_shard)
     budget = parse_bytes("80GiB") - default_reserve(parse_bytes("80GiB"))
     p = est.phases(4_194_304)
     assert max(v for k, v in p.items() if k != "host") <= budget, p

@@ -10,8 +10,8 @@ import torch
 
 import spdsl
 from spdsl.cli.memory import main
-from spdsl.cli.search import bytes_per_token_per_layer
 from spdsl.memory import plan_memory
+from spdsl.memory.model import bytes_per_token_per_layer
 from spdsl.models.llama import Llama, LlamaConfig
 from spdsl.remat import Remat
 
@@ -53,7 +53,8 @@ def test_full_keeps_layer_input_and_collective_outputs_per_layer():
     (q, k, v: h + 2 h_kv; o: h) — nothing else crosses from forward to backward but the CPU
     RNG state ``torch.utils.checkpoint`` stores per layer (a constant, not per token)."""
     cfg = LlamaConfig.tiny()
-    per = bytes_per_token_per_layer(cfg, 2, "full", seq=2048, dtype=torch.float32)
+    per = bytes_per_token_per_layer(cfg, 2, "full", seq=2048, dtype=torch.float32,
+                                    shard=spdsl.sp_shard)
     h, kv = cfg.dim, cfg.n_kv_heads * cfg.head_dim
     rng = torch.get_rng_state().numel()
     assert per == 4 * (h + (h + 2 * kv) + h) + rng / (2048 // 2)

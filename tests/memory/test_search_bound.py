@@ -6,16 +6,11 @@ from __future__ import annotations
 
 import torch
 
-from spdsl.cli import search
+from spdsl import sp_shard
 from spdsl.cli.memory import main as memory
-from spdsl.cli.search import (
-    Estimator,
-    model_plan,
-    over_budget,
-    propose,
-    seq_bound,
-    token_floor,
-)
+from spdsl.memory import search
+from spdsl.memory.model import model_plan
+from spdsl.memory.search import Estimator, over_budget, propose, seq_bound, token_floor
 from spdsl.models.llama import LlamaConfig
 from spdsl.remat import Remat
 
@@ -30,7 +25,8 @@ def test_every_mode_keeps_the_bounds_bytes():
     cfg = LlamaConfig.tiny().replace(n_layers=3)
     seq, sp = 2048, 2
     for remat in (Remat("none"), Remat("full", recompute_collectives=True, offload=True)):
-        plan = model_plan(cfg, seq, sp, remat, kernels="triton", pinned_host=False)
+        plan = model_plan(cfg, seq, sp, remat, kernels="triton", pinned_host=False,
+                          shard=sp_shard)
         kept = plan.saved_activations + plan.host_requested
         assert kept >= token_floor(cfg) * seq // sp, (remat, kept)
     # the least-keeping mode holds nothing more than the layer inputs on the host
@@ -42,7 +38,7 @@ def test_bound_never_excludes_what_fits():
     unbounded one answers, under the bound, and one granule more does not fit."""
     cfg = LlamaConfig.tiny().replace(n_layers=3)
     lean = Remat("full", recompute_collectives=True, offload=True)
-    est = Estimator(cfg, 2, lean, dtype=torch.float32)
+    est = Estimator(cfg, 2, lean, dtype=torch.float32, shard=sp_shard)
     budget, host = 64 * MiB, 4 * MiB
     bound = seq_bound(est, budget, host, granularity=1024)
     bounded = propose(est, budget, granularity=1024, probes=(2048, 8192), host_budget=host)
@@ -61,13 +57,13 @@ def test_bound_never_excludes_what_fits():
 def test_bound_is_the_layer_inputs_against_device_and_host():
     cfg = LlamaConfig.llama3_8b()
     assert token_floor(cfg) == 32 * 4096 * 2 + 16
-    est = Estimator(cfg, 64, Remat("full", offload=True))
+    est = Estimator(cfg, 64, Remat("full", offload=True), shard=sp_shard)
     dev, host = 72 * GiB, 192 * GiB
     bound = seq_bound(est, dev, host)
     assert bound % 1024 == 0 and bound // 64 * token_floor(cfg) <= dev + host
     assert (bound + 1024) // 64 * token_floor(cfg) > dev + host
     # without offload the host holds nothing of the step
-    assert seq_bound(Estimator(cfg, 64, Remat("full")), dev, host) < bound / 3
+    assert seq_bound(Estimator(cfg, 64, Remat("full"), shard=sp_shard), dev, host) < bound / 3
     # offload with no host budget: nothing bounds it
     assert seq_bound(est, dev, None) is None
 

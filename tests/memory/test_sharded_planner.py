@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import torch
 
-from spdsl.cli.search import gathered_bytes, model_plan
+from spdsl import sp_shard
+from spdsl.memory.model import gathered_bytes, model_plan
 from spdsl.models.llama import Llama, LlamaConfig
 from spdsl.remat import Remat
 
@@ -19,7 +20,7 @@ LEAN = Remat("full", offload=True, recompute_collectives=True)
 
 def _backward(layers: int, shards: int) -> tuple[dict, dict]:
     cfg = LlamaConfig.tiny().replace(n_layers=layers)
-    kw = {"dtype": torch.float32, "optimizer": "none"}
+    kw = {"dtype": torch.float32, "optimizer": "none", "shard": sp_shard}
     sharded = model_plan(cfg, 2048, 4, LEAN, state_shards=shards, **kw)
     with torch.device("meta"):
         model = Llama(cfg)
@@ -55,7 +56,7 @@ def test_planned_on_meta_as_the_allocator_measured():
     for mode, measured in MEASURED.items():
         r = Remat("full", offload=True) if mode == "full+offload" else mode
         p = model_plan(LlamaConfig.small(), 512, 4, r, dtype=torch.float32, batch=2,
-                       state_shards=4)
+                       state_shards=4, shard=sp_shard)
         # with offload the CPU's host copies share the allocator: device and host at one instant
         held = (p.one_pool if mode == "full+offload" else p.peak) - p.parameters - \
             p.optimizer - p.inputs

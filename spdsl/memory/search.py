@@ -14,129 +14,23 @@ forward to backward (spdsl checkpoints at layer boundaries, so no mode recompute
 device or, offloaded, on the host, so ``layers * hidden`` elements per token against the device
 and host budgets bound the search. Without it, a mode whose device bytes barely grow (offload)
 extrapolated to 151 billion tokens at SP 64 and simulated a tiled MLP of millions of chunks.
+
+Each point is a :func:`spdsl.memory.model.model_plan`, its step built by the caller's
+``shard=spdsl.sp_shard`` (an :class:`Estimator` field). ``python -m spdsl memory --max-seq``
+(``spdsl.cli.memory``) runs this search and prints it.
 """
 
 from __future__ import annotations
 
-import contextlib
-import os
 from dataclasses import dataclass
+from dataclasses import field as dc_field
 
 import torch
 
-from spdsl.annotate.api import sp_shard
-from spdsl.memory.planner import plan_memory
+from spdsl.memory.model import Shard, model_plan
 from spdsl.memory.report import MemoryPlan
-from spdsl.modelspec import FIELDS, field, model_class_for, with_layers
-from spdsl.pipeline import planning_group
+from spdsl.modelspec import field, with_layers
 from spdsl.remat import Remat
-from spdsl.remat.segments import layer_of
-
-
-def model_plan(cfg, seq: int, sp: int, remat, *, dtype: torch.dtype = torch.bfloat16,
-               batch: int = 1, optimizer: str = "adamw", state_shards: int = 1,
-               kernels: str = "auto", attention="auto", dp: int = 1,
-               optimizer_on_host: bool = False, pinned_host: bool | None = None,
-               ) -> MemoryPlan:
-    """Planned memory of one step of the model ``cfg`` builds (``spdsl.modelspec``: e.g.
-    ``Llama`` for a ``LlamaConfig``), on the meta device, at global length ``seq``, called as
-    ``model(ids, labels)``.
-
-    ``kernels="triton"`` plans the step a GPU runs: spdsl's Triton kernels (flash attention,
-    RMSNorm, RoPE, fused linear cross-entropy) swapped in, each allocating what its kernel
-    allocates (their fake implementations), where the CPU references would materialise fp32
-    norm temporaries or (attention) ``[S, S]`` scores. ``"auto"``: what runs here (CPU: none).
-    ``attention``: as ``sp_shard(attention=...)`` (``"ring"``, ``("hybrid", 8)``, ...).
-
-    State split over every rank (``state_shards == dp * sp``) plans the sharded program itself
-    (``sp_shard(shard_state=True)`` over a fake process group of ``dp * sp`` ranks): each
-    rank's parameter rows, the gathers of the layer in flight, the whole gradients of the
-    parameter being reduced and then only its reduce-scattered rows. Any other split divides
-    the replicated program's state afterwards (``MemoryPlan.with_state_shards``), which keeps
-    the replicated program's whole gradients of finished layers: an over-count.
-    ``optimizer``/``optimizer_on_host``: ``spdsl.memory.simulate``. ``pinned_host``: offloaded
-    copies counted as CUDA's pinned allocator takes them (default: planning the GPU run,
-    ``kernels="triton"``). ``batch`` is per dp replica.
-
-    Example::
-
-        plan = model_plan(LlamaConfig.llama3_8b(), 131072, 8, "full", kernels="triton")
-        print(plan)
-    """
-    if pinned_host is None:
-        pinned_host = kernels == "triton"
-    world = dp * sp
-    sharded = state_shards > 1 and state_shards == world
-    with torch.device("meta"):
-        model = model_class_for(cfg)(cfg).to(dtype)
-    ids = torch.empty(batch * (dp if sharded else 1), seq, dtype=torch.long, device="meta")
-    how = {"optimizer": optimizer, "optimizer_on_host": optimizer_on_host,
-           "pinned_host": pinned_host}
-    with _kernels(kernels) as choice, \
-            (planning_group(world) if sharded else contextlib.nullcontext()):
-        step = sp_shard(seq=sp, remat=remat, kernels=choice, attention=attention,
-                        shard_state=sharded)(model)
-        plan = plan_memory(step, ids, ids, **how)
-    if not sharded:
-        plan = plan.with_state_shards(state_shards, gathered_bytes(model))
-    if kernels == "triton":
-        plan = plan.with_extra(kernel_workspace(cfg, batch * seq // sp, sp, dtype),
-                               "kernel workspace")
-    return plan
-
-
-def kernel_workspace(cfg, tokens: int, sp: int, dtype: torch.dtype) -> dict[str, int]:
-    """Bytes spdsl's Triton kernels allocate inside their op (invisible to a dispatcher-level
-    tracker), per phase: the fused cross-entropy's logits chunk and, in bf16/fp16, one
-    ``[V, E]`` product before it is added to the fp32 weight gradient (forward: the loss
-    computes its gradients there); flash attention's backward ``delta`` (fp32, one per query
-    row and local head)."""
-    from spdsl.kernels.reference import default_chunk_size
-
-    item = torch.empty((), dtype=dtype).element_size()
-    v, e = field(cfg, "vocab"), field(cfg, "hidden")
-    rows = min(tokens, default_chunk_size(tokens, v, e))
-    loss = rows * v * item + (v * e * item if item < 4 else 0)
-    # a model without attention heads (Mamba-2, Mamba) runs no flash attention: no delta
-    heads = next((int(getattr(cfg, a)) for a in FIELDS["heads"] if hasattr(cfg, a)), 0)
-    delta = tokens * sp * max(1, heads // sp) * 4 if heads else 0
-    return {"forward": loss, "backward": delta}
-
-
-@contextlib.contextmanager
-def _kernels(kernels: str):
-    if kernels != "triton":
-        yield kernels
-        return
-    from spdsl.kernels import ring_attn
-    from spdsl.kernels.backend import kernel_backend
-    # fake tensors never launch a kernel: the interpreter flag only lets the backend choose
-    # Triton (and so the custom ops' fake kernels) for CPU-device fakes; ring attention's
-    # mask-free pieces run the block recurrence on a GPU, not the CPU's fused kernel
-    old = os.environ.get("TRITON_INTERPRET")
-    os.environ["TRITON_INTERPRET"] = "1"
-    fused, ring_attn.FUSED[0] = ring_attn.FUSED[0], False
-    try:
-        with kernel_backend("triton"):
-            yield "on"
-    finally:
-        ring_attn.FUSED[0] = fused
-        if old is None:
-            os.environ.pop("TRITON_INTERPRET")
-        else:
-            os.environ["TRITON_INTERPRET"] = old
-
-
-def gathered_bytes(model: torch.nn.Module) -> tuple[int, int]:
-    """Whole-parameter bytes a state-sharded step holds for a moment, (forward, backward):
-    the largest unit (a numbered layer, the embedding, the head) gathered in forward; in
-    backward its weights gathered again plus its whole gradients before the reduce-scatter."""
-    units: dict[str, int] = {}
-    for name, p in model.named_parameters():
-        unit = layer_of(name) or name.split(".")[0]
-        units[unit] = units.get(unit, 0) + p.numel() * p.element_size()
-    big = max(units.values(), default=0)
-    return big, 2 * big
 
 
 def _phase_totals(plan: MemoryPlan) -> dict[str, int]:
@@ -146,7 +40,13 @@ def _phase_totals(plan: MemoryPlan) -> dict[str, int]:
 @dataclass
 class Estimator:
     """Per-phase device peak (and host peak) of a ``layers``-deep model, from 1- and 2-layer
-    simulations (2 and 3 with offload)."""
+    simulations (2 and 3 with offload); the fields are :func:`model_plan`'s arguments.
+
+    Example::
+
+        est = Estimator(LlamaConfig.llama3_8b(), 8, Remat("full"), shard=spdsl.sp_shard)
+        est.peak(131072)        # device bytes at the step's highest phase, full depth
+    """
 
     cfg: object
     sp: int
@@ -160,9 +60,11 @@ class Estimator:
     dp: int = 1
     optimizer_on_host: bool = False
     pinned_host: bool | None = None     # None: when planning the GPU run (kernels="triton")
+    shard: Shard = dc_field(kw_only=True)    # spdsl.sp_shard (model_plan)
 
     def _kw(self) -> dict:
-        return {"dtype": self.dtype, "batch": self.batch, "optimizer": self.optimizer,
+        return {"shard": self.shard, "dtype": self.dtype, "batch": self.batch,
+                "optimizer": self.optimizer,
                 "state_shards": self.state_shards, "kernels": self.kernels,
                 "attention": self.attention, "dp": self.dp,
                 "optimizer_on_host": self.optimizer_on_host, "pinned_host": self.pinned_host}
@@ -227,7 +129,8 @@ def seq_bound(est: Estimator, budget: int, host_budget: int | None, *,
 
     Example::
 
-        est = Estimator(LlamaConfig.llama3_8b(), sp=64, remat=Remat("full", offload=True))
+        est = Estimator(LlamaConfig.llama3_8b(), sp=64, remat=Remat("full", offload=True),
+                        shard=spdsl.sp_shard)
         seq_bound(est, parse_bytes("72GiB"), parse_bytes("192GiB"))   # 69,337,088
     """
     offload = Remat.of(est.remat).offload
@@ -269,7 +172,8 @@ def max_seq(est: Estimator, budget: int, *, granularity: int = 1024,
 
     Example::
 
-        est = Estimator(LlamaConfig.llama3_8b(), sp=8, remat=Remat("full"), state_shards=8)
+        est = Estimator(LlamaConfig.llama3_8b(), sp=8, remat=Remat("full"), state_shards=8,
+                        shard=spdsl.sp_shard)
         seq, plan = max_seq(est, parse_bytes("72GiB"), verify=True)
     """
     seq = propose(est, budget, granularity=granularity, probes=probes, host_budget=host_budget)
@@ -375,7 +279,8 @@ def propose(est: Estimator, budget: int, *, granularity: int = 1024,
         return 0
     # the longest that fits below the shortest length seen not to fit: bisect (lines through
     # pinned host bytes, a staircase, stop short of the step or run past it)
-    seen = [x for x in est.seen() if x > seq and over_budget(est.phases(x), budget, host_budget) > 0]
+    seen = [x for x in est.seen()
+            if x > seq and over_budget(est.phases(x), budget, host_budget) > 0]
     lo, hi = seq, min(seen, default=None)
     while hi is not None and hi - lo > max(gran, lo // 1000):
         mid = snap((lo + hi) / 2)
@@ -389,20 +294,22 @@ def propose(est: Estimator, budget: int, *, granularity: int = 1024,
     return seq
 
 
-def bytes_per_token_per_layer(cfg, sp: int, remat, *, seq: int = 65536,
-                              dtype: torch.dtype = torch.bfloat16, kernels: str = "auto",
-                              host: bool = False, attention="auto") -> float:
-    """Activation bytes one layer keeps from forward to backward, per token a rank holds:
-    the difference between 2- and 1-layer models, so embedding and loss cancel out.
+def best_grid(offload: bool, shards: int, every: int) -> list[tuple[Remat, int]]:
+    """What ``python -m spdsl memory --remat best`` searches: remat mode (auto, lean, full) x
+    MLP tiling (by size, or in sequence chunks at any size; lean tiles always) x recomputed
+    all-to-alls x offload (with ``offload``) x state shards (``shards``, and ``every`` rank),
+    as (Remat, shards).
 
     Example::
 
-        bytes_per_token_per_layer(LlamaConfig.llama3_8b(), 8, "none") / 4096   # in units of h
+        len(best_grid(True, 8, 32))     # 5 modes x 2 x 2 offload x 2 state splits = 40
     """
-    one = model_plan(with_layers(cfg, 1), seq, sp, remat, dtype=dtype, optimizer="none",
-                     kernels=kernels, attention=attention)
-    two = model_plan(with_layers(cfg, 2), seq, sp, remat, dtype=dtype, optimizer="none",
-                     kernels=kernels, attention=attention)
-    if host:        # what a layer holds on the host (offload)
-        return (two.host - one.host) / (seq // sp)
-    return (two.saved_activations - one.saved_activations) / (seq // sp)
+    modes = [Remat("auto"), Remat("auto", tile_mlp=True), Remat("auto", budget=0),
+             Remat("full"), Remat("full", tile_mlp=True)]
+    out = []
+    for n in sorted({shards, every}):
+        for r in modes:
+            for rc in (False, True):
+                for off in ((False, True) if offload else (False,)):
+                    out.append((r.with_(recompute_collectives=rc, offload=off), n))
+    return out

@@ -114,11 +114,6 @@ class Footprint(NamedTuple):
 _FOOTPRINT: dict[tuple, Footprint] = {}
 
 
-def kept_bytes(s, args: list[torch.Tensor]) -> int:
-    """Bytes the mixer's function keeps for backward beyond its inputs (``footprint``)."""
-    return footprint(s, args).kept
-
-
 def footprint(s, args: list[torch.Tensor]) -> Footprint:
     """What the mixer's function holds at these (local) shapes beyond its inputs: the chunk
     loops of Hugging Face's torch functions keep each chunk's intermediates (Kimi delta

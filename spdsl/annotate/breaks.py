@@ -31,8 +31,13 @@ traces every call. Cost: a trace per new path, plus one collective per read.
 
 Random draws: Python's ``random`` runs in the user's Python, once a call, on every rank; torch's
 random ops run once each, in order, inside their segment -- both the same on every rank when the
-ranks' generators agree, which the first call checks. Not supported (the read stays a
-``ShardingError``): a dp x sp mesh, ``shard_state=True``, the memory planner.
+ranks' generators agree, which the first call checks (over every axis of the mesh).
+
+On a dp x sp mesh a segment is split over both axes as one program would be, and a value read
+is made whole over both (the global batch's). ``batch="local"`` rows enter as DTensors of the
+global batch. With ``shard_state=True`` the sharded parameters a segment uses are its state:
+gathered where used, their gradients reduce-scattered, as in one program. Not supported (the
+read stays a ``ShardingError``): the memory planner.
 """
 
 from __future__ import annotations
@@ -48,10 +53,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import Replicate as DReplicate
 from torch.distributed.tensor import Shard as DShard
 from torch.fx.experimental.proxy_tensor import get_proxy_slot
 
-import spdsl.collectives as C
 from spdsl._torch import (
     FakeTensor,
     TorchDispatchMode,
@@ -90,6 +95,7 @@ from spdsl.propagate.trace import (
     state_of,
     trace,
 )
+from spdsl.state import is_sharded_state
 
 _READ = torch.ops.aten._local_scalar_dense.default
 _INDEX = torch.ops.aten.index.Tensor
@@ -101,22 +107,12 @@ _MISS = object()
 
 def segmented(owner: Sharded, args: tuple, kwargs: dict, error: GraphBreak | None = None):
     """The segmented runner of ``owner`` if calls like this one run in segments; with
-    ``error`` (the trace just met a read), decide that they do from now on, or raise it
-    where segments are not supported."""
+    ``error`` (the trace just met a read), decide that they do from now on."""
     seg = owner._segmented
     if error is None:
         if seg is None:
             return None
         return seg if seg.applies(args, kwargs) else None
-    if owner.shard_state or owner.data_parts > 1:
-        raise ShardingError(
-            rule=error.rule, where=error.where, value=error.value,
-            detail=error.detail + "; segments run on a one-axis mesh with whole parameters",
-            fix="use a mesh of the sequence axis alone and whole parameters (no shard_state): "
-                "the function then runs in segments; or " +
-                error.fix.replace("run it through sp_shard/shard on a one-axis mesh without "
-                                  "shard_state (segments read the global value), or ", "")
-        ) from error
     if seg is None:
         seg = owner._segmented = Segments(owner)
     seg.remember(args, kwargs)
@@ -181,6 +177,7 @@ class Segments:
 
     def __call__(self, args: tuple, kwargs: dict):
         t0 = time.perf_counter()
+        args, kwargs = self._global_rows(args, kwargs)
         key = self._key(args, kwargs)
         root = self.paths.get(key)
         if root is not None and self.replay:
@@ -205,6 +202,38 @@ class Segments:
         # seconds of the last call: all of it, and the part outside the segments (the trace)
         self.seconds = (time.perf_counter() - t0, time.perf_counter() - t0 - cut.running)
         return cut.result
+
+    def _global_rows(self, args: tuple, kwargs: dict) -> tuple:
+        """``batch="local"`` on a two-axis mesh: each dp group passed its own rows. They
+        enter as DTensors of the global batch (this rank's piece of its rows), so that the
+        trace sees global shapes and a read of them is made whole over both axes."""
+        o = self.owner
+        if o.batch != "local" or o.data_parts == 1:
+            return args, kwargs
+        leaves, tree = tree_flatten((args, kwargs))
+        specs = o._specs_for(args, kwargs, leaves)
+        names = o.mesh.mesh_dim_names
+        sub = o.mesh[(names[0], names[1])] if o.mesh.ndim > 2 else o.mesh
+        new = list(leaves)
+        for i, x in enumerate(leaves):
+            s = specs[i] if specs is not None else None
+            if s is None or not isinstance(x, torch.Tensor) or isinstance(x, DTensor):
+                continue
+            dp = o._data_placement_of(x, s, i)
+            if not isinstance(dp, Shard):
+                continue
+            sp = o._placement_of(x, s, i)
+            piece = o._split_input(x, sp, o.parts, o._group_and_rank()[1], o.axis) \
+                if isinstance(sp, Shard) else x
+            shape = list(x.shape)
+            shape[dp.dim] = dp.size
+            pl = {o.axis: sp, o.data_axis: dp}
+            new[i] = DTensor.from_local(
+                piece.contiguous(), sub, [DShard(pl[n].dim) if isinstance(pl[n], Shard) else
+                                          DReplicate() for n in sub.mesh_dim_names],
+                run_check=False, shape=torch.Size(shape),
+                stride=torch.empty(shape, device="meta").stride())
+        return tree_unflatten(new, tree)
 
     # -- recorded paths ---------------------------------------------------------------------
     def _record(self, key, cut: _Cut) -> None:
@@ -272,7 +301,8 @@ class Segments:
         for x, s in zip([x for x in leaves if isinstance(x, torch.Tensor)], leaf_specs):
             if s is not None and not isinstance(x, DTensor):
                 owner._placement_of(x, s, 0)      # divisibility, as one program checks it
-        cut = _Cut(self, leaf_specs, planning)
+        cut = _Cut(self, leaf_specs, planning,
+                   names=state_of(reachable_modules(owner.fn, args, kwargs))[0])
         traced = trace(owner.fn, args, kwargs, breaks=cut)
         out = next(n for n in traced.graph.graph.nodes if n.op == "output")
         flat = list(out.args[0])
@@ -303,8 +333,11 @@ class Segments:
             prog = _Segment(make, mesh=None if planning else o.mesh, in_specs=tuple(specs),
                             out_specs=o.out_specs if final else None, axis=o.axis,
                             parts=o.parts, compile=o.compile, remat=o.remat,
-                            kernels=o.kernels, strict=o.strict)
+                            kernels=o.kernels, strict=o.strict, batch=o.batch,
+                            data_axis=None if planning else o.data_axis)
             prog.attention = o.attention
+            if o.shard_state and not planning:
+                prog._state_mesh = o._world()      # the parameters' mesh, not a new one
             self.programs[(key, planning)] = prog
         return prog
 
@@ -312,29 +345,37 @@ class Segments:
         """Python's ``random`` draws run in every rank's Python and torch's random ops in every
         rank's segments: the same values only if every rank's generator agrees. Checked once
         per generator, before the first segment after the function first draws from it."""
-        if what in self.checked or not dist.is_initialized() or self.owner.parts == 1:
+        o = self.owner
+        if what in self.checked or not dist.is_initialized() or o.parts * o.data_parts == 1:
             return
         self.checked.add(what)
-        mine = torch.tensor([zlib.crc32(state)], dtype=torch.int64)
-        pg = self.owner.mesh.get_group(self.owner.axis)
-        col = [int(e[0]) for e in C.gather_each(mine, group=pg)]
-        if len(set(col)) > 1:
+        # the values read are global: every rank of the mesh must draw alike; the largest
+        # and smallest checksum over every axis, so that every rank decides alike
+        crc = zlib.crc32(state)
+        lo, hi = -o._most(-crc), o._most(crc)
+        if lo != hi:
             raise ShardingError(
-                rule="same random state", value=f"{what}: state checksums {col}",
+                rule="same random state", value=f"{what}: state checksums {lo} to {hi}",
                 where=getattr(self.owner, "__qualname__", ""),
                 detail="the function runs in segments (it reads tensor values in Python) and "
                        "draws random numbers; ranks whose generators differ draw different "
                        "values and take different branches",
-                fix="seed every rank of the axis alike before the first call (random.seed(s) "
+                fix="seed every rank of the mesh alike before the first call (random.seed(s) "
                     "and torch.manual_seed(s) with the same s)")
 
 
 class _Segment(Sharded):
     """One segment: a ``Sharded`` whose trace is the segment graph already recorded."""
 
-    def __init__(self, make, **kw) -> None:
-        self._make = make
+    def __init__(self, make, data_axis: str | None = None, **kw) -> None:
+        self._make, self._data = make, data_axis
         super().__init__(torch.fx.GraphModule(torch.nn.Module(), torch.fx.Graph()), **kw)
+
+    @property
+    def data_axis(self) -> str | None:
+        """The function's data axis: a segment's inputs may all be DTensors, whose specs
+        name no axis."""
+        return self._data
 
     def _trace(self, args: tuple, kwargs: dict) -> Traced:
         return self._make()
@@ -373,11 +414,16 @@ class _Cut:
     read_src: Any = None                           # the source of the last value read
     lifted: list = field(default_factory=list)     # the nodes of Lifted numbers
     lifts: list = field(default_factory=list)      # weak references to them
+    names: list = field(default_factory=list)      # the function's state names, in order
+    sharded: dict = field(default_factory=dict)    # placeholder -> name: sharded parameters
 
     def __call__(self, tracer, state, leaves, assign, module):
         self.tracer, self.assign, self.module = tracer, assign, module
         phs = [n for n in tracer.graph.nodes if n.op == "placeholder"]
         self.n_in = len(state) + len(leaves)
+        # parameters sharded over the mesh (shard_state=True): each segment's own state
+        self.sharded = {n: self.names[i] for i, (n, x) in enumerate(zip(phs, state))
+                        if is_sharded_state(x)}
         for i, (n, x) in enumerate(zip(phs, list(state) + list(leaves))):
             self.env[n] = x
             self.src[n] = ("in", i)
@@ -493,7 +539,13 @@ class _Cut:
             outs = [n for n in seg if (n in live or n is read or seeded(n))
                     and isinstance(n.meta.get("val"), torch.Tensor)]
         outs += [n for n in seg if seeded(n) and n not in outs]
-        gm, ext, key = graph(seg, outs, self.tracer.root)
+        gm, ext, key = graph(seg, outs, self.tracer.root, self.sharded)
+        # sharded parameters are the segment's state (gathered where used, their gradients
+        # reduce-scattered), the program's own: its key names them
+        n_state = sum(a in self.sharded for a in ext)
+        state, names = [self.env[a] for a in ext[:n_state]], [self.sharded[a] for a in
+                                                              ext[:n_state]]
+        ext = ext[n_state:]
         inputs, specs, srcs = [], [], []
         for a in ext:
             x = self.env[a] if a.op != "get_attr" else getattr(self.tracer.root, a.target)
@@ -503,8 +555,9 @@ class _Cut:
             specs.append(s)
         key = (key, tuple((tuple(x.shape), x.dtype, x.requires_grad, spec_key(x, s))
                           for x, s in zip(inputs, specs)), torch.is_grad_enabled(),
-               final is not None)
+               final is not None, tuple(id(t) for t in state))
         n_out = len(outs)
+        first = self.sharded
 
         def make() -> Traced:
             from spdsl.propagate.convs import convs_as_mixers
@@ -512,7 +565,7 @@ class _Cut:
             from spdsl.propagate.fills import fills_as_cat
             from spdsl.propagate.forms import find_all
             from spdsl.propagate.masks import masks_as_functions
-            fresh = graph(seg, outs, root)[0]
+            fresh = graph(seg, outs, root, first)[0]
             fills_as_cat(fresh)
             convs_as_mixers(fresh)
             find_all(fresh)
@@ -521,7 +574,7 @@ class _Cut:
             masks_as_functions(fresh)
             _, arg_spec = tree_flatten((tuple(inputs), {}))
             _, out_spec = tree_flatten([0] * n_out)
-            return Traced(fresh, [], [], arg_spec, list(range(len(inputs))), out_spec)
+            return Traced(fresh, names, state, arg_spec, list(range(len(inputs))), out_spec)
 
         root = self.tracer.root
         prog = self.segs.program(key, make, specs, final is not None, self.planning)

@@ -19,16 +19,17 @@ from spdsl.annotate.spec import P
 from spdsl.propagate.trace import reachable_modules
 
 
-def graph(seg: list, outs: list, root: torch.nn.Module):
+def graph(seg: list, outs: list, root: torch.nn.Module, first=frozenset()):
     """The segment as its own graph module, its external inputs (graph nodes read from
-    outside, in order) and its structural key."""
+    outside, in order: those in ``first`` before the others) and its structural key."""
     g = torch.fx.Graph()
     m: dict = {}
     mod = torch.nn.Module()
     ext: list = []
     in_seg = set(seg)
+    read = list(dict.fromkeys(a for n in seg for a in n.all_input_nodes if a not in in_seg))
     # inputs first: the lowering's passes read the graph's inputs before its ops
-    for a in dict.fromkeys(a for n in seg for a in n.all_input_nodes if a not in in_seg):
+    for a in [a for a in read if a in first] + [a for a in read if a not in first]:
         if a.op == "get_attr" and not isinstance(getattr(root, a.target), torch.Tensor):
             setattr(mod, a.target, getattr(root, a.target))
             m[a] = g.get_attr(a.target)

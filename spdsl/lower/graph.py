@@ -308,6 +308,12 @@ class Lowering:
         have, dhave = self.prop.placement(o), self._dp(o)
         joint = self.data is not None and self.parts > 1 and isinstance(have, Partial) and \
             isinstance(dhave, Partial) and want != have and dwant != dhave
+        if self.data is not None and dhave != dwant and not joint and _same_dim(have, dhave,
+                                                                                dwant):
+            # both axes split one dim (a [batch*seq, ...] view): the sequence axis gives
+            # up its split first, then the data axis moves on a dim no longer shared
+            x = self.redistribute(x, have, want, o.meta["val"], dhave)
+            have = want
         if self.data is not None and dhave != dwant:
             x, _ = self._move_data(x, o, (dhave, dwant), (have, want) if joint else None, have)
             dhave = dwant
@@ -442,6 +448,11 @@ class Lowering:
             out.meta[FORM] = form_of(node).name
             return out
         return self.graph.call_function(node.target, args, kwargs)
+
+
+def _same_dim(sp: Placement, *dps: Placement) -> bool:
+    """The sequence axis splits a dim one of the data-axis placements ``dps`` splits too."""
+    return isinstance(sp, Shard) and any(isinstance(d, Shard) and d.dim == sp.dim for d in dps)
 
 
 def _ring_groups(factor, u: int, parts: int, rank: int, group: str) -> tuple:

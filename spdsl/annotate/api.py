@@ -22,11 +22,11 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 import spdsl.collectives as C
-import spdsl.env as env
 import spdsl.watchdog as watchdog
 from spdsl._torch import tree_flatten, tree_unflatten
 from spdsl.annotate.mesh import axis_size
 from spdsl.annotate.mesh import mesh as make_mesh
+from spdsl.annotate.options import ShardOptions
 from spdsl.annotate.runtime import Runtime, _out_nodes, _resident
 from spdsl.annotate.spec import P
 from spdsl.annotate.specs import (
@@ -40,11 +40,9 @@ from spdsl.errors import ShardingError, one_error_per_job, user_line
 from spdsl.inspect.plan import ShardingPlan, build_plan
 from spdsl.inspect.program import attach
 from spdsl.lower.graph import lower
-from spdsl.lower.kernels import KernelChoice
 from spdsl.memory.fit import SIZING
 from spdsl.memory.planner import plan_entry
 from spdsl.pipeline import Job, build_step
-from spdsl.propagate.attention_choice import AttentionConfig
 from spdsl.propagate.engine import Propagator
 from spdsl.propagate.modes import describe_change, global_modes, module_modes, run_modes
 from spdsl.propagate.placement import (
@@ -53,7 +51,6 @@ from spdsl.propagate.placement import (
     Shard,
 )
 from spdsl.propagate.trace import GraphBreak, Traced, reachable_modules, trace
-from spdsl.remat import Remat, parse_bytes
 
 # programs traced by one step before it says why: train/eval x autocast x grad mode x a few
 # lengths are legitimately that many; state that changes every call reaches it at once
@@ -90,27 +87,22 @@ class Sharded(InputSpecs, StateSharding, Runtime):
     """A function (or module) made to run split over one mesh axis. See ``shard``."""
 
     def __init__(self, fn: Callable, *, mesh=None, in_specs=None, out_specs=None,
-                 axis: str | None = None, parts: int | None = None, seq_dim: int | None = None,
-                 compile: bool = False, debug: bool | None = None, remat=None,
-                 kernels="auto", shard_state: bool = False, batch: str = "global",
-                 strict: bool = False, memory_budget: int | str | None = None,
-                 attention=None) -> None:
+                 axis: str | None = None, parts: int | None = None,
+                 options: ShardOptions | None = None, **option_kwargs) -> None:
+        """``options``, or the keyword arguments ``ShardOptions.of`` takes (``compile``,
+        ``remat``, ``seq_dim``, ...)."""
         one_error_per_job()       # under torchrun: a ShardingError prints once (spdsl.errors)
-        if batch not in ("global", "local"):
-            raise ShardingError(rule="batch", detail=f"batch={batch!r}",
-                                fix='use batch="global" (every rank passes the whole batch) '
-                                    'or batch="local" (each dp group passes its own rows)')
+        if options is None:
+            options = ShardOptions.of(**option_kwargs)
+        elif option_kwargs:
+            raise TypeError(f"Sharded takes options= or option keywords, not both: "
+                            f"{sorted(option_kwargs)}")
         _check_specs(in_specs, "in_specs")
         _check_specs(out_specs, "out_specs")
         self.fn, self._mesh, self.in_specs, self.out_specs = fn, mesh, in_specs, out_specs
-        self.shard_state, self.batch, self.strict = shard_state, batch, strict
-        self.attention = AttentionConfig.of(attention)   # ulysses | ring | hybrid | auto
+        self.options = options
         self._factors: dict[int, tuple] = {}
         self._state_mesh = None
-        self.remat = _remat_of(remat, memory_budget)   # "fit" | "none" | "full" | "auto" | budget
-        self.kernels = KernelChoice.of(kernels)   # spdsl.lower.kernels: "auto"|"on"|"off"|names
-        self.seq_dim, self.compile = seq_dim, compile
-        self.debug = env.on("SPDSL_DEBUG") if debug is None else debug
         self.axis = axis or _axis_of(in_specs) or "sp"
         self._parts = parts
         self._cache: dict[Any, _Compiled] = {}
@@ -119,8 +111,19 @@ class Sharded(InputSpecs, StateSharding, Runtime):
         functools.update_wrapper(self, getattr(fn, "forward", fn), updated=())
         if isinstance(fn, torch.nn.Module):
             self.module = fn
-        if shard_state:
+        if options.shard_state:
             self._shard_state(reachable_modules(fn, (), {}))
+
+    # -- the options (spdsl.annotate.options), read where they are used ----------------------
+    seq_dim = property(lambda self: self.options.seq_dim)
+    compile = property(lambda self: self.options.compile)
+    debug = property(lambda self: self.options.debug)
+    remat = property(lambda self: self.options.remat)
+    kernels = property(lambda self: self.options.kernels)
+    shard_state = property(lambda self: self.options.shard_state)
+    batch = property(lambda self: self.options.batch)
+    strict = property(lambda self: self.options.strict)
+    attention = property(lambda self: self.options.attention)
 
     def __getattr__(self, name: str):
         # a wrapped module keeps its own attributes (parameters(), train(), ...)
@@ -470,13 +473,12 @@ def shard(fn: Callable | None = None, *, mesh, in_specs, out_specs=None,
                            out_specs=P())
         loss = step(input_ids, labels)      # exact global loss on every rank
     """
-    AttentionConfig.of(attention)       # a mistake fails here, not at the first call
+    options = ShardOptions.of(compile=compile, debug=debug, remat=remat, kernels=kernels,
+                              shard_state=shard_state, batch=batch, strict=strict,
+                              memory_budget=memory_budget, attention=attention)
 
     def wrap(f: Callable) -> Sharded:
-        return Sharded(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, compile=compile,
-                       debug=debug, remat=remat, kernels=kernels, shard_state=shard_state,
-                       batch=batch, strict=strict, memory_budget=memory_budget,
-                       attention=attention)
+        return Sharded(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, options=options)
     return wrap(fn) if fn is not None else wrap
 
 
@@ -526,13 +528,12 @@ def sp_shard(fn: Callable | None = None, *, seq: int, seq_dim: int = 1, axis: st
         opt = torch.optim.AdamW(model.parameters())       # sharded optimizer state
     """
     _check_degree(seq, seq_dim)
-    AttentionConfig.of(attention)       # a mistake fails here, not at the first call
+    options = ShardOptions.of(seq_dim=seq_dim, compile=compile, debug=debug, remat=remat,
+                              kernels=kernels, shard_state=shard_state, batch=batch,
+                              strict=strict, memory_budget=memory_budget, attention=attention)
 
     def wrap(f: Callable) -> Sharded:
-        return Sharded(f, mesh=mesh, axis=axis, parts=seq, seq_dim=seq_dim, compile=compile,
-                       debug=debug, remat=remat, kernels=kernels, shard_state=shard_state,
-                       batch=batch, strict=strict, memory_budget=memory_budget,
-                       attention=attention)
+        return Sharded(f, mesh=mesh, axis=axis, parts=seq, options=options)
     return wrap(fn) if fn is not None else wrap
 
 
@@ -584,29 +585,6 @@ def _check_degree(seq, seq_dim) -> None:
             detail="seq_dim is the dim of the inputs that holds the sequence, counted from the "
                    "front (inputs of different ranks share it)",
             fix="give a non-negative int, e.g. seq_dim=1 for [batch, seq, ...] inputs")
-
-
-def _remat_of(remat, memory_budget) -> Remat:
-    """``remat=`` read; ``memory_budget=`` is the budget ``"fit"`` chooses against."""
-    r = Remat.of(remat)
-    if memory_budget is None:
-        return r
-    if not r.fit:
-        raise ShardingError(
-            rule="memory budget", value=f"memory_budget={memory_budget!r}", where=user_line(),
-            detail=f"the budget chooses the remat mode, and remat={remat!r} names one",
-            fix="drop remat= (or pass remat='fit') to choose by the budget, or give auto its "
-                "budget as remat=BYTES")
-    try:
-        budget = parse_bytes(memory_budget)
-    except (ValueError, TypeError):
-        budget = -1
-    if budget < 0 or isinstance(memory_budget, bool):
-        raise ShardingError(
-            rule="memory budget", value=f"memory_budget={memory_budget!r}", where=user_line(),
-            detail="the budget is the bytes one rank's training step may use",
-            fix="give bytes (an int) or a size such as '40GiB'")
-    return r.with_(budget=budget)
 
 
 def _step_peak():

@@ -330,12 +330,12 @@ class Segments:
             o = self.owner
             if len(self.programs) >= _PROGRAMS:
                 self.programs.pop(next(iter(self.programs)))
+            # the function's options; its sharded parameters reach a segment as its state
+            # (``_Cut.cut``) and its inputs as specs
             prog = _Segment(make, mesh=None if planning else o.mesh, in_specs=tuple(specs),
                             out_specs=o.out_specs if final else None, axis=o.axis,
-                            parts=o.parts, compile=o.compile, remat=o.remat,
-                            kernels=o.kernels, strict=o.strict, batch=o.batch,
-                            data_axis=None if planning else o.data_axis)
-            prog.attention = o.attention
+                            parts=o.parts, data_axis=None if planning else o.data_axis,
+                            options=o.options.replace(seq_dim=None, shard_state=False))
             if o.shard_state and not planning:
                 prog._state_mesh = o._world()      # the parameters' mesh, not a new one
             self.programs[(key, planning)] = prog

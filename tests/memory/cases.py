@@ -78,7 +78,7 @@ def run_config(name: str, cfg, batch: int, seq: int, world: int, modes: dict,
     out = {}
     for mode, remat in modes.items():
         model.load_state_dict(init)
-        f.remat = remat
+        f.options = f.options.replace(remat=Remat.of(remat))
         for entry in f._cache.values():      # same trace, lowered again under this mode
             entry.local = None
         loss = f(ids, ids)

@@ -18,8 +18,9 @@ _gc.disable()
 try:
     from spdsl import hf
     from spdsl._version import __version__
-    from spdsl.annotate.api import Sharded, plan, shard, sp_shard
+    from spdsl.annotate.api import plan, shard, sp_shard
     from spdsl.annotate.mesh import mesh
+    from spdsl.annotate.sharded import Sharded
     from spdsl.annotate.spec import P
     from spdsl.annotate.specs import with_sharding_constraint
     from spdsl.dtensor_ops import dtensor_attention

@@ -38,16 +38,16 @@ is made whole over both (the global batch's). ``batch="local"`` rows enter as DT
 global batch. With ``shard_state=True`` the sharded parameters a segment uses are its state:
 gathered where used, their gradients reduce-scattered, as in one program. Not supported (the
 read stays a ``ShardingError``): the memory planner.
+
+This module decides and replays; the call as its trace runs (the values so far, the cut at each
+read, the dispatch mode that sees the reads) is ``spdsl.annotate.cut``.
 """
 
 from __future__ import annotations
 
-import contextlib
-import pickle
 import random
 import time
 import zlib
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -55,51 +55,33 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor import Replicate as DReplicate
 from torch.distributed.tensor import Shard as DShard
-from torch.fx.experimental.proxy_tensor import get_proxy_slot
 
 from spdsl._torch import (
     FakeTensor,
-    TorchDispatchMode,
     tree_flatten,
     tree_unflatten,
 )
-from spdsl.annotate.api import Sharded
-from spdsl.annotate.lifted import LiftMode, number
-from spdsl.annotate.runtime import _out_nodes
+from spdsl.annotate.cut import Cut
+from spdsl.annotate.lifted import number
 from spdsl.annotate.segment import (
     PathNode,
-    Read,
     Replayed,
     SegStep,
     attributes,
-    graph,
-    guard,
     hooked,
-    made_whole,
-    no_trace_hooks,
-    outside,
-    seeded,
-    spec_key,
-    spec_of,
 )
-from spdsl.annotate.spec import P
+from spdsl.annotate.sharded import Sharded
 from spdsl.errors import ShardingError
-from spdsl.inspect.breaks import Break, Segment, SegmentedPlan
-from spdsl.propagate.placement import REPLICATE, Shard, typed_shape
+from spdsl.inspect.breaks import Break, SegmentedPlan
+from spdsl.propagate.placement import Shard
 from spdsl.propagate.trace import (
     GraphBreak,
     Traced,
     reachable_modules,
-    shape_from_data,
-    stack_line,
     state_of,
     trace,
 )
-from spdsl.state import is_sharded_state
 
-_READ = torch.ops.aten._local_scalar_dense.default
-_INDEX = torch.ops.aten.index.Tensor
-_MASKED_SELECT = torch.ops.aten.masked_select.default
 _PROGRAMS = 64          # segment programs kept per function (a read value baked in each)
 _PATHS = 4096           # nodes of recorded paths kept per function (then they start over)
 _MISS = object()
@@ -236,7 +218,7 @@ class Segments:
         return tree_unflatten(new, tree)
 
     # -- recorded paths ---------------------------------------------------------------------
-    def _record(self, key, cut: _Cut) -> None:
+    def _record(self, key, cut: Cut) -> None:
         """Add the call's path (segments and reads, in order) to the paths of ``key``."""
         if self.nodes > _PATHS:
             self.paths.clear()
@@ -292,7 +274,7 @@ class Segments:
         self.last = [b for b in breaks if b is not None]
         return tree_unflatten([run.value(s) for s in node.result], node.out_spec)
 
-    def run(self, args: tuple, kwargs: dict, planning: bool = False) -> _Cut:
+    def run(self, args: tuple, kwargs: dict, planning: bool = False) -> Cut:
         owner = self.owner
         leaves = tree_flatten((args, kwargs))[0]
         specs = owner._specs_for(args, kwargs, leaves)
@@ -301,7 +283,7 @@ class Segments:
         for x, s in zip([x for x in leaves if isinstance(x, torch.Tensor)], leaf_specs):
             if s is not None and not isinstance(x, DTensor):
                 owner._placement_of(x, s, 0)      # divisibility, as one program checks it
-        cut = _Cut(self, leaf_specs, planning,
+        cut = Cut(self, leaf_specs, planning,
                    names=state_of(reachable_modules(owner.fn, args, kwargs))[0])
         traced = trace(owner.fn, args, kwargs, breaks=cut)
         out = next(n for n in traced.graph.graph.nodes if n.op == "output")
@@ -331,13 +313,12 @@ class Segments:
             if len(self.programs) >= _PROGRAMS:
                 self.programs.pop(next(iter(self.programs)))
             # the function's options; its sharded parameters reach a segment as its state
-            # (``_Cut.cut``) and its inputs as specs
+            # (``Cut.cut``) and its inputs as specs
             prog = _Segment(make, mesh=None if planning else o.mesh, in_specs=tuple(specs),
                             out_specs=o.out_specs if final else None, axis=o.axis,
                             parts=o.parts, data_axis=None if planning else o.data_axis,
-                            options=o.options.replace(seq_dim=None, shard_state=False))
-            if o.shard_state and not planning:
-                prog._state_mesh = o._world()      # the parameters' mesh, not a new one
+                            options=o.options.replace(seq_dim=None, shard_state=False),
+                            state_mesh=o._world() if o.shard_state and not planning else None)
             self.programs[(key, planning)] = prog
         return prog
 
@@ -367,9 +348,10 @@ class Segments:
 class _Segment(Sharded):
     """One segment: a ``Sharded`` whose trace is the segment graph already recorded."""
 
-    def __init__(self, make, data_axis: str | None = None, **kw) -> None:
+    def __init__(self, make, data_axis: str | None = None, state_mesh=None, **kw) -> None:
         self._make, self._data = make, data_axis
         super().__init__(torch.fx.GraphModule(torch.nn.Module(), torch.fx.Graph()), **kw)
+        self._state_mesh = state_mesh      # the function's parameters' mesh, not a new one
 
     @property
     def data_axis(self) -> str | None:
@@ -385,281 +367,3 @@ class _Segment(Sharded):
 
     def _check_collectives(self, leaves: list) -> tuple:
         return ()
-
-
-@dataclass
-class _Cut:
-    """One call in segments: the values computed so far and the pending graph's cut points."""
-
-    segs: Segments
-    leaf_specs: list
-    planning: bool
-    env: dict = field(default_factory=dict)        # node -> value (DTensor / tensor)
-    spec: dict = field(default_factory=dict)       # planning: node -> P of its value
-    done: set = field(default_factory=set)
-    segments: list = field(default_factory=list)
-    breaks: list = field(default_factory=list)
-    result: Any = None
-    running: float = 0.0              # seconds spent running (and building) segments
-    drawn: Any = field(default_factory=random.getstate)    # Python's random at the call
-    placed: dict = field(default_factory=dict)     # node -> its placement in its segment
-    cost: dict = field(default_factory=dict)       # node -> the moves that made it whole
-    # the path, for calls that take it again (``Segments._replay``)
-    path: list = field(default_factory=list)       # SegStep and Read, in order
-    src: dict = field(default_factory=dict)        # node -> where its value comes from
-    made: dict = field(default_factory=dict)       # id -> (tensor, source): read results
-    n_in: int = 0
-    recipe: list = field(default_factory=list)     # the output's leaves: sources
-    out_spec: Any = None
-    read_src: Any = None                           # the source of the last value read
-    lifted: list = field(default_factory=list)     # the nodes of Lifted numbers
-    lifts: list = field(default_factory=list)      # weak references to them
-    names: list = field(default_factory=list)      # the function's state names, in order
-    sharded: dict = field(default_factory=dict)    # placeholder -> name: sharded parameters
-
-    def __call__(self, tracer, state, leaves, assign, module):
-        self.tracer, self.assign, self.module = tracer, assign, module
-        phs = [n for n in tracer.graph.nodes if n.op == "placeholder"]
-        self.n_in = len(state) + len(leaves)
-        # parameters sharded over the mesh (shard_state=True): each segment's own state
-        self.sharded = {n: self.names[i] for i, (n, x) in enumerate(zip(phs, state))
-                        if is_sharded_state(x)}
-        for i, (n, x) in enumerate(zip(phs, list(state) + list(leaves))):
-            self.env[n] = x
-            self.src[n] = ("in", i)
-            self.done.add(n)
-            if i >= len(state):
-                s = self.leaf_specs[i - len(state)]
-                self.spec[n] = spec_of(x, self.segs.owner.axis) if isinstance(x, DTensor) \
-                    else s
-        stack = contextlib.ExitStack()
-        stack.enter_context(LiftMode(self))
-        stack.enter_context(_BreakMode(self))
-        return stack
-
-    # -- values ---------------------------------------------------------------------------
-    def node_of(self, t: torch.Tensor) -> torch.fx.Node | None:
-        try:
-            return get_proxy_slot(t, self.tracer).proxy.node
-        except (KeyError, AttributeError, RuntimeError):
-            return None
-
-    def source(self, t: torch.Tensor) -> tuple:
-        """Where a tensor that is not an op's output comes from: a read's result (computed
-        again on replay) or a constant of the function."""
-        got = self.made.get(id(t))
-        return got[1] if got is not None and got[0] is t else ("const", t)
-
-    def record(self, kind: str, srcs: Any, result: Any, made: list) -> None:
-        """A read: what the segments must compute again on replay, and the value it gave."""
-        r = sum(isinstance(s, Read) for s in self.path)
-        for j, t in enumerate(made):
-            self.made[id(t)] = (t, ("read", r, j))
-        g = outside(lambda: guard(kind, result), False)    # real tensors' bytes
-        self.path.append(Read(r, kind, srcs, g, self.breaks[-1]
-                               if self.breaks else None))
-
-    def read_number(self, t: torch.Tensor, where: str) -> float | int | bool:
-        """``t.item()``: the global value, a read guarded on it."""
-        real = self.value(t, "bool" if t.dtype == torch.bool else "item", where)
-        got = outside(lambda: _READ(real), False)
-        if self.read_src[0] in ("in", "out"):     # else a constant: the same on replay
-            self.record("item", self.read_src, got, [])
-        return got
-
-    def value(self, t: torch.Tensor, kind: str, where: str) -> torch.Tensor:
-        """The global value of traced tensor ``t``: its segment run first if pending;
-        ``read_src`` is where it comes from (None: a constant)."""
-        self.read_src = None
-        if not isinstance(t, FakeTensor):
-            self.read_src = self.source(t)
-            return t
-        node = self.node_of(t)
-        if node is None:
-            raise ShardingError(rule="data-dependent control flow", where=where,
-                                detail="a tensor read in Python was not made by a traced op",
-                                fix="compute it from the function's arguments")
-        if node.op == "get_attr":
-            got = getattr(self.tracer.root, node.target)
-            self.read_src = self.source(got)
-            return got
-        if node not in self.env:
-            self.cut(read=node)
-        v = self.env[node]
-        self.read_src = self.src[node]
-        self.breaks.append(self._break(node, v, kind, where))
-        return outside(lambda: (v.full_tensor() if isinstance(v, DTensor) else v).detach(),
-                        False)
-
-    def _break(self, node, v, kind: str, where: str) -> Break:
-        val = node.meta["val"]
-        p = self.placed.get(node, REPLICATE)
-        moves = list(self.cost.pop(node, ()))      # paid once, by the first read
-        split = isinstance(v, DTensor) and isinstance(v.placements[0], DShard) or \
-            self.planning and isinstance(self.spec.get(node), P)
-        if split:             # the segment hands it on split: gathered to be read
-            moves.append(("all_gather", val.numel() * val.element_size() //
-                          self.segs.owner.parts))
-        mod = self.module()
-        # a number or a shape read inside a block: the routing of a mixture of experts, often
-        note = (f"if {mod} computes each token on its own (the experts of a mixture of "
-                f"experts), spdsl.token_wise(model.get_submodule({mod!r})) runs it on each "
-                "rank's tokens with no break") if mod and kind != "bool" else ""
-        return Break(len(self.segments) - 1, kind, where,
-                     typed_shape(val.shape, val.dtype, p, self.segs.owner.axis),
-                     tuple(f"{k} {b} B" for k, b in moves), sum(b for _, b in moves),
-                     kind not in ("bool", "item") and any(k == "all_gather" for k, _ in moves),
-                     mod, note)
-
-    # -- segments ---------------------------------------------------------------------------
-
-    def cut(self, read: torch.fx.Node | None = None, final: list | None = None) -> None:
-        """Run the ops recorded since the last cut as one segment."""
-        g = self.tracer.graph
-        seg = [n for n in g.nodes if n.op == "call_function" and n not in self.done]
-        if not self.planning and random.getstate() != self.drawn:
-            state = pickle.dumps(self.drawn)
-            outside(lambda: self.segs.check_generator("Python's random", state), False)
-        if not self.planning and any(seeded(n) for n in seg):
-            outside(lambda: self.segs.check_generator(
-                "torch's default generator", torch.get_rng_state().numpy().tobytes()), False)
-        if not seg:
-            return
-        self.assign(g)
-        in_seg = set(seg)
-        if final is not None:
-            # and the numbers Python may still look at after the trace (a Lifted returned)
-            outs = [n for n in dict.fromkeys(final + self.lifted) if n in in_seg]
-        else:
-            live = set()
-            for t in list(self.tracer.tensor_tracker.keys()):
-                n = self.node_of(t)
-                if n in in_seg:
-                    live.add(n)
-            outs = [n for n in seg if (n in live or n is read or seeded(n))
-                    and isinstance(n.meta.get("val"), torch.Tensor)]
-        outs += [n for n in seg if seeded(n) and n not in outs]
-        gm, ext, key = graph(seg, outs, self.tracer.root, self.sharded)
-        # sharded parameters are the segment's state (gathered where used, their gradients
-        # reduce-scattered), the program's own: its key names them
-        n_state = sum(a in self.sharded for a in ext)
-        state, names = [self.env[a] for a in ext[:n_state]], [self.sharded[a] for a in
-                                                              ext[:n_state]]
-        ext = ext[n_state:]
-        inputs, specs, srcs = [], [], []
-        for a in ext:
-            x = self.env[a] if a.op != "get_attr" else getattr(self.tracer.root, a.target)
-            inputs.append(x)
-            srcs.append(self.src[a] if a.op != "get_attr" else self.source(x))
-            s = None if isinstance(x, DTensor) or a.op == "get_attr" else self.spec.get(a)
-            specs.append(s)
-        key = (key, tuple((tuple(x.shape), x.dtype, x.requires_grad, spec_key(x, s))
-                          for x, s in zip(inputs, specs)), torch.is_grad_enabled(),
-               final is not None, tuple(id(t) for t in state))
-        n_out = len(outs)
-        first = self.sharded
-
-        def make() -> Traced:
-            from spdsl.propagate.convs import convs_as_mixers
-            from spdsl.propagate.eager_attention import uncast_attention, unrepeat_kv
-            from spdsl.propagate.fills import fills_as_cat
-            from spdsl.propagate.forms import find_all
-            from spdsl.propagate.masks import masks_as_functions
-            fresh = graph(seg, outs, root, first)[0]
-            fills_as_cat(fresh)
-            convs_as_mixers(fresh)
-            find_all(fresh)
-            unrepeat_kv(fresh)
-            uncast_attention(fresh)
-            masks_as_functions(fresh)
-            _, arg_spec = tree_flatten((tuple(inputs), {}))
-            _, out_spec = tree_flatten([0] * n_out)
-            return Traced(fresh, names, state, arg_spec, list(range(len(inputs))), out_spec)
-
-        root = self.tracer.root
-        prog = self.segs.program(key, make, specs, final is not None, self.planning)
-
-        def run():
-            entry = prog.build(tuple(inputs), {}, agree=not self.planning)
-            placed = [entry.prop.placement(o) for o in _out_nodes(entry.traced)]
-            if self.planning:
-                with torch.no_grad():
-                    vals = gm(*[x.detach() for x in inputs])
-                for o, q in zip(outs, entry.out_placements):
-                    self.spec[o] = None if not isinstance(q, Shard) else \
-                        P(*[self.segs.owner.axis if d == q.dim else None
-                            for d in range(o.meta["val"].dim())])
-            else:
-                vals = prog(*inputs)
-            for o, n in zip(outs, _out_nodes(entry.traced)):    # what a later read costs
-                if o is read or o.meta["val"].numel() == 1:
-                    self.cost[o] = made_whole(entry, n)
-            return entry, placed, vals
-
-        t0 = time.perf_counter()
-        with no_trace_hooks():
-            entry, placed, vals = outside(run, torch.is_grad_enabled())
-        self.running += time.perf_counter() - t0
-        self.path.append(SegStep(prog, srcs, torch.is_grad_enabled()))
-        for j, (o, v, p) in enumerate(zip(outs, vals, placed)):
-            self.env[o] = v
-            self.src[o] = ("out", len(self.segments), j)
-            self.placed[o] = p if not isinstance(p, tuple) else REPLICATE
-        self.segments.append(Segment(len(self.segments), len(seg), len(outs), entry.plan))
-        self.done.update(seg)
-
-
-class _BreakMode(TorchDispatchMode):
-    """Inside the trace: a read of a value, or an op whose output shape depends on one, cuts
-    the graph there and gets the global value."""
-
-    supports_higher_order_operators = True      # flex_attention: passed through whole
-
-    def __init__(self, cut: _Cut) -> None:
-        super().__init__()
-        self.c = cut
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func is _READ:
-            return self.c.read_number(args[0], stack_line())
-        if func is _MASKED_SELECT and args[0].shape == args[1].shape:
-            func, args = _INDEX, (args[0], [args[1]])
-        if func is _INDEX and any(isinstance(i, torch.Tensor) and i.dtype in
-                                  (torch.bool, torch.uint8) for i in args[1]):
-            where = stack_line()
-            index, srcs, made = [], [], []
-            for i in args[1]:
-                if isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8):
-                    mask = self.c.value(i, "x[mask]", where)
-                    srcs.append(self.c.read_src)
-                    made += list(outside(lambda m=mask: m.nonzero(as_tuple=True), False))
-                    index += made[-mask.dim():]
-                else:
-                    index.append(i)
-            self.c.record("mask", srcs, made, made)
-            return func(args[0], index)
-        if shape_from_data(func, args):
-            where = stack_line()
-            name = func.overloadpacket.__name__.lstrip("_").rstrip("2")
-            flat, spec = tree_flatten((args, kwargs))
-            if self.c.segs.owner.strict:
-                raise ShardingError(
-                    rule="gather", where=where,
-                    detail=f"{name} makes a shape from data: it runs on the whole sequence "
-                           "on every rank, and strict=True refuses that",
-                    fix="drop strict=True, or compute it with fixed-shape ops")
-            real, srcs = [], []
-            for x in flat:
-                if isinstance(x, torch.Tensor):
-                    real.append(self.c.value(x, name, where))
-                    srcs.append(self.c.read_src)
-                else:
-                    real.append(x)
-                    srcs.append(("lit", x))
-            a, kw = tree_unflatten(real, spec)
-            got = outside(lambda: func(*a, **kw), False)   # a constant of the next segment
-            made = [t for t in tree_flatten(got)[0] if isinstance(t, torch.Tensor)]
-            self.c.record("data", (func, srcs, spec), got, made)
-            return got
-        return func(*args, **kwargs)

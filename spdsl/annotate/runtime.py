@@ -26,7 +26,7 @@ from spdsl.propagate.placement import (
 from spdsl.propagate.trace import Traced
 
 if TYPE_CHECKING:
-    from spdsl.annotate.api import _Compiled
+    from spdsl.annotate.sharded import _Compiled
 
 
 def _resident(entry: _Compiled) -> int:

@@ -1,0 +1,58 @@
+"""The cut at each read (spdsl/annotate/cut.py), in one process through ``spdsl.plan`` (which
+runs the segments on the real global arguments, no collective): a segment ends where Python
+reads a value and hands on only what Python can still reach; the value read is the global one;
+``x[mask]`` becomes an index by the mask's positions (so ``x``'s gradient still flows); a shape
+from data runs whole, or is refused under ``strict=True``."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import spdsl
+
+
+def test_a_segment_ends_at_each_read_and_hands_on_what_python_holds():
+    seen = {}
+
+    def f(x):
+        a = x * 2                      # dropped before the read: not handed on
+        b = a + 1
+        del a
+        if b.mean() > 0:               # read 1 (a bool)
+            b = b * 3
+        s = float(b.abs().max())      # read 2 (a number Python looks at)
+        seen["s"] = s
+        return (b / s).sum()
+
+    x = torch.randn(1, 8, 4).abs() + 0.1
+    plan = spdsl.plan(spdsl.sp_shard(seq=2)(f), x)
+    assert [s.ops for s in plan.segments][:1] == [4]      # mul, add, mean, gt
+    first = plan.segments[0]
+    assert first.outputs == 2                              # b and the compared mean, not a
+    assert [b.kind for b in plan.breaks] == ["bool", "item"]
+    assert seen["s"] == pytest.approx(float((x * 2 + 1).mul(3).abs().max()))
+
+
+def test_a_boolean_mask_becomes_an_index_and_keeps_the_gradient():
+    def f(x):
+        picked = x[x > 0]             # how many: data; read as the mask's positions
+        return picked.sum() + x.pow(2).sum()
+
+    x = torch.randn(1, 8, 4, requires_grad=True)
+    plan = spdsl.plan(spdsl.sp_shard(seq=2)(f), x)
+    assert [b.kind for b in plan.breaks] == ["x[mask]"]
+    assert plan.breaks[0].whole               # the mask is gathered to be read
+
+
+def test_a_shape_from_data_is_refused_under_strict():
+    def f(x):
+        used = torch.unique((x > 0).long())
+        return x.sum() * used.numel()
+
+    x = torch.randn(1, 8, 4)
+    plan = spdsl.plan(spdsl.sp_shard(seq=2)(f), x)
+    assert [b.kind for b in plan.breaks] == ["unique"]
+    with pytest.raises(spdsl.ShardingError) as e:
+        spdsl.plan(spdsl.sp_shard(seq=2, strict=True)(f), x)
+    assert "[gather]" in str(e.value) and "strict=True" in str(e.value)

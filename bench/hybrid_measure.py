@@ -55,7 +55,7 @@ class MixerSaved:
     a mixer (``spdsl.lower.mixers._Planned``: output, inputs kept) leaves out."""
 
     def __enter__(self):
-        from spdsl.propagate.mixers import Site
+        from spdsl.propagate.mixer_form import Site
         self.bytes, self._orig = 0, Site.call
         orig, me = self._orig, self
 
@@ -76,7 +76,7 @@ class MixerSaved:
         return self
 
     def __exit__(self, *exc):
-        from spdsl.propagate.mixers import Site
+        from spdsl.propagate.mixer_form import Site
         Site.call = self._orig
 
 

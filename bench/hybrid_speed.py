@@ -7,8 +7,8 @@ recurrence, hand-written Ulysses at attention), in one launch.
 
 Hugging Face models on their torch paths (the CPU has no flash-linear-attention or mamba_ssm),
 fp32, ``sp_shard(seq=P)`` defaults; the gathered variant is the same model traced with the
-mixer registry emptied (``spdsl.propagate.mixers.MIXERS`` and ``FORWARDS``), so the chunked
-recurrences are traced as ops and placed by the ops' rules. Per family:
+mixer registry emptied (``spdsl.propagate.mixer_form.MIXERS`` and ``mixers.FORWARDS``), so the
+chunked recurrences are traced as ops and placed by the ops' rules. Per family:
 
 - before timing, spdsl's split step and the hand-written step against one device on the same
   weights and batch: the loss (relative, bound 1e-5) and every parameter gradient (relative to
@@ -53,14 +53,14 @@ NAMES = ("input_ids", "labels")
 @contextlib.contextmanager
 def _gathered():
     """Tracing with no mixer recognised: the recurrences as ops."""
-    from spdsl.propagate import mixers
-    saved = dict(mixers.MIXERS), dict(mixers.FORWARDS)
-    mixers.MIXERS.clear()
+    from spdsl.propagate import mixer_form, mixers
+    saved = dict(mixer_form.MIXERS), dict(mixers.FORWARDS)
+    mixer_form.MIXERS.clear()
     mixers.FORWARDS.clear()
     try:
         yield
     finally:
-        mixers.MIXERS.update(saved[0])
+        mixer_form.MIXERS.update(saved[0])
         mixers.FORWARDS.update(saved[1])
 
 

@@ -80,11 +80,11 @@ class _Spdsl:
         self.trainer = SpdslTrainer(cfg, False, attention="ulysses")
 
     def _modes(self) -> None:
-        from spdsl import collectives
+        from spdsl.collectives import grads
         from spdsl.lower import ops, project
         ops.ULYSSES_GROUPS = self.groups
         project.FUSE = self.fuse
-        collectives.GRAD_OVERLAP = self.grad_overlap
+        grads.GRAD_OVERLAP = self.grad_overlap
 
     def step(self, ids, labels) -> float:
         self._modes()
@@ -151,7 +151,7 @@ def main() -> None:
     torch.set_num_threads(1)
     cfg = RunConfig(a.model, a.batch, world, rank, seed=0, lr=1e-3)
     if a.bucket_mib is not None:
-        from spdsl.lower import graph
+        from spdsl.lower import grad_buckets as graph
         graph.GRAD_BUCKET_BYTES = int(a.bucket_mib * 2 ** 20)
     if a.grad:
         systems = {"spdsl-sync": _Spdsl(cfg, 1, grad_overlap=False),

@@ -13,7 +13,7 @@ env_reads      ``SPDSL_*`` switches read (``os.environ.get``/``[]``/``in``, ``os
                a literal, an f-string or a constant) outside ``spdsl/env.py``, their one reader
 group_calls    calls of ``torch.distributed`` process-group functions (collectives, point to
                point, barriers, ``new_group``, ``_functional_collectives``, ``_c10d_functional``
-               ops) outside ``spdsl/collectives.py``, through any alias a file imports, spdsl's
+               ops) outside ``spdsl/collectives/``, through any alias a file imports, spdsl's
                re-exports (``spdsl._torch``) included; not ``get_rank``, ``wait_tensor`` (no data
                moves) nor methods of a ``ProcessGroup`` object (``pg.allreduce``)
 patched_after  ``x.__dict__[k] = v``; ``object.__setattr__`` outside a class's own ``__init__``/

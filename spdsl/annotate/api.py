@@ -15,7 +15,7 @@ from spdsl.annotate.sharded import Sharded
 from spdsl.errors import ShardingError, user_line
 from spdsl.inspect.plan import ShardingPlan
 from spdsl.inspect.program import attach
-from spdsl.propagate.trace import GraphBreak
+from spdsl.propagate.trace_refusals import GraphBreak
 
 
 def shard(fn: Callable | None = None, *, mesh, in_specs, out_specs=None,

@@ -74,13 +74,10 @@ from spdsl.annotate.sharded import Sharded
 from spdsl.errors import ShardingError
 from spdsl.inspect.breaks import Break, SegmentedPlan
 from spdsl.propagate.placement import Shard
-from spdsl.propagate.trace import (
-    GraphBreak,
-    Traced,
-    reachable_modules,
-    state_of,
-    trace,
-)
+from spdsl.propagate.source import stack_line
+from spdsl.propagate.trace import Traced, trace
+from spdsl.propagate.trace_refusals import GraphBreak
+from spdsl.propagate.trace_state import reachable_modules, state_of
 
 _PROGRAMS = 64          # segment programs kept per function (a read value baked in each)
 _PATHS = 4096           # nodes of recorded paths kept per function (then they start over)
@@ -285,7 +282,11 @@ class Segments:
                 owner._placement_of(x, s, 0)      # divisibility, as one program checks it
         cut = Cut(self, leaf_specs, planning,
                    names=state_of(reachable_modules(owner.fn, args, kwargs))[0])
-        traced = trace(owner.fn, args, kwargs, breaks=cut)
+        # the trace's own autograd graph never runs backward: what it would save for it is
+        # not kept, so a segment hands on only what Python still holds (not every tensor a
+        # backward formula saved, each one more output to make whole)
+        with torch.autograd.graph.saved_tensors_hooks(_unsaved, _never_unpacked):
+            traced = trace(owner.fn, args, kwargs, breaks=cut)
         out = next(n for n in traced.graph.graph.nodes if n.op == "output")
         flat = list(out.args[0])
         cut.cut(final=[n for n in flat if isinstance(n, torch.fx.Node)])
@@ -343,6 +344,20 @@ class Segments:
                        "values and take different branches",
                 fix="seed every rank of the mesh alike before the first call (random.seed(s) "
                     "and torch.manual_seed(s) with the same s)")
+
+
+def _unsaved(t: torch.Tensor) -> None:
+    return None
+
+
+def _never_unpacked(_) -> None:
+    raise ShardingError(
+        rule="data-dependent control flow", where=stack_line(),
+        detail="the forward runs a backward of its own (torch.autograd.grad or .backward() "
+               "inside it) and reads tensor values in Python: its segments are traced "
+               "without what a backward would need",
+        fix="compute the inner gradient outside the sharded function, or write the value "
+            "read as tensor ops (torch.where, masks) so that the forward is one program")
 
 
 class _Segment(Sharded):

@@ -42,11 +42,9 @@ from spdsl.annotate.spec import P
 from spdsl.errors import ShardingError
 from spdsl.inspect.breaks import Break, Segment
 from spdsl.propagate.placement import REPLICATE, Shard, typed_shape
-from spdsl.propagate.trace import (
-    Traced,
-    shape_from_data,
-    stack_line,
-)
+from spdsl.propagate.source import stack_line
+from spdsl.propagate.trace import Traced
+from spdsl.propagate.trace_refusals import shape_from_data
 from spdsl.state import is_sharded_state
 
 if TYPE_CHECKING:
@@ -230,8 +228,8 @@ class Cut:
         first = self.sharded
 
         def make() -> Traced:
+            from spdsl.propagate.attention_nodes import uncast_attention, unrepeat_kv
             from spdsl.propagate.convs import convs_as_mixers
-            from spdsl.propagate.eager_attention import uncast_attention, unrepeat_kv
             from spdsl.propagate.fills import fills_as_cat
             from spdsl.propagate.forms import find_all
             from spdsl.propagate.masks import masks_as_functions

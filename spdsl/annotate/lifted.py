@@ -19,7 +19,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from spdsl._torch import FakeTensor, tree_flatten, tree_unflatten
-from spdsl.propagate.trace import stack_line
+from spdsl.propagate.source import stack_line
 
 _ITEM = torch.Tensor.item
 

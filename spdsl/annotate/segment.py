@@ -16,7 +16,7 @@ from torch.distributed.tensor import Shard as DShard
 
 from spdsl._torch import outside_fx_trace, tree_flatten, tree_unflatten
 from spdsl.annotate.spec import P
-from spdsl.propagate.trace import reachable_modules
+from spdsl.propagate.trace_state import reachable_modules
 
 
 def graph(seg: list, outs: list, root: torch.nn.Module, first=frozenset()):

@@ -50,7 +50,9 @@ from spdsl.propagate.placement import (
     Placement,
     Shard,
 )
-from spdsl.propagate.trace import GraphBreak, Traced, reachable_modules, trace
+from spdsl.propagate.trace import Traced, trace
+from spdsl.propagate.trace_refusals import GraphBreak
+from spdsl.propagate.trace_state import reachable_modules
 
 # programs traced by one step before it says why: train/eval x autocast x grad mode x a few
 # lengths are legitimately that many; state that changes every call reaches it at once

@@ -372,7 +372,7 @@ def attach(plan: ShardingPlan, job, entry, args: tuple, kwargs: dict, *,
 def _schedule(local: torch.nn.Module, colls: list[Collective], job, entry, args: tuple):
     """What ``spdsl.inspect.timing`` needs of the program: its events beside the plan's
     entry of each call, the axes' sizes, the device model and how gradient buckets run."""
-    import spdsl.collectives as C
+    import spdsl.collectives.grads as grads
     from spdsl.inspect.timing import Schedule
     from spdsl.pipeline import device_of
 
@@ -385,5 +385,5 @@ def _schedule(local: torch.nn.Module, colls: list[Collective], job, entry, args:
         sizes[job.data_axis] = job.data_parts
         sizes[f"{job.data_axis}+{job.axis}"] = job.data_parts * job.parts
     return Schedule(local.__dict__.get("gm", local), tuple(events), per_event, tuple(after), sizes,
-                    device_of(entry, args), C.GRAD_OVERLAP and not job.compile)
+                    device_of(entry, args), grads.GRAD_OVERLAP and not job.compile)
 

@@ -92,19 +92,20 @@ def workspace_bytes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, leaves: l
                     program: str = "", causal: bool = False, backward: bool = False) -> int:
     """The op's peak scratch beyond its inputs and outputs, for the memory planner (checked
     against the allocator in tests/kernels/test_masked_attn.py), on the route it takes: the
-    fused CPU kernel's (``masked_attn_keys.workspace_bytes``, decided by the program and the
-    shapes) or the block kernel's (:func:`block_workspace_bytes`); where the values decide
+    fused CPU kernel's (``masked_attn_keys_workspace.workspace_bytes``, decided by the program
+    and the shapes) or the block kernel's (:func:`block_workspace_bytes`); where the values decide
     between the two, the larger: a window whose width is a value (narrow ones stay on the
     blocks), an fp16 additive mask (its rows that keep no key run fused only while no score
     moves fp16's min)."""
     from spdsl.kernels import masked_attn_keys as keys
+    from spdsl.kernels.masked_attn_keys_workspace import workspace_bytes as fused_bytes
     fused = keys.split(q, k, v, leaves, program, causal, values=False)
     blocks = block_workspace_bytes(q, k, v, leaves, program, causal, backward)
     if fused is None:
         return blocks
     if (fused.additive and q.dtype == torch.float16) or fused.window == 0:
-        return max(blocks, keys.workspace_bytes(q, k, v, fused, backward))
-    return keys.workspace_bytes(q, k, v, fused, backward)
+        return max(blocks, fused_bytes(q, k, v, fused, backward))
+    return fused_bytes(q, k, v, fused, backward)
 
 
 def block_workspace_bytes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, leaves: list = (),
@@ -336,9 +337,10 @@ def _forward(q, k, v, leaves, program_key, causal, scale):
     row statistics ``[B, H, S_q, 2]``: max and sum of ``exp(s - max)``, kept apart (a row of
     ``finfo.min`` entries would absorb ``log(sum)`` into a log-sum-exp)."""
     from spdsl.kernels import masked_attn_keys as keys
+    from spdsl.kernels import masked_attn_keys_cpu as fused_cpu
     fused = keys.split(q, k, v, leaves, program_key, causal, scale=scale)
     if fused is not None:        # causal x a key-side row: ATen's fused kernel takes it whole
-        return keys.forward(q, k, v, fused, scale)
+        return fused_cpu.forward(q, k, v, fused, scale)
     program = mask_program(program_key) if program_key else None
     cap = softcap_of(program_key)
     leaves = typed_leaves(program_key, leaves)
@@ -362,9 +364,10 @@ def _forward(q, k, v, leaves, program_key, causal, scale):
 
 def _backward(dout, q, k, v, out, stats, leaves, program_key, causal, scale):
     from spdsl.kernels import masked_attn_keys as keys
+    from spdsl.kernels import masked_attn_keys_cpu as fused_cpu
     fused = keys.split(q, k, v, leaves, program_key, causal, scale=scale)
     if fused is not None:
-        return keys.backward(dout, q, k, v, out, stats, fused, scale)
+        return fused_cpu.backward(dout, q, k, v, out, stats, fused, scale)
     program = mask_program(program_key) if program_key else None
     cap = softcap_of(program_key)
     leaves = typed_leaves(program_key, leaves)

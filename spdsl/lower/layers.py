@@ -1,7 +1,7 @@
 """The layer a local node belongs to, read off the module path the lowering stamps on it
 (``meta["spdsl_module"]``): per-layer checkpointing splits the graph by it
 (``spdsl.remat.segments``), and the gradient buckets are placed in the layer that first
-reads their parameters (``spdsl.lower.graph.bucket_gradient_reduces``)."""
+reads their parameters (``spdsl.lower.grad_buckets.bucket_gradient_reduces``)."""
 
 from __future__ import annotations
 

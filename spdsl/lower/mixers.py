@@ -53,7 +53,7 @@ import torch.nn.functional as F
 import spdsl.collectives as C
 from spdsl._torch import FakeTensor, TorchDispatchMode, tree_flatten
 from spdsl.lower.calls import Call, register
-from spdsl.propagate.mixers import SITES
+from spdsl.propagate.mixer_form import SITES
 from spdsl.propagate.placement import chunk_bounds
 
 

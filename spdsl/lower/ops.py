@@ -82,7 +82,7 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     ``kernel``: spdsl's flash attention instead of SDPA (set by ``spdsl.lower.kernels``).
     ``compute_dtype``/``out_dtype``: q, k, v arrive before the user's upcast and are cast
     after the exchange; the output is cast down before the exchange back
-    (``spdsl.propagate.eager_attention.uncast_attention``).
+    (``spdsl.propagate.attention_nodes.uncast_attention``).
     ``project``: ``(wt, bias)``, the output projection fused in (``spdsl.lower.project``):
     the result is ``out.transpose(1, 2).reshape(B * S/P, H * D) @ wt (+ bias)``, each head
     group's share projected as soon as its output is back (:func:`project_heads`)."""

@@ -38,7 +38,7 @@ import torch
 import torch.nn.functional as F
 
 from spdsl._torch import detect_fake_mode
-from spdsl.propagate.mixers import MixerForm, Role, add_site, make_site, register_mixer
+from spdsl.propagate.mixer_form import MixerForm, Role, add_site, make_site, register_mixer
 
 aten = torch.ops.aten
 

@@ -128,7 +128,7 @@ def dtensor_ops() -> tuple[list, list]:
 
 # -- the forms -------------------------------------------------------------------------------
 def _sdpa_node(*args, **kwargs):
-    from spdsl.propagate.trace import keep_sdpa
+    from spdsl.propagate.trace_ops import keep_sdpa
     return keep_sdpa(*args, **kwargs)
 
 
@@ -152,7 +152,7 @@ def _flash_kernel():
 
 
 def _find_flash_kernel(gm: torch.fx.GraphModule) -> int:
-    from spdsl.propagate.eager_attention import capture_flash_kernel
+    from spdsl.propagate.attention_nodes import capture_flash_kernel
     return capture_flash_kernel(gm)
 
 

@@ -21,6 +21,10 @@ module and the fix, instead of a RuntimeError from inside FX, Dynamo or Hugging 
   (``kernels-community/...``): kernels opaque to the tracer, their sequence split unknown;
 - ``flash_attention_2``/``_3`` where their package is missing (on CPU for ``_2``: Hugging Face
   takes its flash path only with a CUDA device).
+
+While spdsl traces, Hugging Face's check for packed documents in ``position_ids`` runs on the
+real values of position ids made from the shapes alone (:class:`HFPackedCheck`), so unpacked
+positions give SDPA's ``is_causal`` instead of an ``[S, S]`` document mask.
 """
 
 from __future__ import annotations
@@ -29,7 +33,9 @@ import importlib.util
 import sys
 
 import torch
+from torch.fx.experimental.proxy_tensor import get_proxy_mode
 
+from spdsl._torch import disable_current_modes
 from spdsl.errors import ShardingError
 
 SPLIT = ("sdpa", "eager")
@@ -93,3 +99,73 @@ def _installed(name: str) -> bool:
         return importlib.util.find_spec(name) is not None
     except (ImportError, ValueError):
         return False
+
+
+class HFPackedCheck:
+    """Hugging Face decides whether ``position_ids`` mark packed documents by looking at their
+    values (``find_packed_sequence_indices``); on a traced (fake) tensor it cannot look, so it
+    builds a full ``[S, S]`` document mask even for positions it made itself from ``arange``.
+    While spdsl traces, position ids that depend on no input of the function are computed for
+    real (they are constants of the shapes) and HF's check runs on them: unpacked positions
+    give no mask (SDPA's ``is_causal``), as they do outside a trace. Position ids the caller
+    passes (packed batches) keep the traced mask."""
+
+    def __init__(self) -> None:
+        self.module = None
+
+    def __enter__(self):
+        import sys
+        mu = sys.modules.get("transformers.masking_utils")
+        fn = getattr(mu, "find_packed_sequence_indices", None)
+        if fn is None:
+            return self
+        self.module, self.orig = mu, fn
+
+        def check(position_ids):
+            real = _constant_value(position_ids)
+            if real is not None:
+                with disable_current_modes():     # HF's check on the real values
+                    if fn(real) is None:
+                        return None
+            return fn(position_ids)
+        mu.find_packed_sequence_indices = check
+        return self
+
+    def __exit__(self, *exc):
+        if self.module is not None:
+            self.module.find_packed_sequence_indices = self.orig
+            self.module = None
+
+
+def _constant_value(t: torch.Tensor) -> torch.Tensor | None:
+    """The real value of a traced tensor computed from factories alone (no graph input), by
+    running the ops that made it on real tensors; None if it depends on an input."""
+    from torch.fx.experimental.proxy_tensor import get_proxy_slot
+    mode = get_proxy_mode()
+    if mode is None or not isinstance(t, torch.Tensor):
+        return None
+    try:
+        node = get_proxy_slot(t, mode.tracer).proxy.node
+    except (KeyError, AttributeError, RuntimeError):
+        return None
+    order, seen, stack = [], set(), [node]
+    while stack:                                   # the ancestors, each once
+        n = stack.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        if n.op != "call_function":
+            return None                            # a graph input (or a constant tensor)
+        order.append(n)
+        stack.extend(n.all_input_nodes)
+    index = {n: i for i, n in enumerate(node.graph.nodes)}
+    order.sort(key=index.__getitem__)
+    env: dict = {}
+    with disable_current_modes():                 # real tensors, nothing traced
+        for n in order:
+            args, kwargs = torch.fx.node.map_arg((n.args, n.kwargs), env.__getitem__)
+            if kwargs.get("device") is not None and torch.device(kwargs["device"]).type == "meta":
+                kwargs = {**kwargs, "device": "cpu"}     # a meta model: its values on CPU
+            env[n] = n.target(*args, **kwargs)
+    out = env[node]
+    return out if isinstance(out, torch.Tensor) else None

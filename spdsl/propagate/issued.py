@@ -93,7 +93,7 @@ def _mixer_state(prop, node: torch.fx.Node, ins: list[torch.fx.Node]) -> tuple[I
     """State passing of a sequence mixer (``spdsl.lower.mixers``): each rank's state to every
     rank (an all-gather; its gradient summed back by a reduce-scatter), or a short conv's
     ``kernel - 1`` tokens to the next rank (a halo)."""
-    from spdsl.propagate.mixers import SITES
+    from spdsl.propagate.mixer_form import SITES
     site = SITES[node.args[1]]
     form, P = site.form, prop.parts
     state = form.state_bytes(site.bound([i.meta["val"] for i in ins]), P)

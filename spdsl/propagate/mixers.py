@@ -62,187 +62,44 @@ A call with a carried state (``initial_state``, a final state asked for: generat
 cache) runs traced as ops, as before. Packed documents are captured: a delta rule given their
 bounds (``cu_seqlens``), the SSD scan and the conv given each token's document (``seq_idx``).
 Fused kernels of ``FUSED`` decline while traced (their callers take the unfused path).
-Registering one's own mixer is one ``register_mixer(MixerForm(...))`` and a state-passing
-function in ``spdsl.lower.mixers`` (see docs/mixers.md).
+Registering one's own mixer is one ``register_mixer(MixerForm(...))``
+(``spdsl.propagate.mixer_form``) and a state-passing function in ``spdsl.lower.mixers`` (see
+docs/mixers.md).
 """
 
 from __future__ import annotations
 
 import contextlib
 import inspect
-import itertools
 import sys
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch.fx.experimental.proxy_tensor import get_proxy_mode
 
-from spdsl._torch import tree_flatten, tree_unflatten
 from spdsl.propagate import lightning
-
-
-@dataclass(frozen=True)
-class Role:
-    """The dims of one tensor argument: ``seq`` the sequence, ``heads`` the heads (or
-    channels) it is independent across, ``batch`` the batch (None where it has none: a
-    per-head parameter). ``split_heads``: its heads may be split only when their count is a
-    multiple of the degree (grouped B/C of SSD, shared by several heads, are replicated
-    otherwise)."""
-
-    seq: int | None = 1
-    heads: int | None = 2
-    batch: int | None = 0
-    optional_heads: bool = False
-
-
-@dataclass(frozen=True)
-class MixerForm:
-    name: str
-    functions: tuple[str, ...]             # module-level names it is captured under
-    roles: dict[str, Role]                 # argument name -> its dims
-    out: Role                              # the output's dims
-    output: Callable[[dict], tuple]        # bound arguments -> (shape, dtype) of the output
-    pack: Callable[[torch.Tensor], Any]    # the output as the function returns it
-    accepts: Callable[[dict], bool]        # bound arguments it splits (no carried state)
-    state_bytes: Callable[[dict, int], int] | None = None   # (bound, parts) -> per rank
-    exchange: str = "all_gather"           # how state passing exchanges: all_gather | halo
-    # halo: (tokens from the previous rank, from the next) its state passing exchanges
-    halo: Callable[[dict], tuple[int, int]] | None = None
-    min_local: Callable[[dict], int] = field(default=lambda b: 1)  # tokens a rank needs
-
-
-MIXERS: dict[str, MixerForm] = {}
-
-
-def register_mixer(form: MixerForm) -> MixerForm:
-    """Add a mixer form: every function named in ``form.functions`` (a module-level name in
-    an imported module of ``transformers``, ``fla`` or ``mamba_ssm``, or the module given as
-    ``"package.module:name"``) becomes one ``spdsl.mixer`` node while spdsl traces.
-
-    Example::
-
-        register_mixer(MixerForm("my_scan", ("mylib.ops:scan",), roles={...}, ...))
-    """
-    if form.name in MIXERS and MIXERS[form.name] is not form:
-        raise ValueError(f"a mixer form named {form.name!r} is registered already")
-    MIXERS[form.name] = form
-    return form
-
-
-# -- the node ----------------------------------------------------------------------------------
-@dataclass
-class Site:
-    """One traced call of a mixer function: how to call it again on a rank."""
-
-    form: MixerForm
-    fn: Callable
-    names: list[str]                 # the argument name of each tensor input, in node order
-    arg_spec: Any                    # pytree spec of the bound arguments (a dict)
-    leaves: list                     # their leaves, tensors as TENSOR
-    shapes: list[tuple[int, ...]] = field(default_factory=list)   # the tensors' global shapes
-    positional: int = 0              # leading arguments the call passed by position
-
-    def bound(self, tensors) -> dict:
-        it = iter(tensors)
-        leaves = [next(it) if x is TENSOR else x for x in self.leaves]
-        return tree_unflatten(leaves, self.arg_spec)
-
-    def call(self, tensors, **override) -> Any:
-        """The function on ``tensors``, ``override`` replacing arguments by name. The leading
-        arguments go by position, as the model passed them: Hugging Face's kernel dispatch
-        passes keywords on only where the implementation it picked has a parameter of that
-        name (flash-linear-attention's ``chunk_gated_delta_rule`` takes ``q, k, v``, the torch
-        function it stands for ``query, key, value``)."""
-        items = list({**self.bound(tensors), **override}.items())
-        n = self.positional
-        return self.fn(*(v for _, v in items[:n]), **dict(items[n:]))
-
-    def role(self, i: int) -> Role | None:
-        return self.form.roles.get(self.names[i])
-
-
-TENSOR = object()                  # where a tensor argument stands in a site's leaves
-SITES: dict[int, Site] = {}
-_NEXT = itertools.count()
-
-
-@torch.library.custom_op("spdsl::mixer", mutates_args=())
-def mixer_op(args: list[torch.Tensor], site: int) -> torch.Tensor:
-    # a step runs the lowering (spdsl.lower.mixers); a traced graph run as it is (a plan's
-    # segments before a graph break) computes the whole mixer, as one device does
-    out = SITES[site].call(args)
-    out = out[0] if isinstance(out, (tuple, list)) else out
-    return out.clone() if any(out is a for a in args) else out
-
-
-@mixer_op.register_fake
-def _(args, site):
-    s = SITES[site]
-    shape, dtype = s.form.output(s.bound(args))
-    return args[0].new_empty(shape, dtype=dtype)
-
-
-def _signed(fn: Callable) -> Callable:
-    """The function whose signature ``fn``'s call binds to. With the ``kernels`` package
-    installed (transformers >= 5.25 depends on it), Hugging Face's hub-kernel decorators turn
-    a module-level function into an instance of a one-off ``nn.Module`` class whose
-    ``forward(*args, **kwargs)`` calls the function it closes over (``func``); the names and
-    defaults are that function's."""
-    if isinstance(fn, torch.nn.Module):
-        forward = type(fn).forward
-        cells = dict(zip(forward.__code__.co_freevars, forward.__closure__ or ()))
-        inner = cells.get("func")
-        if inner is not None and callable(inner.cell_contents):
-            return inner.cell_contents
-    return fn
-
-
-def _bind(fn: Callable, args: tuple, kwargs: dict) -> dict | None:
-    try:
-        sig = inspect.signature(_signed(fn))
-        b = sig.bind(*args, **kwargs)
-    except (TypeError, ValueError):
-        return None
-    b.apply_defaults()
-    out = dict(b.arguments)
-    extra = out.pop("kwargs", None) if any(
-        p.kind is p.VAR_KEYWORD for p in sig.parameters.values()) else None
-    if extra:
-        out.update(extra)
-    return out
+from spdsl.propagate.mixer_form import (
+    MIXERS,
+    MixerForm,
+    Role,
+    add_site,
+    bind,
+    make_site,
+    register_mixer,
+    signed,
+)
 
 
 def _capture(form: MixerForm, fn: Callable, args: tuple, kwargs: dict):
     if get_proxy_mode() is None:
         return fn(*args, **kwargs)
-    bound = _bind(fn, args, kwargs)
+    bound = bind(fn, args, kwargs)
     if bound is None or not form.accepts(bound):
         return fn(*args, **kwargs)
     site, tensors = make_site(form, fn, bound, positional=len(args))
     return form.pack(torch.ops.spdsl.mixer(tensors, add_site(site)))
 
-
-def add_site(site: Site) -> int:
-    """Record ``site``; the integer a ``spdsl.mixer`` node names it by."""
-    key = next(_NEXT)
-    SITES[key] = site
-    return key
-
-
-def make_site(form: MixerForm, fn: Callable, bound: dict,
-              positional: int = 0) -> tuple[Site, list[torch.Tensor]]:
-    """The site of one call (``bound``: its arguments by name, the first ``positional`` of
-    them passed by position) and its tensor arguments, in the order the site's
-    ``call``/``bound`` take them."""
-    leaves, spec = tree_flatten(bound)
-    tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
-    names = [k for k, v in bound.items() for x in tree_flatten(v)[0]
-             if isinstance(x, torch.Tensor)]
-    return Site(form, fn, names, spec,
-                [TENSOR if isinstance(x, torch.Tensor) else x for x in leaves],
-                [tuple(x.shape) for x in tensors], positional), tensors
 
 
 _PACKAGES = ("transformers.", "fla.", "mamba_ssm.", "causal_conv1d", "flash_attn")
@@ -318,7 +175,7 @@ def captured_mixers() -> Iterator[int]:
             with contextlib.suppress(TypeError, ValueError):
                 # callers that read the signature (Hugging Face's flash-attention dispatch
                 # passes only the options the function names) see the function's own
-                wrapper.__signature__ = inspect.signature(_signed(orig))
+                wrapper.__signature__ = inspect.signature(signed(orig))
             setattr(mod, attr, wrapper)
             done.append((mod, attr, orig))
     try:
@@ -329,6 +186,8 @@ def captured_mixers() -> Iterator[int]:
 
 
 # -- the forms -----------------------------------------------------------------------------------
+
+
 def _no_state(*names: str) -> Callable[[dict], bool]:
     return lambda b: all(b.get(n) is None or b.get(n) is False for n in names)
 

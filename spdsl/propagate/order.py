@@ -33,7 +33,7 @@ import torch
 
 from spdsl._torch import OpOverload
 from spdsl.errors import ShardingError
-from spdsl.propagate.eager_attention import view_family
+from spdsl.propagate.liveness import view_family
 
 _ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
 # fresh memory: two of them are two buffers, whatever their equal keys say

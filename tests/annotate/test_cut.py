@@ -56,3 +56,36 @@ def test_a_shape_from_data_is_refused_under_strict():
     with pytest.raises(spdsl.ShardingError) as e:
         spdsl.plan(spdsl.sp_shard(seq=2, strict=True)(f), x)
     assert "[gather]" in str(e.value) and "strict=True" in str(e.value)
+
+
+def test_a_segment_hands_on_no_tensor_only_a_backward_formula_saved():
+    """The trace's own autograd graph never runs backward: a weight's transpose that ``addmm``
+    saves, a ``relu`` output saved for its backward, are not handed on (each would be one more
+    output to make whole, and a weight's gradient reduced apart from its bucket)."""
+    lin = torch.nn.Linear(4, 4)
+
+    def f(x):
+        h = lin(x).relu()
+        if h.mean() > 0:                 # h, the compared mean: what Python holds here
+            h = h * 2
+        return lin(h).pow(2).mean()
+
+    x = torch.randn(1, 8, 4, requires_grad=True)
+    plan = spdsl.plan(spdsl.sp_shard(seq=2)(f), x)
+    assert plan.segments[0].outputs == 2, plan.segments[0]      # h and the comparison
+
+
+def test_a_forward_that_runs_its_own_backward_is_refused_in_segments():
+    lin = torch.nn.Linear(4, 4)
+
+    def f(x):
+        h = lin(x)
+        (g,) = torch.autograd.grad(h.pow(2).sum(), x, create_graph=True)
+        if h.mean() > 0:
+            h = h * 2
+        return (h + g).sum()
+
+    x = torch.randn(1, 8, 4, requires_grad=True)
+    with pytest.raises(spdsl.ShardingError) as e:
+        spdsl.plan(spdsl.sp_shard(seq=2)(f), x)
+    assert "backward of its own" in str(e.value)

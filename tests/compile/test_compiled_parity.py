@@ -41,7 +41,7 @@ class _ZeroGradAllToAll(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, buf: torch.Tensor, group: str) -> torch.Tensor:
-        from spdsl.collectives import _a2a_raw
+        from spdsl.collectives.raw import _a2a_raw
         return _a2a_raw(buf, group)
 
     @staticmethod

@@ -117,7 +117,7 @@ class _MixerCalls:
     on this rank and of the largest one as traced (the whole sequence)."""
 
     def __enter__(self):
-        from spdsl.propagate.mixers import Site
+        from spdsl.propagate.mixer_form import Site
         self.calls, self._orig = [], Site.call
         calls, orig = self.calls, self._orig
 
@@ -132,7 +132,7 @@ class _MixerCalls:
         return self
 
     def __exit__(self, *exc):
-        from spdsl.propagate.mixers import Site
+        from spdsl.propagate.mixer_form import Site
         Site.call = self._orig
 
 

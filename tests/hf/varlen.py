@@ -29,8 +29,8 @@ import torch
 def _torch_fn(fn):
     """The torch function behind a module-level name Hugging Face decorated."""
     if isinstance(fn, torch.nn.Module):      # hub-kernel decorators wrap it in a module
-        from spdsl.propagate.mixers import _signed
-        fn = _signed(fn)
+        from spdsl.propagate.mixer_form import signed
+        fn = signed(fn)
     return inspect.unwrap(fn)
 
 

@@ -59,8 +59,8 @@ ELIDED = "..."                     # a quoted line that stands for lines left ou
 COMMANDS = ("python ", "torchrun ", "SPDSL_")
 # blocks that draw, not quote: (page, first line)
 DIAGRAMS = {("models.md", "user fn + specs"),
-            ("pipeline.md", ("sp_shard(model)                 annotate/api.py      Sharded: "
-                             "options, mesh, cache"))}
+            ("pipeline.md", ("sp_shard(model)                 annotate/api.py      "
+                             "ShardOptions (options.py), a Sharded"))}
 
 
 def _plain_blocks(page: Path) -> list[tuple[str, list[str], int]]:

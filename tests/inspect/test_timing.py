@@ -9,8 +9,8 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import spdsl
-import spdsl.collectives as C
-import spdsl.lower.graph as G
+import spdsl.collectives.grads as GR
+import spdsl.lower.grad_buckets as G
 import spdsl.lower.ops as O
 import spdsl.pipeline as PR
 from spdsl.inspect.flops import ATTENTION_BWD
@@ -159,7 +159,7 @@ def test_gradient_buckets_hide_behind_the_rest_of_backward(monkeypatch):
     assert grads[0].exposed == 0.0 and grads[0].behind == "backward compute"
     assert sum(x.exposed for x in grads) < sum(x.seconds for x in grads)
     # waited where each starts: all exposed
-    monkeypatch.setattr(C, "GRAD_OVERLAP", False)
+    monkeypatch.setattr(GR, "GRAD_OVERLAP", False)
     _, _, plan = _plan(LlamaConfig.tiny(), 1024, remat="none")
     for x in plan.timing(LINKS).transfers:
         if x.collective.purpose == "gradient":

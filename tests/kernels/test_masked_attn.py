@@ -10,6 +10,8 @@ import torch
 
 from spdsl.kernels import masked_attn as M
 from spdsl.kernels import masked_attn_keys as K
+from spdsl.kernels import masked_attn_keys_cpu as KC
+from spdsl.kernels import masked_attn_keys_workspace as KW
 from tests._util import assert_close
 
 TOL = {torch.float32: (2e-5, 2e-6), torch.float64: (1e-12, 1e-13)}
@@ -287,7 +289,7 @@ def test_window_widths_and_rows_keeping_nothing():
     size, or without the triangle, stays on the block kernel."""
     s = 40
     for w in (17, 20, 39, 40):
-        blocks = list(K._window_blocks(s, w))
+        blocks = list(KC._window_blocks(s, w))
         assert blocks[0][0] == 0 and blocks[-1][1] == s
         assert all(e0 == a1 for (_, e0, _), (a1, _, _) in itertools.pairwise(blocks))
         assert all(e - a == w - 1 for a, e, _ in blocks[1:])
@@ -346,9 +348,9 @@ def test_window_scratch_unknown_width_is_the_most_of_any(s):
     row = torch.zeros(1, 1, 1, s, device="meta")
     for bias in (None, row):
         for backward in (False, True):
-            most = max(K._window_bytes(q, K.KeyMask(True, bias, window=w), backward)
+            most = max(KW._window_bytes(q, K.KeyMask(True, bias, window=w), backward)
                        for w in range(2, s + 1))
-            assert K._window_bytes(q, K.KeyMask(True, bias, window=0), backward) == most
+            assert KW._window_bytes(q, K.KeyMask(True, bias, window=0), backward) == most
 
 
 @pytest.mark.parametrize("name", ["window", "alibi", "hf_additive"])
@@ -408,9 +410,9 @@ def test_additive_rows_keeping_no_key():
     assert fused.additive
     for backward in (False, True):
         assert M.workspace_bytes(q, q, q, leaves, key, causal, backward) == \
-            K.workspace_bytes(q, q, q, fused, backward)
+            KW.workspace_bytes(q, q, q, fused, backward)
         assert M.workspace_bytes(half, half, half, leaves, key, causal, backward) == max(
-            K.workspace_bytes(half, half, half, fused, backward),
+            KW.workspace_bytes(half, half, half, fused, backward),
             M.block_workspace_bytes(half, half, half, leaves, key, causal, backward))
 
 

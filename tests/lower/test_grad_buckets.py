@@ -12,7 +12,8 @@ import torch
 
 import spdsl
 from spdsl import collectives as C
-from spdsl.lower.graph import bucket_gradient_reduces, lower
+from spdsl.lower.grad_buckets import bucket_gradient_reduces
+from spdsl.lower.graph import lower
 from spdsl.models.llama import Llama, LlamaConfig
 from spdsl.pipeline import planning_group
 

@@ -1,5 +1,5 @@
-"""Gradient buckets reduced during backward (``spdsl.collectives.GRAD_OVERLAP``): a bucket's
-all-reduce starts when its last gradient is known and is waited for when backward ends.
+"""Gradient buckets reduced during backward (``spdsl.collectives.grads.GRAD_OVERLAP``): a
+bucket's all-reduce starts when its last gradient is known and is waited for when backward ends.
 
 On 2 gloo ranks, one launch: the tiny Llama's loss and every gradient equal single-device
 PyTorch; the gradients equal those of the buckets waited where they start, bit for bit (the
@@ -32,8 +32,8 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def _run(rank: int, world: int) -> dict:
     import spdsl
-    from spdsl import collectives as C
-    from spdsl.lower import graph
+    from spdsl.collectives import grads as GR
+    from spdsl.lower import grad_buckets as graph
     from spdsl.models.llama import Llama, LlamaConfig
 
     torch.manual_seed(0)
@@ -45,20 +45,20 @@ def _run(rank: int, world: int) -> dict:
     refs = [q.grad for q in ref.parameters()]
 
     finished, seen_early = [], []
-    real_finish = C._finish_buckets
+    real_finish = GR._finish_buckets
 
     def finish():
         seen_early.append(any(p.grad is not None for p in watched))
-        finished.append(len(C._STARTED))
+        finished.append(len(GR._STARTED))
         real_finish()
 
-    C._finish_buckets = finish
+    GR._finish_buckets = finish
     cap = graph.GRAD_BUCKET_BYTES
     out = {}
     try:
         grads = {}
         for overlap in (True, False):
-            C.GRAD_OVERLAP = overlap
+            GR.GRAD_OVERLAP = overlap
             model = copy.deepcopy(ref)
             watched = list(model.parameters())
             for p in watched:
@@ -79,7 +79,7 @@ def _run(rank: int, world: int) -> dict:
         out["grad_before_finish"] = seen_early[0]      # the first backward: .grad was None
 
         # a hook on a parameter: that bucket waits where it starts, the gradient is exact
-        C.GRAD_OVERLAP = True
+        GR.GRAD_OVERLAP = True
         model = copy.deepcopy(ref)
         watched = list(model.parameters())
         for p in watched:
@@ -103,8 +103,8 @@ def _run(rank: int, world: int) -> dict:
         out["small_buckets"] = max(_rel(p.grad, r) for p, r in zip(model.parameters(), refs))
     finally:
         graph.GRAD_BUCKET_BYTES = cap
-        C._finish_buckets = real_finish
-        C.GRAD_OVERLAP = True
+        GR._finish_buckets = real_finish
+        GR.GRAD_OVERLAP = True
     return out
 
 

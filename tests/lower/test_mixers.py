@@ -17,7 +17,7 @@ import torch.nn.functional as F
 pytest.importorskip("transformers")
 
 from spdsl.lower.mixers import _PASSING
-from spdsl.propagate.mixers import MIXERS, _bind, make_site
+from spdsl.propagate.mixer_form import MIXERS, bind, make_site
 
 RTOL = 1e-5
 
@@ -89,7 +89,7 @@ def _check(fn, kwargs: dict, form: str, seq: dict[str, int], out_dim: int, parts
     """``constants``: tensors no gradient is asked of (a module's buffers)."""
     leaves = {k: v.clone().requires_grad_(v.is_floating_point() and k not in constants)
               if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
-    bound = _bind(fn, (), leaves)
+    bound = bind(fn, (), leaves)
     ref = first(fn(**leaves))
     w = torch.randn(ref.shape, generator=torch.Generator().manual_seed(9))
     grads_ref = torch.autograd.grad((ref * w).sum(), [v for v in leaves.values()
@@ -188,9 +188,10 @@ def test_selective_scan(parts, gated):
 def test_lightning_attention(parts):
     """MiniMax: a fixed decay per head, in blocks of 8 (pieces of 12-18 tokens: ragged
     blocks), with the buffers its module computes."""
-    from spdsl.propagate.lightning import lightning_attention
     from transformers import MiniMaxConfig
     from transformers.models.minimax.modeling_minimax import MiniMaxLightningAttention
+
+    from spdsl.propagate.lightning import lightning_attention
     cfg = MiniMaxConfig(hidden_size=32, num_attention_heads=4, head_dim=8, block_size=8,
                         num_hidden_layers=2, layer_types=["linear_attention", "full_attention"])
     mod = MiniMaxLightningAttention(cfg, layer_idx=0)
@@ -205,9 +206,10 @@ def test_lightning_attention(parts):
 
 def test_lightning_forward_is_minimax_own():
     """The forward traced in place of MiniMax's: the same outputs as its own (fp32)."""
-    from spdsl.propagate.lightning import traced_forward
     from transformers import MiniMaxConfig
     from transformers.models.minimax.modeling_minimax import MiniMaxLightningAttention
+
+    from spdsl.propagate.lightning import traced_forward
     cfg = MiniMaxConfig(hidden_size=32, num_attention_heads=4, head_dim=8, block_size=8,
                         num_hidden_layers=2, layer_types=["linear_attention", "full_attention"])
     torch.manual_seed(0)
@@ -255,6 +257,7 @@ def test_fused_kernels_decline_while_traced():
     while spdsl traces, as Hugging Face's torch stand-in for it does, so the model takes its
     unfused path of captured mixers; outside a trace the function is the model's again."""
     from transformers.models.bamba import modeling_bamba as m
+
     from spdsl.propagate.mixers import captured_mixers
 
     def kernel(*args, **kwargs):

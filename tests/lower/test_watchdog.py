@@ -20,8 +20,8 @@ BOUND = 3.0
 
 
 def _diverge(rank: int, world: int, check: bool):
-    import spdsl.collectives as C
     from spdsl import watchdog
+    from spdsl.collectives.raw import _all_gather_raw, _all_reduce_raw
     from spdsl.errors import ShardingError
     from spdsl.watchdog import CollectiveError
     watchdog.set_timeout(BOUND)
@@ -29,9 +29,9 @@ def _diverge(rank: int, world: int, check: bool):
     group = dist.group.WORLD.group_name
     try:
         if rank == 0:
-            C._all_gather_raw(torch.ones(2048), group)          # 8 KiB
+            _all_gather_raw(torch.ones(2048), group)          # 8 KiB
         else:
-            C._all_reduce_raw(torch.ones(1), group)             # 4 B
+            _all_reduce_raw(torch.ones(1), group)             # 4 B
     except (ShardingError, CollectiveError) as e:
         print(e, file=sys.stderr, flush=True)     # seen even when the other rank's exit
         return str(e)                             # makes the launch fail

@@ -1,6 +1,6 @@
 """All-to-alls at the cheapest point of a cast chain: q, k, v upcast right before attention
 cross the exchange in their narrow dtype, and an output cast down right after it crosses back
-narrow (``spdsl.propagate.eager_attention.uncast_attention``)."""
+narrow (``spdsl.propagate.attention_nodes.uncast_attention``)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import spdsl
-from spdsl.propagate.eager_attention import COMPUTE_DTYPE, OUT_DTYPE
+from spdsl.propagate.attention_nodes import COMPUTE_DTYPE, OUT_DTYPE
 from spdsl.propagate.trace import trace
 from tests._util import assert_close
 

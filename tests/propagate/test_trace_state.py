@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from spdsl.propagate.trace import reachable_modules
+from spdsl.propagate.trace_state import reachable_modules
 
 
 def test_bound_method_in_a_closure_reaches_its_module():

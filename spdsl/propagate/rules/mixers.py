@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import torch
 
-from spdsl.propagate import mixers as _mixers  # (defines spdsl::mixer)
 from spdsl.propagate.lowerings import Lowering
+from spdsl.propagate.mixer_form import SITES  # (defines spdsl::mixer)
 from spdsl.propagate.placement import REPLICATE, Shard, chunk_bounds, shard_of
 from spdsl.propagate.rules import RuleCtx, Strategy, rule
 
@@ -30,7 +30,7 @@ def _split(shape, dim: int | None, parts: int) -> bool:
 
 @rule(torch.ops.spdsl.mixer, name="mixer")
 def mixer(ctx: RuleCtx) -> list[Strategy]:
-    site = _mixers.SITES[ctx.node.args[1]]
+    site = SITES[ctx.node.args[1]]
     form, P = site.form, ctx.parts
     roles = [site.role(i) for i in range(len(ctx.inputs))]
     shapes = [tuple(ctx.meta(i).shape) for i in range(len(ctx.inputs))]

@@ -53,6 +53,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import Partial as DPartial
 from torch.distributed.tensor import Replicate as DReplicate
 from torch.distributed.tensor import Shard as DShard
 
@@ -63,6 +64,7 @@ from spdsl._torch import (
 )
 from spdsl.annotate.cut import Cut
 from spdsl.annotate.lifted import number
+from spdsl.annotate.runtime import _out_nodes
 from spdsl.annotate.segment import (
     PathNode,
     Replayed,
@@ -73,7 +75,7 @@ from spdsl.annotate.segment import (
 from spdsl.annotate.sharded import Sharded
 from spdsl.errors import ShardingError
 from spdsl.inspect.breaks import Break, SegmentedPlan
-from spdsl.propagate.placement import Shard
+from spdsl.propagate.placement import PARTIAL, REPLICATE, Shard
 from spdsl.propagate.source import stack_line
 from spdsl.propagate.trace import Traced, trace
 from spdsl.propagate.trace_refusals import GraphBreak
@@ -269,7 +271,7 @@ class Segments:
             run.made[node.read.index] = made
             node = nxt
         self.last = [b for b in breaks if b is not None]
-        return tree_unflatten([run.value(s) for s in node.result], node.out_spec)
+        return tree_unflatten([_whole(run.value(s)) for s in node.result], node.out_spec)
 
     def run(self, args: tuple, kwargs: dict, planning: bool = False) -> Cut:
         owner = self.owner
@@ -290,7 +292,7 @@ class Segments:
         out = next(n for n in traced.graph.graph.nodes if n.op == "output")
         flat = list(out.args[0])
         cut.cut(final=[n for n in flat if isinstance(n, torch.fx.Node)])
-        cut.result = tree_unflatten([cut.env[n] if n in cut.env else
+        cut.result = tree_unflatten([_whole(cut.env[n]) if n in cut.env else
                                      getattr(cut.tracer.root, n.target)   # a constant
                                      if isinstance(n, torch.fx.Node) else n
                                      for n in flat], traced.out_spec)
@@ -303,7 +305,7 @@ class Segments:
             for ref in cut.lifts:          # numbers Python kept: their values, not the call
                 kept = ref()
                 if kept is not None:
-                    kept.settle(cut.env[cut.node_of(kept.tensor)])
+                    kept.settle(_whole(cut.env[cut.node_of(kept.tensor)]))
         cut.out_spec = traced.out_spec
         return cut
 
@@ -319,7 +321,8 @@ class Segments:
                             out_specs=o.out_specs if final else None, axis=o.axis,
                             parts=o.parts, data_axis=None if planning else o.data_axis,
                             options=o.options.replace(seq_dim=None, shard_state=False),
-                            state_mesh=o._world() if o.shard_state and not planning else None)
+                            state_mesh=o._world() if o.shard_state and not planning else None,
+                            final=final)
             self.programs[(key, planning)] = prog
         return prog
 
@@ -346,6 +349,14 @@ class Segments:
                     "and torch.manual_seed(s) with the same s)")
 
 
+def _whole(v):
+    """A value the call hands back: a partial sum an earlier segment handed on is reduced
+    here, on every rank alike (Python may then read it on one rank only)."""
+    if isinstance(v, DTensor) and any(isinstance(p, DPartial) for p in v.placements):
+        return v.full_tensor()
+    return v
+
+
 def _unsaved(t: torch.Tensor) -> None:
     return None
 
@@ -363,10 +374,38 @@ def _never_unpacked(_) -> None:
 class _Segment(Sharded):
     """One segment: a ``Sharded`` whose trace is the segment graph already recorded."""
 
-    def __init__(self, make, data_axis: str | None = None, state_mesh=None, **kw) -> None:
-        self._make, self._data = make, data_axis
+    def __init__(self, make, data_axis: str | None = None, state_mesh=None,
+                 final: bool = False, **kw) -> None:
+        self._make, self._data, self._final = make, data_axis, final
         super().__init__(torch.fx.GraphModule(torch.nn.Module(), torch.fx.Graph()), **kw)
         self._state_mesh = state_mesh      # the function's parameters' mesh, not a new one
+
+    def _hands_on_partial(self) -> bool:
+        """A segment before the last hands a partial sum on as it is (a ``Partial`` DTensor):
+        the segment that uses it reduces it where its op needs it, or a read does; made whole
+        here, it would be reduced twice (once here, once for the op of this segment that
+        needed it whole). On a mesh of the sequence axis alone."""
+        return not self._final and self.data_parts == 1
+
+    def _out_placements(self, traced: Traced, prop) -> list:
+        outs = super()._out_placements(traced, prop)
+        if not self._hands_on_partial():
+            return outs
+        nodes = _out_nodes(traced)
+        return [PARTIAL if isinstance(n, torch.fx.Node) and prop.placement(n) == PARTIAL
+                else p for p, n in zip(outs, nodes)]
+
+    def _placement_of(self, x: torch.Tensor, spec, i: int):
+        # planning hands a partial sum on as its placement (no DTensor to carry it)
+        return spec if spec == PARTIAL else super()._placement_of(x, spec, i)
+
+    def _wrap(self, local, p, node, dp=REPLICATE):
+        if p == PARTIAL and isinstance(local, torch.Tensor):
+            val = node.meta["val"]
+            sub = self.mesh[self.axis] if self.mesh.ndim > 1 else self.mesh
+            return DTensor.from_local(local, sub, [DPartial()], run_check=False,
+                                      shape=val.shape, stride=val.stride())
+        return super()._wrap(local, p, node, dp)
 
     @property
     def data_axis(self) -> str | None:

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import Partial as DPartial
 from torch.distributed.tensor import Shard as DShard
 from torch.fx.experimental.proxy_tensor import get_proxy_slot
 
@@ -41,7 +42,7 @@ from spdsl.annotate.segment import (
 from spdsl.annotate.spec import P
 from spdsl.errors import ShardingError
 from spdsl.inspect.breaks import Break, Segment
-from spdsl.propagate.placement import REPLICATE, Shard, typed_shape
+from spdsl.propagate.placement import PARTIAL, REPLICATE, Shard, typed_shape
 from spdsl.propagate.source import stack_line
 from spdsl.propagate.trace import Traced
 from spdsl.propagate.trace_refusals import shape_from_data
@@ -168,6 +169,9 @@ class Cut:
         if split:             # the segment hands it on split: gathered to be read
             moves.append(("all_gather", val.numel() * val.element_size() //
                           self.segs.owner.parts))
+        if isinstance(v, DTensor) and isinstance(v.placements[0], DPartial) or \
+                self.planning and self.spec.get(node) == PARTIAL:    # a partial sum: reduced
+            moves.append(("all_reduce", val.numel() * val.element_size()))
         mod = self.module()
         # a number or a shape read inside a block: the routing of a mixture of experts, often
         note = (f"if {mod} computes each token on its own (the experts of a mixture of "
@@ -196,8 +200,10 @@ class Cut:
         self.assign(g)
         in_seg = set(seg)
         if final is not None:
-            # and the numbers Python may still look at after the trace (a Lifted returned)
-            outs = [n for n in dict.fromkeys(final + self.lifted) if n in in_seg]
+            # and the numbers Python may still look at after the trace (a Lifted returned or
+            # kept); one no reference holds any more is never read
+            kept = [n for n, ref in zip(self.lifted, self.lifts) if ref() is not None]
+            outs = [n for n in dict.fromkeys(final + kept) if n in in_seg]
         else:
             live = set()
             for t in list(self.tracer.tensor_tracker.keys()):
@@ -254,7 +260,8 @@ class Cut:
                 with torch.no_grad():
                     vals = gm(*[x.detach() for x in inputs])
                 for o, q in zip(outs, entry.out_placements):
-                    self.spec[o] = None if not isinstance(q, Shard) else \
+                    self.spec[o] = PARTIAL if q == PARTIAL else None \
+                        if not isinstance(q, Shard) else \
                         P(*[self.segs.owner.axis if d == q.dim else None
                             for d in range(o.meta["val"].dim())])
             else:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import Partial as DPartial
 from torch.distributed.tensor import Shard as DShard
 
 from spdsl._torch import tree_flatten
@@ -15,6 +16,7 @@ from spdsl.annotate.mesh import axis_size
 from spdsl.annotate.spec import P, as_spec
 from spdsl.errors import ShardingError
 from spdsl.propagate.placement import (
+    PARTIAL,
     REPLICATE,
     Placement,
     Shard,
@@ -104,6 +106,14 @@ class InputSpecs:
         p = x.placements[i]
         if isinstance(p, DShard):
             return Shard(p.dim, 1, x.shape[p.dim])
+        if isinstance(p, DPartial):
+            if p.reduce_op != "sum":
+                raise ShardingError(
+                    rule="partial input", value=f"{p!r} over {self.axis!r}",
+                    detail="a DTensor argument holds a partial value whose reduction is not a "
+                           "sum; spdsl's partial values are sums",
+                    fix="pass it reduced (x.redistribute(placements=[Replicate()]))")
+            return PARTIAL
         return REPLICATE
 
     def _placement_of(self, x: torch.Tensor, spec, i: int) -> Placement:

@@ -111,6 +111,28 @@ class Counting(nn.Module):
         return (h.relu() if h.mean() > 0 else h.tanh()).pow(2).mean() / self.scale
 
 
+class Handed(nn.Module):
+    """A partial sum made before a read and used after it: a segment hands it on as it is (a
+    ``Partial`` DTensor) and the next reduces it where it needs it. A number kept on the module,
+    read after the call on one rank only (no collective may remain for that read)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(D, D)
+        self.kept = None
+
+    def forward(self, x):
+        m = x.pow(2).mean()                   # a partial sum over the split sequence
+        h = self.a(x)
+        h = h.relu() if h.mean() > 0 else h.tanh()
+        self.kept = m.item() * 2              # kept past the call, read later
+        return (h * m).pow(2).mean()
+
+    @torch.no_grad()
+    def kept_value(self, x) -> float:
+        return float(x.pow(2).mean()) * 2
+
+
 def _batch(k: int, toward: torch.Tensor) -> torch.Tensor:
     """Noise plus a push along ``toward`` whose sign alternates step by step."""
     g = torch.Generator().manual_seed(10 + k)
@@ -180,6 +202,12 @@ def check(rank: int, world: int) -> dict:
     with torch.no_grad():
         want = float(m.a(batches[2]).pow(2).mean())
     out["kept"] = (float(m.scale), want, type(m.scale).__name__)
+    torch.manual_seed(5)
+    m = Handed()
+    out["handed"] = _steps(m, batches[:3], lr=0.0)
+    if rank == 0:              # on one rank only: a collective here would hang the next case
+        out["handed_kept"] = (float(m.kept), m.kept_value(batches[2]))
+    out["after"] = _steps(Looked(), batches[:1], lr=0.0)["worst"]
     return out
 
 
@@ -231,6 +259,13 @@ def test_expert_loop_and_mask_replay_where_the_experts_match(results):
 
 @pytest.mark.multirank
 @pytest.mark.slow
+def test_a_partial_sum_handed_on_and_a_number_read_on_one_rank(results):
+    for r in results:
+        assert r["handed"]["worst"] < TOL and r["after"] < TOL, (r["handed"], r["after"])
+    got, want = results[0]["handed_kept"]
+    assert got == pytest.approx(want, rel=1e-6), (got, want)
+
+
 def test_python_random_and_attribute_changes_trace_every_call(results):
     for r in results:
         for name, why in (("drawn", "random"), ("counting", "attributes")):

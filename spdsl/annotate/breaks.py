@@ -54,8 +54,6 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor import Partial as DPartial
-from torch.distributed.tensor import Replicate as DReplicate
-from torch.distributed.tensor import Shard as DShard
 
 from spdsl._torch import (
     FakeTensor,
@@ -193,8 +191,6 @@ class Segments:
             return args, kwargs
         leaves, tree = tree_flatten((args, kwargs))
         specs = o._specs_for(args, kwargs, leaves)
-        names = o.mesh.mesh_dim_names
-        sub = o.mesh[(names[0], names[1])] if o.mesh.ndim > 2 else o.mesh
         new = list(leaves)
         for i, x in enumerate(leaves):
             s = specs[i] if specs is not None else None
@@ -208,12 +204,8 @@ class Segments:
                 if isinstance(sp, Shard) else x
             shape = list(x.shape)
             shape[dp.dim] = dp.size
-            pl = {o.axis: sp, o.data_axis: dp}
-            new[i] = DTensor.from_local(
-                piece.contiguous(), sub, [DShard(pl[n].dim) if isinstance(pl[n], Shard) else
-                                          DReplicate() for n in sub.mesh_dim_names],
-                run_check=False, shape=torch.Size(shape),
-                stride=torch.empty(shape, device="meta").stride())
+            new[i] = o._as_dtensor(piece.contiguous(), sp, dp, torch.Size(shape),
+                                   torch.empty(shape, device="meta").stride())
         return tree_unflatten(new, tree)
 
     # -- recorded paths ---------------------------------------------------------------------
@@ -402,9 +394,7 @@ class _Segment(Sharded):
     def _wrap(self, local, p, node, dp=REPLICATE):
         if p == PARTIAL and isinstance(local, torch.Tensor):
             val = node.meta["val"]
-            sub = self.mesh[self.axis] if self.mesh.ndim > 1 else self.mesh
-            return DTensor.from_local(local, sub, [DPartial()], run_check=False,
-                                      shape=val.shape, stride=val.stride())
+            return self._as_dtensor(local, p, dp, val.shape, val.stride())
         return super()._wrap(local, p, node, dp)
 
     @property

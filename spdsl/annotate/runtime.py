@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import Partial as DPartial
 from torch.distributed.tensor import Replicate as DReplicate
 from torch.distributed.tensor import Shard as DShard
 
@@ -17,6 +18,7 @@ from spdsl.annotate.mesh import axis_size
 from spdsl.errors import ShardingError, user_line
 from spdsl.propagate.order import digest, follow, merge_equal, structure_keys
 from spdsl.propagate.placement import (
+    PARTIAL,
     REPLICATE,
     Placement,
     Shard,
@@ -168,18 +170,28 @@ class Runtime:
     def _wrap(self, local, p: Placement, node, dp: Placement = REPLICATE):
         if (isinstance(p, Shard) or isinstance(dp, Shard)) and isinstance(local, torch.Tensor):
             val = node.meta["val"]
-            if self.data_parts > 1:
-                names = self.mesh.mesh_dim_names
-                sub = self.mesh[(names[0], names[1])] if self.mesh.ndim > 2 else self.mesh
-                pl = {self.axis: p, self.data_axis: dp}
-                places = [DShard(pl[n].dim) if isinstance(pl[n], Shard) else DReplicate()
-                          for n in sub.mesh_dim_names]
-            else:
-                sub = self.mesh[self.axis] if self.mesh.ndim > 1 else self.mesh
-                places = [DShard(p.dim)]
-            return DTensor.from_local(local, sub, places, run_check=False,
-                                      shape=val.shape, stride=val.stride())
+            return self._as_dtensor(local, p, dp, val.shape, val.stride())
         return local
+
+    def _as_dtensor(self, local: torch.Tensor, p: Placement, dp: Placement, shape,
+                    stride) -> DTensor:
+        """``local`` as the piece it is of a global tensor of ``shape``: placed ``p`` over the
+        sequence axis and ``dp`` over the data axis (a partial sum is a ``Partial``)."""
+        if self.data_parts > 1:
+            names = self.mesh.mesh_dim_names
+            sub = self.mesh[(names[0], names[1])] if self.mesh.ndim > 2 else self.mesh
+            pl = {self.axis: p, self.data_axis: dp}
+            places = [_dtensor_placement(pl[n]) for n in sub.mesh_dim_names]
+        else:
+            sub = self.mesh[self.axis] if self.mesh.ndim > 1 else self.mesh
+            places = [_dtensor_placement(p)]
+        return DTensor.from_local(local, sub, places, run_check=False, shape=shape,
+                                  stride=stride)
+
+
+def _dtensor_placement(p: Placement):
+    return DShard(p.dim) if isinstance(p, Shard) else DPartial() if p == PARTIAL else \
+        DReplicate()
 
 
 def _checksum(x: torch.Tensor, full: bool) -> torch.Tensor:

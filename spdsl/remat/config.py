@@ -35,7 +35,7 @@ def parse_bytes(text: str | float) -> int:
     """
     if isinstance(text, (int, float)):
         return int(text)
-    m = re.fullmatch(r"\s*([0-9.]+)\s*([a-zA-Z]*)\s*", text)
+    m = re.fullmatch(r"\s*([0-9.]+(?:[eE][0-9]+)?)\s*([a-zA-Z]*)\s*", text)
     if not m or m.group(2).lower() not in _UNITS:
         raise ValueError(f"cannot read {text!r} as a size: write e.g. 80GiB, 512MiB or 1e9")
     return int(float(m.group(1)) * _UNITS[m.group(2).lower()])

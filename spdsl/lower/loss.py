@@ -19,6 +19,7 @@ from spdsl.kernels.fused_linear_ce import fused_linear_cross_entropy
 from spdsl.lower import ops
 
 aten = torch.ops.aten
+_VIEWS = {aten.reshape.default, aten.view.default, aten._unsafe_view.default}
 _ROW_OPS = {aten.reshape.default, aten.view.default, aten._unsafe_view.default,
             aten.slice.Tensor, aten._to_copy.default, aten.clone.default, C.window}
 
@@ -88,9 +89,11 @@ def tile_loss(gm: torch.fx.GraphModule, found: dict) -> None:
                 continue    # the fused loss upcasts each logits chunk itself
             args = list(n.args)
             args[0] = cur
-            if n.target in (aten.reshape.default, aten.view.default, aten._unsafe_view.default):
+            if n.target in _VIEWS:
                 args[1] = list(args[1][:-1]) + [hidden]
-            cur = g.call_function(n.target, tuple(args), dict(n.kwargs))
+            # the contiguity clone is gone: a view of the chunk becomes a reshape
+            target = aten.reshape.default if n.target in _VIEWS else n.target
+            cur = g.call_function(target, tuple(args), dict(n.kwargs))
             cur.meta["spdsl_module"] = n.meta.get("spdsl_module", "")
         if nll.target is ops.nll_mean:
             new = g.call_function(tiled_nll_mean, (cur, wt, nll.args[1], nll.args[3],

@@ -158,6 +158,9 @@ def tile_region(gm: torch.fx.GraphModule, region: dict, chunks: int, name: str) 
     for n in region["nodes"]:
         new = g.node_copy(n, lambda a: env[a])
         if n.target in _VIEWS:
+            # a chunk of a [B, S, D] input along S is not contiguous when B > 1: a view of it
+            # may not exist, a reshape copies where it must
+            new.target = aten.reshape.default
             new.args = (new.args[0], _chunk_shape(n.args[1], region["outer"])) + new.args[2:]
         env[n] = new
     g.output(env[region["y"]])

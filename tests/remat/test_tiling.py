@@ -78,12 +78,10 @@ def test_chunk_shape_marks_the_sequence_dim():
 
 
 def _traced(fn, x, *ws, module="layers.0.feed_forward"):
-    """``fn`` as aten ops stamped with ``module``, views written as reshapes (as the lowering
-    writes them: a chunk of a ``[B, S, D]`` input is not contiguous)."""
+    """``fn`` as aten ops stamped with ``module``, its views as make_fx writes them (a chunk
+    of a ``[B, S, D]`` input along S is not contiguous: the tiled region reshapes)."""
     gm = make_fx(lambda *a: fn(a[-1], *a[:-1]), tracing_mode="fake")(*ws, x)
     for n in gm.graph.nodes:
-        if n.target in (aten.view.default, aten._unsafe_view.default):
-            n.target = aten.reshape.default
         if n.op == "call_function":
             n.meta["spdsl_module"] = module
     return gm

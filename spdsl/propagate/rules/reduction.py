@@ -47,8 +47,7 @@ def _reduce(ctx: RuleCtx, dims: list[int], keep: bool, name: str, n_out: int = 1
 def reduce(ctx: RuleCtx) -> list[Strategy]:
     op = ctx.node.target
     if op in (aten.sum.default, aten.mean.default, aten.prod.default, aten.any.default,
-              aten.all.default, aten.amax.default, aten.amin.default, aten.max.default,
-              aten.min.default):
+              aten.all.default, aten.max.default, aten.min.default):
         return _reduce(ctx, list(range(len(ctx.meta(0).shape))), False, "reduce")
     if ctx.node.target.overloadpacket in (aten.norm, aten.linalg_vector_norm):
         dims, keep = _dims(ctx, 2)

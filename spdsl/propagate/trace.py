@@ -45,6 +45,7 @@ from spdsl.propagate.trace_refusals import (
     RefuseReads,
     check_outputs,
     data_dependent,
+    no_captured_gradients,
     no_python_draws,
     no_python_scalars,
     python_random,
@@ -164,6 +165,7 @@ def trace(fn: Callable, args: tuple, kwargs: dict, breaks: Any = None) -> Traced
         _TRACING[0] = False
         h1.remove()
         h2.remove()
+    no_captured_gradients(gm)      # a captured tensor that needs a gradient would get none
     _assign_module_paths(gm, events)
     if breaks is not None:
         return Traced(gm, state_names, state, arg_spec, tensor_leaf_index, out_spec_box[-1])

@@ -1,7 +1,8 @@
 """What one traced program refuses, each as a ``GraphBreak`` (a sharded call then runs the
 function in segments, ``spdsl.annotate.breaks``) or a ``ShardingError``: a read of a traced
 value into Python, an op whose shape comes from values, a draw from Python's ``random``, a
-``.item()`` left in the graph, an output that is not tensors and plain values."""
+``.item()`` left in the graph, an output that is not tensors and plain values, a captured
+tensor that needs a gradient (it would be a constant of the program)."""
 
 from __future__ import annotations
 
@@ -48,7 +49,7 @@ def data_dependent(e: Exception, module: str = "") -> GraphBreak:
                "inputs' shapes has no values: a sharded call runs such a function in segments "
                "split at each read (docs/breaks.md), which one program cannot do here",
         fix="run it through sp_shard/shard (a call runs it in segments that read the global "
-            "value; the memory planner plans one program only), or compute it with tensor ops "
+            "value; plan_memory plans the path real arguments take), or compute it with tensor ops "
             "instead (torch.where, masks), which keeps one program and no break" + token_wise)
 
 
@@ -191,3 +192,25 @@ def no_python_scalars(gm: torch.fx.GraphModule) -> None:
                 detail="the function reads a tensor's value into Python (.item(), float(x), "
                        "int(x)); spdsl traces one program at the inputs' shapes, without "
                        "their values, and on a rank the tensor is only its piece")
+
+
+def no_captured_gradients(gm: torch.fx.GraphModule) -> None:
+    """A tensor the function captures (a global, a closure variable, a module attribute that
+    is neither a parameter nor a buffer) is a constant of the program: every rank holds it
+    whole, and its gradient is never computed. One that needs a gradient would train wrongly
+    without a word, so it is refused."""
+    from spdsl.propagate.source import where
+    for n in gm.graph.nodes:
+        t = getattr(gm, n.target, None) if n.op == "get_attr" else None
+        used = [u for u in n.users if u.target is not torch.ops.aten.detach.default]
+        if isinstance(t, torch.Tensor) and t.requires_grad and t.is_leaf and used:
+            user = used[0]
+            raise ShardingError(
+                rule="captured tensor", value=f"{str(t.dtype).removeprefix('torch.')}"
+                f"{list(t.shape)}, requires_grad=True", where=where(user),
+                detail="the function uses a tensor that needs a gradient but is neither an "
+                       "argument nor a parameter or buffer of a module it calls; it would be "
+                       "a constant of the program and get no gradient",
+                fix="pass it as an argument, or make it an nn.Parameter of a module the "
+                    "function calls (or detach it if it needs no gradient)")
+

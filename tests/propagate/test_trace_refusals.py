@@ -1,6 +1,6 @@
 """What one traced program refuses (``spdsl.propagate.trace_refusals``), each as one error that
 names its rule: a value read into Python, a shape made from values, a draw from Python's
-``random``, an output that is neither tensors nor plain values."""
+``random``, an output that is neither tensors nor plain values, a captured tensor that needs a gradient."""
 
 from __future__ import annotations
 
@@ -56,3 +56,16 @@ def test_shape_from_data_tells_masks_from_integer_indices():
     assert not shape_from_data(aten.index.Tensor, (torch.randn(2), [idx]))
     assert shape_from_data(aten.nonzero.default, (torch.randn(2),))
     assert not shape_from_data(aten.add.Tensor, (torch.randn(2), 1))
+
+
+def test_a_captured_tensor_that_needs_a_gradient_is_refused():
+    """A closure's tensor is a constant of the program: it would get no gradient."""
+    w = torch.randn(4, 4, requires_grad=True)
+    e = _refused(lambda x: (x @ w).sum(), torch.randn(2, 4))
+    assert not isinstance(e, GraphBreak) and e.rule == "captured tensor"
+    assert "float32[4, 4]" in str(e) and "nn.Parameter" in str(e)
+    assert w.grad is None
+    # one that needs no gradient is a constant, as before; so is a module's parameter
+    trace(lambda x: (x @ w.detach()).sum(), (torch.randn(2, 4),), {})
+    lin = torch.nn.Linear(4, 4)
+    trace(lambda x: lin(x).sum(), (torch.randn(2, 4),), {})

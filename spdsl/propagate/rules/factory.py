@@ -8,8 +8,14 @@ from spdsl.propagate.rules import RuleCtx, Strategy, aten, rule
 
 
 @rule(aten.arange, aten.ones, aten.zeros, aten.full, aten.empty, aten.scalar_tensor,
-      aten.lift_fresh_copy, aten.empty_strided, aten.new_zeros, aten.new_ones, aten.new_full,
-      aten.new_empty, aten.eye, aten.randn, aten.rand, aten.tensor, aten._local_scalar_dense,
-      name="factory")
+      aten.lift_fresh_copy, aten.empty_strided, aten.eye, aten.randn, aten.rand, aten.tensor,
+      aten._local_scalar_dense, name="factory")
 def factory(ctx: RuleCtx) -> list[Strategy]:
     return [Strategy(tuple(REPLICATE for _ in ctx.inputs), REPLICATE, "factory", "factory")]
+
+
+@rule(aten.new_zeros, aten.new_ones, aten.new_full, aten.new_empty, name="factory")
+def new_factory(ctx: RuleCtx) -> list[Strategy]:
+    """``x.new_ones(size)``: only ``x``'s dtype and device are read, so ``x`` stays as it is
+    (split, partial or whole) and the new tensor is whole."""
+    return [Strategy(tuple(ctx.placements), REPLICATE, "factory", "factory")]

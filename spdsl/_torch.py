@@ -24,6 +24,8 @@ make_graph_module               recompiles code per layer, a plan generates the 
                                 program it never runs (slow, not wrong)
 disable_current_modes           HF's constant position ids evaluated on real tensors inside a
                                 trace: HF batches build ``[S, S]`` masks again
+pop_mode_temporarily            the segments' memory plan allocates what is held before the
+                                step without the byte counter seeing it
 TorchDispatchMode,              the planner's byte counter, the remat shape replay, offload
 is_traceable_wrapper_subclass
 tree_flatten/map/unflatten      arguments, outputs and specs matched leaf by leaf
@@ -88,6 +90,7 @@ from torch.fx._lazy_graph_module import _make_graph_module as make_graph_module
 from torch.nn.utils.stateless import _reparametrize_module as reparametrize_module
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._python_dispatch import _disable_current_modes as disable_current_modes
+from torch.utils._python_dispatch import _pop_mode_temporarily as pop_mode_temporarily
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 c10d_functional = torch.ops._c10d_functional
@@ -452,6 +455,7 @@ __all__ = [
     "is_traceable_wrapper_subclass",
     "make_graph_module",
     "outside_fx_trace",
+    "pop_mode_temporarily",
     "profiler_event_kinds",
     "reduce_scatter_single",
     "reparametrize_module",

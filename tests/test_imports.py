@@ -21,7 +21,7 @@ LAYERS = [
     {"_torch", "errors", "modelspec"},
     {"checkpoint_reader"},    # reading a checkpoint without running code from it
     {"watchdog"},             # the collectives' numbers, order check and hang bound
-    {"kernels", "state"},
+    {"kernels", "sharded_state"},
     {"propagate"},
     {"collectives"},
     {"lower", "dtensor_ops", "checkpoint"},   # checkpoint: its barrier and broadcast

@@ -9,12 +9,10 @@ from collections.abc import Callable
 
 import torch.distributed as dist
 
-from spdsl._torch import tree_flatten
 from spdsl.annotate.options import ShardOptions
 from spdsl.annotate.sharded import Sharded
 from spdsl.errors import ShardingError, user_line
 from spdsl.inspect.plan import ShardingPlan
-from spdsl.inspect.program import attach
 from spdsl.propagate.trace_refusals import GraphBreak
 
 
@@ -80,7 +78,7 @@ def sp_shard(fn: Callable | None = None, *, seq: int, seq_dim: int = 1, axis: st
     valid token of the global batch. ``batch="local"``: each dp group passes only its own rows
     (a data loader per dp group) instead of the global batch. ``shard_state=True``: the
     model's parameters become DTensors split over every rank of the mesh (ZeRO-3; see
-    ``spdsl.state``) when it is wrapped -- build the optimizer afterwards.
+    ``spdsl.sharded_state``) when it is wrapped -- build the optimizer afterwards.
 
     Example::
 
@@ -129,9 +127,7 @@ def plan(fn: Callable, *args, fit: bool = False, **kwargs) -> ShardingPlan:
     except GraphBreak as e:
         return plan_segments(fn, args, kwargs, e)
     if fit and fn.remat.fit and entry.plan.remat is None:
-        attach(entry.plan, fn.job, entry, args, kwargs, fit=True,   # read again, choosing
-               extra=fn._check_collectives(tree_flatten((args, kwargs))[0]))
-        entry.plan.collectives                                      # noqa: B018
+        entry.plan = fn._planned(entry.plan, entry, args, kwargs, fit=True)   # chosen now
     return entry.plan
 
 

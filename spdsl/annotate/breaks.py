@@ -36,8 +36,9 @@ ranks' generators agree, which the first call checks (over every axis of the mes
 On a dp x sp mesh a segment is split over both axes as one program would be, and a value read
 is made whole over both (the global batch's). ``batch="local"`` rows enter as DTensors of the
 global batch. With ``shard_state=True`` the sharded parameters a segment uses are its state:
-gathered where used, their gradients reduce-scattered, as in one program. Not supported (the
-read stays a ``ShardingError``): the memory planner.
+gathered where used, their gradients reduce-scattered, as in one program. The memory planner
+plans the step along the path a call's values take (``spdsl.annotate.segments_memory``: the segments'
+programs in one simulation, the worst path seen the step's peak).
 
 This module decides and replays; the call as its trace runs (the values so far, the cut at each
 read, the dispatch mode that sees the reads) is ``spdsl.annotate.cut``.
@@ -103,7 +104,20 @@ def plan_segments(owner: Sharded, args: tuple, kwargs: dict,
     """The plan of a function with breaks: each segment's plan, each break's line and cost.
     The values read are computed on the real global arguments in this process (the plan
     runs no collective), so the branches taken are those the sharded run takes; the random
-    generators are left as they were."""
+    generators are left as they were. Its ``memory``: the training step along this path
+    (``spdsl.annotate.segments_memory``)."""
+    cut = planned_cut(owner, args, kwargs, error)
+
+    def memory():
+        return owner.segments_memory(args, kwargs)
+
+    return SegmentedPlan(cut.segments, cut.breaks, memory=memory)
+
+
+def planned_cut(owner: Sharded, args: tuple, kwargs: dict,
+                error: GraphBreak | None = None) -> Cut:
+    """This call run in segments for a plan (``planning=True``: each segment planned with no
+    mesh, on the real global values): its segments, breaks and path, in order."""
     leaves = tree_flatten((args, kwargs))[0]
     if any(isinstance(x, torch.Tensor) and (x.is_meta or isinstance(x, FakeTensor))
            for x in leaves):
@@ -117,11 +131,10 @@ def plan_segments(owner: Sharded, args: tuple, kwargs: dict,
         rule="data-dependent control flow"))
     py, rng = random.getstate(), torch.get_rng_state()
     try:
-        cut = seg.run(args, kwargs, planning=True)
+        return seg.run(args, kwargs, planning=True)
     finally:
         random.setstate(py)
         torch.set_rng_state(rng)
-    return SegmentedPlan(cut.segments, cut.breaks)
 
 
 class Segments:

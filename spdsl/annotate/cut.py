@@ -42,11 +42,12 @@ from spdsl.annotate.segment import (
 from spdsl.annotate.spec import P
 from spdsl.errors import ShardingError
 from spdsl.inspect.breaks import Break, Segment
+from spdsl.inspect.plan import Collective
 from spdsl.propagate.placement import PARTIAL, REPLICATE, Shard, typed_shape
 from spdsl.propagate.source import stack_line
 from spdsl.propagate.trace import Traced
 from spdsl.propagate.trace_refusals import shape_from_data
-from spdsl.state import is_sharded_state
+from spdsl.sharded_state import is_sharded_state
 
 if TYPE_CHECKING:
     from spdsl.annotate.breaks import Segments
@@ -54,6 +55,7 @@ if TYPE_CHECKING:
 _READ = torch.ops.aten._local_scalar_dense.default
 _INDEX = torch.ops.aten.index.Tensor
 _MASKED_SELECT = torch.ops.aten.masked_select.default
+_VIEW = torch.ops.aten.view.default
 
 
 @dataclass
@@ -85,11 +87,14 @@ class Cut:
     lifts: list = field(default_factory=list)      # weak references to them
     names: list = field(default_factory=list)      # the function's state names, in order
     sharded: dict = field(default_factory=dict)    # placeholder -> name: sharded parameters
+    check: tuple = ()              # the call's same-inputs check (Collective), as planned
+    based: dict = field(default_factory=dict)      # base not handed on -> its view handed on
 
     def __call__(self, tracer, state, leaves, assign, module):
         self.tracer, self.assign, self.module = tracer, assign, module
         phs = [n for n in tracer.graph.nodes if n.op == "placeholder"]
         self.n_in = len(state) + len(leaves)
+        self.check = self.segs.owner._check_collectives(list(leaves))
         # parameters sharded over the mesh (shard_state=True): each segment's own state
         self.sharded = {n: self.names[i] for i, (n, x) in enumerate(zip(phs, state))
                         if is_sharded_state(x)}
@@ -164,30 +169,38 @@ class Cut:
         val = node.meta["val"]
         p = self.placed.get(node, REPLICATE)
         moves = list(self.cost.pop(node, ()))      # paid once, by the first read
+        # an argument the caller passed whole is read as it is (no collective), as the run does
+        given = node.op == "placeholder" and not isinstance(v, DTensor)
         split = isinstance(v, DTensor) and isinstance(v.placements[0], DShard) or \
-            self.planning and isinstance(self.spec.get(node), P)
+            self.planning and not given and isinstance(self.spec.get(node), P)
+        own = []
         if split:             # the segment hands it on split: gathered to be read
-            moves.append(("all_gather", val.numel() * val.element_size() //
-                          self.segs.owner.parts))
+            own.append(("all_gather", val.numel() * val.element_size() //
+                        self.segs.owner.parts))
         if isinstance(v, DTensor) and isinstance(v.placements[0], DPartial) or \
-                self.planning and self.spec.get(node) == PARTIAL:    # a partial sum: reduced
-            moves.append(("all_reduce", val.numel() * val.element_size()))
+                self.planning and not given and self.spec.get(node) == PARTIAL:
+            own.append(("all_reduce", val.numel() * val.element_size()))   # a partial sum
+        moves += own
+        typed = typed_shape(val.shape, val.dtype, p, self.segs.owner.axis)
         mod = self.module()
         # a number or a shape read inside a block: the routing of a mixture of experts, often
         note = (f"if {mod} computes each token on its own (the experts of a mixture of "
                 f"experts), spdsl.token_wise(model.get_submodule({mod!r})) runs it on each "
                 "rank's tokens with no break") if mod and kind != "bool" else ""
-        return Break(len(self.segments) - 1, kind, where,
-                     typed_shape(val.shape, val.dtype, p, self.segs.owner.axis),
+        issued = tuple(Collective(k, self.segs.owner.axis, b, 0, "read", (typed,), where,
+                                  mod, node.name) for k, b in own)
+        return Break(len(self.segments) - 1, kind, where, typed,
                      tuple(f"{k} {b} B" for k, b in moves), sum(b for _, b in moves),
                      kind not in ("bool", "item") and any(k == "all_gather" for k, _ in moves),
-                     mod, note)
+                     mod, note, issued)
 
     # -- segments ---------------------------------------------------------------------------
 
     def cut(self, read: torch.fx.Node | None = None, final: list | None = None) -> None:
         """Run the ops recorded since the last cut as one segment."""
         g = self.tracer.graph
+        final, again = self._rebuild(g, read, final)
+        read = again.get(read, read)
         seg = [n for n in g.nodes if n.op == "call_function" and n not in self.done]
         if not self.planning and random.getstate() != self.drawn:
             state = pickle.dumps(self.drawn)
@@ -204,6 +217,8 @@ class Cut:
             # kept); one no reference holds any more is never read
             kept = [n for n, ref in zip(self.lifted, self.lifts) if ref() is not None]
             outs = [n for n in dict.fromkeys(final + kept) if n in in_seg]
+            # a partial sum an earlier segment handed on, handed back (or kept): reduced then
+            back = [n for n in final + kept if n not in in_seg and self.placed.get(n) == PARTIAL]
         else:
             live = set()
             for t in list(self.tracer.tensor_tracker.keys()):
@@ -212,6 +227,7 @@ class Cut:
                     live.add(n)
             outs = [n for n in seg if (n in live or n is read or seeded(n))
                     and isinstance(n.meta.get("val"), torch.Tensor)]
+            outs = self._views_not_bases(outs, read)
         outs += [n for n in seg if seeded(n) and n not in outs]
         gm, ext, key = graph(seg, outs, self.tracer.root, self.sharded)
         # sharded parameters are the segment's state (gathered where used, their gradients
@@ -280,8 +296,66 @@ class Cut:
             self.env[o] = v
             self.src[o] = ("out", len(self.segments), j)
             self.placed[o] = p if not isinstance(p, tuple) else REPLICATE
-        self.segments.append(Segment(len(self.segments), len(seg), len(outs), entry.plan))
+        after = () if final is None else tuple(
+            Collective("all_reduce", self.segs.owner.axis, n.meta["val"].numel() *
+                       n.meta["val"].element_size(), 0, "output", (typed_shape(
+                           n.meta["val"].shape, n.meta["val"].dtype, PARTIAL,
+                           self.segs.owner.axis),), "", "", n.name) for n in back)
+        self.segments.append(Segment(len(self.segments), len(seg), len(outs), entry.plan,
+                                     () if self.segments else self.check, after))
         self.done.update(seg)
+        for b, r in again.items():      # a base rebuilt for Python to read, or handed back
+            self.env[b], self.src[b], self.placed[b] = self.env[r], self.src[r], self.placed[r]
+            if r in self.cost:
+                self.cost[b] = self.cost.pop(r)
+
+    def _views_not_bases(self, outs: list, read) -> list:
+        """Of a base and a view of all of it (``view`` of a linear layer's ``[B*S, H]`` output
+        as the ``[B, S, H]`` Python holds), only the view is handed on: the view keeps its
+        base alive, so both are live, but the base's merged dim would be split on its inner
+        factor, which a DTensor cannot describe (gathered whole to be handed on). A later
+        segment that reads the base (Python may hold it too) views the view back
+        (``_rebuild``): the same values, its gradient flowing through the view."""
+        keep = set(outs)
+        pairs = {}
+        for n in outs:
+            b = n.args[0] if n.target is _VIEW else None
+            val, bval = n.meta.get("val"), getattr(b, "meta", {}).get("val")
+            if b in keep and b is not read and not seeded(b) and b not in self.lifted and \
+                    isinstance(bval, torch.Tensor) and bval.is_contiguous() and \
+                    val.numel() == bval.numel():
+                pairs.setdefault(b, n)
+        for b, n in pairs.items():
+            if n not in pairs:           # the view itself handed on (not a base of another)
+                keep.discard(b)
+                self.based[b] = n
+        return [n for n in outs if n in keep]
+
+    def _rebuild(self, g, read, final: list | None) -> tuple[list | None, dict]:
+        """Bases a segment handed on as their view (``_views_not_bases``), needed again: by an
+        op since the last cut, a read, or the output. Each is the view viewed back, an op of the
+        segment about to run; returns ``final`` with them and ``{base: its rebuilt node}`` for
+        those Python reads or is handed back (their values after the segment runs)."""
+        pending = [n for n in g.nodes if n.op == "call_function" and n not in self.done]
+        used = {a for u in pending for a in u.all_input_nodes}
+        wanted = [b for b in self.based if b not in self.env and (
+            b is read or b in used or final is not None and b in final)]
+        out = next((n for n in g.nodes if n.op == "output"), None)
+        again = {}
+        for b in wanted:
+            users = [u for u in pending if b in u.all_input_nodes]
+            at = users[0] if users else out
+            ctx = g.inserting_before(at) if at is not None else contextlib.nullcontext()
+            with ctx:
+                r = g.call_function(_VIEW, (self.based[b], list(b.meta["val"].shape)))
+            r.meta = dict(b.meta)
+            for u in users:
+                u.replace_input_with(b, r)
+            if b is read or final is not None and b in final:
+                again[b] = r
+        if final is not None:
+            final = [again.get(n, n) for n in final]
+        return final, again
 
 
 class BreakMode(TorchDispatchMode):

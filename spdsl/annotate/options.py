@@ -16,7 +16,7 @@ debug          position-sensitive input check, collective  ``annotate.runtime``,
 remat          ``spdsl.remat.Remat`` (``memory_budget``     ``pipeline``, ``memory.fit``
                becomes its budget under ``"fit"``)
 kernels        ``spdsl.lower.kernels.KernelChoice``        ``pipeline``
-shard_state    parameters split over the mesh (ZeRO-3)     ``annotate.state``
+shard_state    parameters split over the mesh (ZeRO-3)     ``annotate.sharded_params``
 batch          ``"global"`` or ``"local"`` rows per dp     ``annotate.specs``, ``runtime``
 strict         a gather of the sequence is an error        ``propagate.engine``
 attention      ``spdsl.propagate.attention_choice.``       ``propagate.engine``

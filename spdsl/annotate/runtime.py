@@ -16,25 +16,19 @@ import spdsl.collectives as C
 from spdsl._torch import tree_flatten
 from spdsl.annotate.mesh import axis_size
 from spdsl.errors import ShardingError, user_line
+from spdsl.lower.local import bounds
 from spdsl.propagate.order import digest, follow, merge_equal, structure_keys
 from spdsl.propagate.placement import (
     PARTIAL,
     REPLICATE,
     Placement,
     Shard,
-    chunk_bounds,
     typed_shape,
 )
 from spdsl.propagate.trace import Traced
 
 if TYPE_CHECKING:
     from spdsl.annotate.sharded import _Compiled
-
-
-def _resident(entry: _Compiled) -> int:
-    """Bytes of the parameters already in CPU memory (``spdsl.memory.fit.device_budget``)."""
-    return sum((t.to_local() if isinstance(t, DTensor) else t).nbytes
-               for t in entry.traced.state if t.device.type == "cpu")
 
 
 def _out_nodes(traced: Traced) -> list:
@@ -47,12 +41,7 @@ class Runtime:
 
     def _most(self, index: int) -> int:
         """The largest ``index`` of any rank of the mesh: one all-reduce per axis."""
-        mesh = self.mesh
-        t = torch.tensor([index], device="cuda" if mesh.device_type == "cuda" else "cpu")
-        for name in mesh.mesh_dim_names or ():
-            if axis_size(mesh, name) > 1:
-                C.reduce_(t, "max", group=mesh.get_group(name))
-        return int(t.item())
+        return self.groups.most(index)
 
     def _same_order(self, gm: torch.fx.GraphModule) -> bool:
         """Put this rank's traced program in the order of the mesh's first rank where the
@@ -86,8 +75,10 @@ class Runtime:
         return moved
 
     def _local_inputs(self, entry: _Compiled, args: tuple, kwargs: dict) -> list:
-        """This rank's pieces of the inputs: the one place global tensors become local."""
+        """This rank's pieces of the inputs: the one place global tensors become local (cut
+        as ``spdsl.lower.local`` says; the step's input specs read the same)."""
         leaves, _ = tree_flatten((args, kwargs))
+        groups = entry.step.groups
         local_in = []
         for j, i in enumerate(entry.traced.tensor_leaf_index):
             x = leaves[i]
@@ -97,9 +88,10 @@ class Runtime:
                 local_in.append(x.to_local())
                 continue
             if isinstance(dp, Shard) and self.batch == "global":
-                x = self._split_input(x, dp, self.data_parts, entry.data_rank, self.data_axis)
+                x = self._split_input(x, dp, groups.data_parts, groups.data_rank,
+                                      self.data_axis)
             if isinstance(p, Shard):
-                x = self._split_input(x, p, self.parts, entry.rank, self.axis)
+                x = self._split_input(x, p, groups.parts, groups.rank, self.axis)
             local_in.append(x.contiguous() if x is not leaves[i] else x)
         return local_in
 
@@ -110,7 +102,7 @@ class Runtime:
         if x.requires_grad and torch.is_grad_enabled() and parts > 1:
             return C.take(x, (p.dim, 1, p.size, 1), parts, rank,
                           self._group_and_rank(axis)[0])
-        lo, hi = chunk_bounds(p.size, parts, rank)
+        lo, hi = bounds(p, parts, rank)
         return x.narrow(p.dim, lo, hi - lo)
 
     def _check_same_inputs(self, args: tuple, kwargs: dict, full: bool = False) -> None:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import functools
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -27,7 +27,8 @@ from spdsl._torch import tree_flatten, tree_unflatten
 from spdsl.annotate.mesh import axis_size
 from spdsl.annotate.mesh import mesh as make_mesh
 from spdsl.annotate.options import ShardOptions
-from spdsl.annotate.runtime import Runtime, _out_nodes, _resident
+from spdsl.annotate.runtime import Runtime, _out_nodes
+from spdsl.annotate.sharded_params import StateSharding
 from spdsl.annotate.spec import P
 from spdsl.annotate.specs import (
     InputSpecs,
@@ -35,14 +36,13 @@ from spdsl.annotate.specs import (
     _check_specs,
     _decode,
 )
-from spdsl.annotate.state import StateSharding
 from spdsl.errors import one_error_per_job
-from spdsl.inspect.plan import ShardingPlan, build_plan
-from spdsl.inspect.program import attach
-from spdsl.lower.graph import lower
+from spdsl.inspect.decided import build_plan
+from spdsl.inspect.plan import PlanSources, ShardingPlan
+from spdsl.inspect.program import read_program
 from spdsl.memory.fit import SIZING
 from spdsl.memory.planner import plan_entry
-from spdsl.pipeline import Job, build_step
+from spdsl.pipeline import Groups, Job, build_step
 from spdsl.propagate.engine import Propagator
 from spdsl.propagate.modes import describe_change, global_modes, module_modes, run_modes
 from spdsl.propagate.placement import (
@@ -72,9 +72,7 @@ class _Compiled:
     data_in: list[Placement] = field(default_factory=list)
     data_out: list[Placement] = field(default_factory=list)
     input_shapes: list = field(default_factory=list)    # what this rank's inputs look like
-    sharded: list = field(default_factory=list)    # spdsl.lower.state.ShardedInput per parameter
-    rank: int = 0
-    data_rank: int = 0
+    sharded: list = field(default_factory=list)    # lower.param_gather.ShardedInput each
     remat: Any = None         # the Remat remat="fit" chose for this program
     step: Any = None          # spdsl.pipeline.Step: this rank's program, as built
     agreed: bool = False      # the ranks' traces were put in one order (Runtime._same_order)
@@ -103,7 +101,7 @@ class Sharded(InputSpecs, StateSharding, Runtime):
         _check_specs(out_specs, "out_specs")
         self.fn, self._mesh, self.in_specs, self.out_specs = fn, mesh, in_specs, out_specs
         self.options = options
-        self._factors: dict[int, tuple] = {}
+        self._groups: Groups | None = None     # made once, from the mesh (self.groups)
         self._state_mesh = None
         self.axis = axis or _axis_of(in_specs) or "sp"
         self._parts = parts
@@ -152,12 +150,24 @@ class Sharded(InputSpecs, StateSharding, Runtime):
                 self._mesh = make_mesh(**{self.axis: self._parts})
         return self._mesh
 
+    @property
+    def groups(self) -> Groups:
+        """Every process group of the job (``spdsl.pipeline.Groups``), decided once from the
+        mesh: the sequence and data axes' groups, the group of every rank where the mesh has
+        more than the sequence axis or the parameters are sharded, hybrid attention's."""
+        if self._groups is None:
+            mesh = self.mesh
+            every = self.data_parts > 1 or self._state_mesh is not None or \
+                self.parts < mesh.size()
+            self._groups = Groups.of_mesh(mesh, self.axis, self.data_axis,
+                                          self._world() if every else None)
+        return self._groups
+
     def _group_and_rank(self, axis: str | None = None) -> tuple[str, int]:
-        m = self.mesh
-        axis = axis or self.axis
-        axis_size(m, axis)
-        pg = m.get_group(axis)
-        return pg.group_name, dist.get_rank(pg)
+        g = self.groups
+        if axis in (None, self.axis):
+            return g.group, g.rank
+        return g.data_group, g.data_rank
 
     # -- the data axis and sharded state ------------------------------------------------------
     @property
@@ -183,7 +193,7 @@ class Sharded(InputSpecs, StateSharding, Runtime):
         """A one-axis mesh over every rank of the mesh: sums over both axes, parameter
         gathers and their gradients' reduce-scatters."""
         if self._state_mesh is None:
-            from spdsl.state import state_mesh
+            from spdsl.sharded_state import state_mesh
             self._state_mesh = state_mesh(self.mesh)
         return self._state_mesh
 
@@ -256,20 +266,32 @@ class Sharded(InputSpecs, StateSharding, Runtime):
         plan = build_plan(prop, requires, outs, frozenset(
             phs[s.index].name for s in sharded if reduced.get(s.index)))
         if dprop is not None or sharded:
-            from spdsl.inspect.mesh_plan import add_mesh_collectives
-            add_mesh_collectives(plan, gm, dprop, requires, data_out, sharded, reduced,
-                                 self._regathered(phs, sharded))
+            from spdsl.inspect.mesh_plan import with_mesh_collectives
+            plan = with_mesh_collectives(plan, gm, dprop, requires, data_out, sharded,
+                                         reduced, self._regathered(phs, sharded))
         entry = _Compiled(traced, prop, [p for p, _ in placements], outs, plan,
                           state_requires=tuple(t.requires_grad for t in traced.state),
                           data=dprop, data_in=data_in, data_out=data_out, sharded=sharded,
                           agreed=agree)
-        # what the plan reads later, from the pipeline's records only: its memory and the
-        # calls the program runs (spdsl.inspect.program)
-        job = self.job
-        plan._memory = functools.cache(functools.partial(plan_entry, job, entry, args, kwargs))
-        attach(plan, job, entry, args, kwargs, extra=self._check_collectives(leaves))
+        entry.plan = self._planned(plan, entry, args, kwargs)
         self._cache[key] = entry
         return entry
+
+    def _planned(self, plan: ShardingPlan, entry: _Compiled, args: tuple, kwargs: dict, *,
+                 fit: bool = False) -> ShardingPlan:
+        """``plan`` with what it computes when first asked, from the pipeline's records only
+        (``PlanSources``): the calls this call's program runs (``spdsl.inspect.program``) and
+        its memory. ``fit=True``: the program is read now, ``remat="fit"`` choosing the mode
+        (``plan.remat``)."""
+        job = self.job
+        extra = self._check_collectives(tree_flatten((args, kwargs))[0])
+        program = functools.partial(read_program, job, entry, args, kwargs, extra=extra)
+        if fit:
+            read = program(plan, fit=True)
+            program, plan = (lambda _: read), replace(plan, remat=read.chosen)
+        memory = functools.partial(plan_entry, job, entry, args, kwargs)
+        return replace(plan, remat_mode=job.remat.describe(),
+                       sources=PlanSources(program, memory))
 
     def _trace(self, args: tuple, kwargs: dict) -> Traced:
         return trace(self.fn, args, kwargs)
@@ -382,21 +404,39 @@ class Sharded(InputSpecs, StateSharding, Runtime):
             return None
         if entry.local is None:
             # -- lower for this rank, kernels, remat, compile: one pipeline (spdsl.pipeline) --
-            entry.step = build_step(self.job, entry, args, kwargs, SIZING)
+            entry.step = build_step(replace(self.job, groups=self.groups), entry, args,
+                                    kwargs, SIZING)
             entry.local = entry.step.program
+            entry.input_shapes = [s.shape for s in entry.step.inputs]
             if entry.step.why is not None:   # remat="fit": what was chosen, once per program
-                entry.remat, entry.plan.remat = entry.step.remat, entry.step.why
+                entry.remat = entry.step.remat
+                entry.plan = replace(entry.plan, remat=entry.step.why)
         return entry
 
     @property
     def job(self) -> Job:
-        """This function as the pipeline sees it (``spdsl.pipeline.Job``): axes, options and
-        the job's own groups."""
+        """This function as the pipeline sees it (``spdsl.pipeline.Job``): axes, options and,
+        inside a job the mesh fits, its process groups (``groups``)."""
+        fits = dist.is_initialized() and (self._mesh is not None or
+                                          dist.get_world_size() % self.parts == 0)
         return Job(parts=self.parts, axis=self.axis, data_axis=self.data_axis,
                    data_parts=self.data_parts, remat=self.remat, kernels=self.kernels,
-                   compile=self.compile, group=self._group_and_rank, factor=self._factor,
-                   lowered=self.lowered, world=self._world, resident=_resident,
-                   agree=self._most if dist.is_initialized() else None)
+                   compile=self.compile, batch=self.batch,
+                   groups=self.groups if fits else None)
+
+    def runs_in_segments(self, args: tuple, kwargs: dict) -> bool:
+        """Whether calls like this one run in segments (the function reads tensor values in
+        Python, ``spdsl.annotate.breaks``), as far as calls so far have shown."""
+        from spdsl.annotate.breaks import segmented
+        return segmented(self, args, kwargs) is not None
+
+    def segments_memory(self, args: tuple, kwargs: dict, error: GraphBreak | None = None,
+                        **options):
+        """``spdsl.memory.plan_memory`` of a call that runs in segments: the path these (real)
+        arguments take, added to the paths planned before (``spdsl.annotate.segments_memory``);
+        ``error``: the read that made the trace stop, if the call is the first to show one."""
+        from spdsl.annotate.segments_memory import plan_segmented
+        return plan_segmented(self, args, kwargs, error, **options)
 
     def __call__(self, *args, **kwargs):
         from spdsl.annotate.breaks import segmented
@@ -413,44 +453,3 @@ class Sharded(InputSpecs, StateSharding, Runtime):
         wrapped = [self._wrap(o, p, node, dp) for o, p, node, dp in zip(
             outs, entry.out_placements, _out_nodes(entry.traced), data_out)]
         return tree_unflatten(wrapped, entry.traced.out_spec)
-
-
-    def lowered(self, entry: _Compiled, args: tuple, kwargs: dict) -> torch.fx.GraphModule:
-        """This rank's local graph (before kernels and remat), the same for the run and the
-        memory planner; records the rank and the shapes of the rank's inputs on ``entry``."""
-        group, rank = self._group_and_rank()
-        data, state = self._lowering_axes(entry)
-        entry.rank, entry.data_rank = rank, data.rank if data is not None else 0
-        local = lower(entry.prop, rank, group, entry.out_placements, data, entry.data_out,
-                      state, self._factor)
-        entry.input_shapes = [tuple(x.shape) for x in self._local_inputs(entry, args, kwargs)]
-        return local
-
-    def _factor(self, u: int) -> tuple:
-        """The sequence axis as ``U``-rank Ulysses groups and rings across them (hybrid
-        attention, ``spdsl.lower.ring``): (Ulysses group, rank in it, ring group, rank in it,
-        ring size). Every rank of the job builds the same groups, once per degree."""
-        if u not in self._factors:
-            from spdsl.annotate.mesh import factor_axis
-            self._factors[u] = factor_axis(self.mesh, self.axis, u)
-        return self._factors[u]
-
-    def _lowering_axes(self, entry: _Compiled):
-        """The data axis and the parameter-gather pass of this rank's lowering, if any."""
-        from spdsl.lower.graph import DataAxis
-        from spdsl.lower.state import GatherState
-        data = state = None
-        joint = self._group_and_rank()[0]
-        if entry.data is not None:
-            dgroup, drank = self._group_and_rank(self.data_axis)
-            joint = self._world().get_group().group_name
-            data = DataAxis(entry.data, drank, dgroup, joint)
-        if entry.sharded:
-            smesh = self._world()
-            pg = smesh.get_group()
-            # an axis over the whole job: its own group is the group of the gradient sums
-            group = self._group_and_rank()[0] if self.parts == smesh.size() else \
-                data.group if data is not None and data.parts == smesh.size() else \
-                pg.group_name
-            state = GatherState(entry.sharded, smesh.size(), dist.get_rank(pg), group)
-        return data, state

@@ -128,11 +128,11 @@ def _plan(args) -> int:
     plan = plan_of(sp_shard(seq=args.sp, axis=args.axis, attention=attention)(model),
                    *inputs, fit=args.remat_fit)
     t2 = time.perf_counter()
+    plan = replace(plan, title=f"{args.model} seq={args.seq} {args.axis}={args.sp}")
     plan.collectives                        # noqa: B018  (the rank's program, built once)
     t3 = time.perf_counter()
     _timed(plan)
     t4 = time.perf_counter()
-    plan.title = f"{args.model} seq={args.seq} {args.axis}={args.sp}"
     explained = [_explain(plan, name) for name in args.explain]
     # files first: a reader closing stdout early (``| head``) must not lose them
     if args.html:

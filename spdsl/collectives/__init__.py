@@ -61,13 +61,14 @@ from spdsl.collectives.moves import (
 )
 from spdsl.collectives.order import backward_order, tie_order, unordered
 from spdsl.collectives.params import gather_param, param_grad
+from spdsl.collectives.raw import made_whole
 
 __all__ = [
     "PendingAllToAll", "all_gather_pieces", "all_reduce", "all_to_all", "all_to_all_many",
     "all_to_all_many_start", "all_to_all_rows", "backward_order", "barrier", "broadcast_",
     "gather", "gather_each", "gather_param", "grad_all_reduce", "grad_all_reduce_many",
-    "new_group", "param_grad", "rechunk", "reduce_", "reduce_scatter", "share", "take",
-    "tie_order", "unordered", "window",
+    "made_whole", "new_group", "param_grad", "rechunk", "reduce_", "reduce_scatter", "share",
+    "take", "tie_order", "unordered", "window",
 ]
 
 # the lowering's graphs call these by this module's name: ``spdsl.lower.graph`` tells a

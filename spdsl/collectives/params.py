@@ -1,4 +1,4 @@
-"""Sharded parameters (``spdsl.state``): gathered before use, their gradient
+"""Sharded parameters (``spdsl.sharded_state``): gathered before use, their gradient
 reduce-scattered.
 
 Custom ops, so that the remat policy can tell a parameter gather (recomputed in backward: the

@@ -51,3 +51,13 @@ def _all_gather_raw(x: torch.Tensor, group: str) -> torch.Tensor:
 def _reduce_scatter_raw(buf: torch.Tensor, group: str) -> torch.Tensor:
     """[P*n] summed over the ranks, this rank's n."""
     return _run("reduce_scatter", buf, group, lambda b: reduce_scatter_single(b, "sum", 0, group))
+
+
+def made_whole(x: torch.Tensor, group: str, dim: int | None = None) -> torch.Tensor:
+    """A piece made whole as ``DTensor.full_tensor`` makes it: a partial sum all-reduced
+    (``dim`` None), a split value all-gathered along ``dim``; no autograd, no watchdog. What the
+    memory planner replays of a read of a segmented forward (``spdsl.annotate.segments_memory``,
+    on fake tensors and a planning group)."""
+    if dim is None:
+        return fc.wait_tensor(fc.all_reduce(x, "sum", group))
+    return fc.wait_tensor(all_gather_single(x, dim, group))

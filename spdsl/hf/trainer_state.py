@@ -1,5 +1,5 @@
 """The Trainer's saving and resuming when ``sequence_parallel(..., shard_state=True)`` holds
-each parameter as a DTensor split over every rank (``spdsl.state``).
+each parameter as a DTensor split over every rank (``spdsl.sharded_state``).
 
 What changes against the Trainer's own files, and why:
 
@@ -28,7 +28,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from spdsl.errors import ShardingError
-from spdsl.state import is_sharded_state
+from spdsl.sharded_state import is_sharded_state
 
 SCHEDULER_NAME = "scheduler.pt"       # transformers.trainer's name for the file
 STATE_DIR = "sharded_state"           # the save_checkpoint root inside a Trainer checkpoint

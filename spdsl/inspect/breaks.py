@@ -38,6 +38,9 @@ class Break:
     whole: bool = False
     module: str = ""          # the module being traced at the read
     note: str = ""            # a cheaper way, where one is known
+    # the collectives the read itself runs (a split value gathered, a partial sum reduced), as
+    # ``spdsl.inspect.plan.Collective``; those of ``collectives`` no segment's program runs
+    issued: tuple = ()
 
     def __str__(self) -> str:
         cost = ", ".join(self.collectives) or "no collective"
@@ -47,23 +50,50 @@ class Break:
 
 @dataclass(frozen=True)
 class Segment:
-    """One segment: ``ops`` traced ops, ``outputs`` values it hands on, and its plan."""
+    """One segment: ``ops`` traced ops, ``outputs`` values it hands on, and its plan;
+    ``before``: the collectives the call runs before its program (the check that every rank
+    passed the same arguments, before the first); ``after``: those it runs after it (the last:
+    a partial sum an earlier segment handed on, reduced to be handed back)."""
 
     index: int
     ops: int
     outputs: int
     plan: Any          # ShardingPlan
+    before: tuple = ()
+    after: tuple = ()
 
 
 class SegmentedPlan:
     """Segments and breaks of one call; ``collectives``: every segment's, in order."""
 
-    def __init__(self, segments: list[Segment], breaks: list[Break]) -> None:
+    def __init__(self, segments: list[Segment], breaks: list[Break], memory=None) -> None:
         self.segments, self.breaks = segments, breaks
+        self._memory = memory
+
+    @property
+    def memory(self):
+        """Predicted per-rank peak of one training step along the paths planned so far
+        (``spdsl.memory.segmented.SegmentedMemoryPlan``), simulated when first asked and
+        kept."""
+        if self._memory is None:
+            raise AttributeError("this plan has no function to simulate (build it with "
+                                 "spdsl.plan on an sp_shard/shard-ed function)")
+        if callable(self._memory):
+            self._memory = self._memory()
+        return self._memory
 
     @property
     def collectives(self) -> list:
-        return [c for s in self.segments for c in s.plan.collectives]
+        """Every collective of one call, in order (``spdsl.inspect.plan.Collective``): per
+        segment, what runs before its program, its program's (forward, backward and its
+        gradient buckets), then what the reads after it run."""
+        out = [c for s in self.segments[:1] for c in s.before]
+        out += [c for b in self.breaks if b.segment < 0 for c in b.issued]
+        for s in self.segments:
+            out += list(s.before if s.index else ()) + list(s.plan.collectives)
+            out += list(s.after)
+            out += [c for b in self.breaks if b.segment == s.index for c in b.issued]
+        return out
 
     def to_json(self, indent: int | None = 1) -> str:
         return json.dumps({"segments": [{"index": s.index, "ops": s.ops, "outputs": s.outputs,

@@ -19,27 +19,29 @@ import dataclasses
 
 import torch
 
-from spdsl.inspect.plan import Collective, ShardingPlan, build_plan
+from spdsl.inspect.decided import build_plan
+from spdsl.inspect.plan import Collective, ShardingPlan
 from spdsl.propagate.engine import Propagator, nbytes
 from spdsl.propagate.placement import dtype_name
 
 
-def add_mesh_collectives(plan: ShardingPlan, gm: torch.fx.GraphModule,
-                         data: Propagator | None, requires: dict[torch.fx.Node, bool],
-                         data_out: list, sharded: list, reduced: dict[int, bool],
-                         regathered: frozenset) -> None:
-    """Extend ``plan`` (the sequence axis') in place: see the module's table. ``sharded``:
-    ``spdsl.lower.state.ShardedInput`` per sharded parameter; ``reduced``: which of them
+def with_mesh_collectives(plan: ShardingPlan, gm: torch.fx.GraphModule,
+                          data: Propagator | None, requires: dict[torch.fx.Node, bool],
+                          data_out: list, sharded: list, reduced: dict[int, bool],
+                          regathered: frozenset) -> ShardingPlan:
+    """``plan`` (the sequence axis') with the collectives of the module's table. ``sharded``:
+    ``spdsl.lower.param_gather.ShardedInput`` per sharded parameter; ``reduced``: which of them
     (by graph input index) have their gradient reduce-scattered; ``regathered``: which are
     gathered again in backward (used inside a checkpointed layer)."""
     phs = [n for n in gm.graph.nodes if n.op == "placeholder"]
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
     axis, world = plan.axis, plan.parts
+    colls, title = list(plan.decided), plan.title
     if data is not None:
         axis, world = f"{data.axis}+{plan.axis}", plan.parts * data.parts
         skip = frozenset(phs[s.index].name for s in sharded if reduced.get(s.index))
-        _merge(plan, build_plan(data, requires, data_out, skip), axis)
-        plan.title = (plan.title + " " if plan.title else "") + \
+        _merge(colls, build_plan(data, requires, data_out, skip), axis)
+        title = (title + " " if title else "") + \
             f"[mesh {data.axis}={data.parts} x {plan.axis}={plan.parts}]"
     for s in sharded:
         ph = phs[s.index]
@@ -50,23 +52,24 @@ def add_mesh_collectives(plan: ShardingPlan, gm: torch.fx.GraphModule,
         owner = plan.by_name[ph.name].module if ph.name in plan.by_name else ""
         # listed where the gather runs: at the parameter's first use
         first = min(ph.users, key=order.__getitem__).name if ph.users else ph.name
-        plan.collectives.append(Collective("all_gather", axis, chunk, again, "state",
-                                           (typed,), "", owner, first))
+        colls.append(Collective("all_gather", axis, chunk, again, "state", (typed,), "",
+                                owner, first))
         if reduced.get(s.index):
-            plan.collectives.append(Collective("reduce_scatter", axis, 0, chunk * world,
-                                               "state", (typed,), "", owner, first))
+            colls.append(Collective("reduce_scatter", axis, 0, chunk * world, "state",
+                                    (typed,), "", owner, first))
+    return dataclasses.replace(plan, decided=tuple(colls), title=title)
 
 
-def _merge(plan: ShardingPlan, dplan: ShardingPlan, joint: str) -> None:
-    """A sum both axes ask for at one point runs once, over every rank."""
-    index = {(c.node, c.purpose): i for i, c in enumerate(plan.collectives)
+def _merge(colls: list[Collective], dplan: ShardingPlan, joint: str) -> None:
+    """A sum both axes ask for at one point runs once, over every rank: ``dplan``'s
+    collectives merged into ``colls`` (the sequence axis')."""
+    index = {(c.node, c.purpose): i for i, c in enumerate(colls)
              if c.purpose in ("loss", "gradient") and c.kind == "all_reduce"}
-    for c in dplan.collectives:
+    for c in dplan.decided:
         i = index.get((c.node, c.purpose)) if c.kind == "all_reduce" else None
         if i is not None:
-            mine = plan.collectives[i]
-            plan.collectives[i] = dataclasses.replace(
-                mine, axis=joint, bytes=max(mine.bytes, c.bytes),
-                bytes_bwd=max(mine.bytes_bwd, c.bytes_bwd))
+            mine = colls[i]
+            colls[i] = dataclasses.replace(mine, axis=joint, bytes=max(mine.bytes, c.bytes),
+                                           bytes_bwd=max(mine.bytes_bwd, c.bytes_bwd))
         else:
-            plan.collectives.append(c)
+            colls.append(c)

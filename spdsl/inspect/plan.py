@@ -1,37 +1,28 @@
 """The propagated plan: every value's placement and every collective, with where it came from.
 
 Values, placements and attention sites come from the propagation decisions (fake tensors, no
-process group), so a model too large for this machine can be planned here. It reads the
-decision record (``spdsl.propagate.engine.Decision`` and its ``Move``s) and never writes to
-it; the other modules of ``spdsl.inspect`` present what this one collects. The collectives of
-a plan ``spdsl.plan`` returns are read off the rank's final local program instead, one entry
-per call (``spdsl.inspect.program``); the list :func:`build_plan` derives from the decisions
-stands in only where that program cannot be built (and in plans built here directly).
+process group; collected by ``spdsl.inspect.decided``), so a model too large for this machine
+can be planned here; the other modules of ``spdsl.inspect`` present what a plan holds. The
+collectives of a plan ``spdsl.plan`` returns are read off the rank's final local program, one
+entry per call (``spdsl.inspect.program``); the list derived from the decisions (``decided``)
+stands in only where that program cannot be built (and in plans built from decisions alone).
+
+A plan is a frozen value. What costs a build of the program (its collectives, the schedule
+the cost model walks, the memory simulation) is computed when first asked, by the functions of
+the ``PlanSources`` it was built with, and kept in a memo the plan creates with itself; a plan
+with other fields (``dataclasses.replace``) starts a memo of its own.
 """
 
 from __future__ import annotations
 
-import operator
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from functools import cached_property
 from typing import TYPE_CHECKING, Any
-
-import torch
-
-from spdsl._torch import OpOverload
-from spdsl.propagate.engine import Decision, Propagator, gradient_reaches, nbytes, tensor_inputs
-from spdsl.propagate.forms import form_of, is_attention_node
-from spdsl.propagate.heads import kv_repeat
-from spdsl.propagate.masks import MASK
-from spdsl.propagate.moves import Move
-from spdsl.propagate.placement import Partial, Replicate, Shard, typed_shape
-from spdsl.propagate.rules.attention import CHOICE
-from spdsl.propagate.source import module_of, source_of
 
 if TYPE_CHECKING:
     from spdsl.inspect.explain import Explanation
     from spdsl.inspect.layers import Block, Totals
-    from spdsl.inspect.timing import Timing
+    from spdsl.inspect.timing import Schedule, Timing
     from spdsl.propagate.attention_choice import Links
 
 
@@ -95,7 +86,48 @@ class Attention:
     why: str = ""        # figures (seconds per step, forward and backward) per candidate
 
 
-@dataclass
+@dataclass(frozen=True)
+class ProgramRead:
+    """What a plan reads off the rank's program: the collectives it calls, one entry per call
+    (``spdsl.inspect.program``), the schedule the cost model walks (None where the program
+    could not be built here, and ``collectives`` are propagation's), and what ``remat="fit"``
+    chose while building it (``RematChoice``; None where nothing was chosen)."""
+
+    collectives: tuple[Collective, ...]
+    schedule: Schedule | None = None
+    chosen: Any = None
+
+
+@dataclass(frozen=True)
+class PlanSources:
+    """How a plan computes its costly parts when first asked: ``program(plan)`` builds the
+    rank's program and reads it (a ``ProgramRead``); ``memory()`` simulates one step's memory
+    (``spdsl.memory.MemoryPlan``). ``spdsl.plan`` closes them over its step; a plan read
+    from JSON, or built from decisions alone, has neither."""
+
+    program: Callable[[ShardingPlan], ProgramRead] | None = None
+    memory: Callable[[], Any] | None = None
+
+
+class _Memo:
+    """The parts of one plan computed when first asked, each once: the one mutable thing a
+    plan owns, created with it and never shared."""
+
+    __slots__ = ("_known",)
+
+    def __init__(self) -> None:
+        self._known: dict[str, Any] = {}
+
+    def get(self, key: str, compute: Callable[[], Any]) -> Any:
+        if key not in self._known:
+            self._known[key] = compute()
+        return self._known[key]
+
+
+_NO_SOURCES = PlanSources()
+
+
+@dataclass(frozen=True, eq=False)
 class ShardingPlan:
     """Placements and collectives of one traced function on one mesh axis.
 
@@ -106,17 +138,55 @@ class ShardingPlan:
         [c.kind for c in plan.collectives]
         print(plan.explain("attention"))  # the rules behind one value's placement
         plan.to_html("plan.html")
+
+    ``decided`` are the collectives propagation decided (or JSON listed): ``collectives``
+    where the plan has no program to read them off. ``timed``: the cost model's figures as
+    JSON gave them, for a plan without a program. Two plans are equal when what they list
+    is: values, collectives, outputs, attention, title and remat.
     """
 
     axis: str
     parts: int
-    values: list[Value] = field(default_factory=list)
-    collectives: list[Collective] = field(default_factory=list)
-    outputs: list[tuple[str, str]] = field(default_factory=list)   # (value, final placement)
-    attention: list[Attention] = field(default_factory=list)
+    values: tuple[Value, ...] = ()
+    decided: tuple[Collective, ...] = ()
+    outputs: tuple[tuple[str, str], ...] = ()     # (value, final placement)
+    attention: tuple[Attention, ...] = ()
     title: str = ""
     remat: Any = None     # spdsl.remat.RematChoice: what remat="fit" chose, once the step is built
     remat_mode: str = ""  # the remat= the function asks for ("fit", "full", ...), as described
+    timed: Timing | None = None
+    sources: PlanSources = field(default=_NO_SOURCES, repr=False)
+    _memo: _Memo = field(default_factory=_Memo, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        for name in ("values", "decided", "attention"):     # lists accepted, tuples kept
+            object.__setattr__(self, name, tuple(getattr(self, name)))
+        object.__setattr__(self, "outputs", tuple(map(tuple, self.outputs)))
+
+    def _listed(self) -> tuple:
+        return (self.axis, self.parts, self.values, self.collectives, self.outputs,
+                self.attention, self.title, self.remat, self.remat_mode)
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, ShardingPlan):
+            return NotImplemented
+        return self is other or self._listed() == other._listed()
+
+    def __hash__(self) -> int:      # what equal plans share without reading their programs
+        return hash((self.axis, self.parts, self.values, self.outputs, self.attention,
+                     self.title, self.remat_mode))
+
+    def _program(self) -> ProgramRead | None:
+        """The rank's program as read, built when first asked; None without one."""
+        read = self.sources.program
+        return None if read is None else self._memo.get("program", lambda: read(self))
+
+    @property
+    def collectives(self) -> tuple[Collective, ...]:
+        """Every collective call per rank per step: read off the rank's program where the
+        plan knows it (``spdsl.inspect.program``), else ``decided``."""
+        read = self._program()
+        return self.decided if read is None else read.collectives
 
     @property
     def bytes_fwd(self) -> int:
@@ -130,14 +200,15 @@ class ShardingPlan:
     def memory(self):
         """Predicted per-rank peak memory of one training step under the function's remat
         policy (``spdsl.memory.MemoryPlan``), simulated on fake tensors when first asked."""
-        if getattr(self, "_memory", None) is None:
+        simulate = self.sources.memory
+        if simulate is None:
             raise AttributeError("this plan has no function to simulate (build it with "
                                  "spdsl.plan on an sp_shard/shard-ed function)")
-        return self._memory()
+        return self._memo.get("memory", simulate)
 
-    @cached_property
+    @property
     def by_name(self) -> dict[str, Value]:
-        return {v.name: v for v in self.values}
+        return self._memo.get("by_name", lambda: {v.name: v for v in self.values})
 
     def value(self, name: str) -> Value:
         """The value named ``name`` (an FX node name, as printed by ``explain``)."""
@@ -146,36 +217,40 @@ class ShardingPlan:
         except KeyError:
             raise KeyError(f"no value {name!r} in this plan") from None
 
-    @cached_property
+    @property
     def layers(self) -> list[Block]:
         """Blocks of the program in order, runs of identical layers folded into one."""
         from spdsl.inspect.layers import blocks
-        return blocks(self)
+        return self._memo.get("layers", lambda: blocks(self))
 
-    @cached_property
+    @property
     def totals(self) -> Totals:
         """Bytes per rank per step beside the analytic Ulysses floor."""
         from spdsl.inspect.layers import totals
-        return totals(self)
+        return self._memo.get("totals", lambda: totals(self))
+
+    @property
+    def has_timing(self) -> bool:
+        """Whether :meth:`timing` has figures to give: a program to time, or JSON's."""
+        read = self._program()
+        return self.timed is not None or read is not None and read.schedule is not None
 
     def timing(self, links: Links | None = None) -> Timing:
         """The step's communication against its compute from a cost model of the program
         that runs: each transfer's seconds, how much of it is exposed and what hides the rest
         (``spdsl.inspect.timing``; ``links`` default to the plan's device model, the one its
         attention choice priced: ``spdsl.propagate.attention_choice.device_model``)."""
-        self.collectives                        # noqa: B018  (reads the program once)
-        schedule = self.__dict__.get("_schedule")
-        if schedule is None and links is None and "_timing" in self.__dict__:
-            return self.__dict__["_timing"]          # read from JSON: its figures only
+        read = self._program()
+        schedule = read.schedule if read is not None else None
+        if schedule is None and links is None and self.timed is not None:
+            return self.timed                   # read from JSON: its figures only
         if schedule is None:
             raise AttributeError("this plan has no program to time (build it with spdsl.plan "
                                  "on an sp_shard/shard-ed function)")
         from spdsl.inspect.timing import simulate
         if links is not None:
             return simulate(schedule, links)
-        if "_timed" not in self.__dict__:       # the table, JSON and HTML all print it
-            self.__dict__["_timed"] = simulate(schedule)
-        return self.__dict__["_timed"]
+        return self._memo.get("timed", lambda: simulate(schedule))   # table, JSON, HTML
 
     def explain(self, value: Any) -> Explanation:
         """The chain of rules that gave ``value`` (a name, a ``Value`` or an fx node) its
@@ -204,231 +279,6 @@ class ShardingPlan:
         return render(self)
 
 
-class _Collectives:
-    """``ShardingPlan.collectives``: where the plan knows its program (``_program``, set by
-    ``spdsl.plan``), the calls that program runs, read off it when first asked
-    (``spdsl.inspect.program``); else the list given (propagation's, or JSON's)."""
-
-    def __get__(self, plan, owner=None):
-        if plan is None:
-            return self
-        thunk = plan.__dict__.pop("_program", None)
-        if thunk is not None:
-            plan.__dict__["_collectives"] = thunk(plan)
-        return plan.__dict__["_collectives"]
-
-    def __set__(self, plan, value) -> None:
-        plan.__dict__["_collectives"] = value
-
-
-ShardingPlan.collectives = _Collectives()     # after @dataclass: its __init__ sets through it
-
-
 def render(plan: ShardingPlan) -> str:
     """The compact text table ``print(plan)`` shows."""
     return str(plan)
-
-
-def _needs_grad(prop: Propagator, requires: dict[torch.fx.Node, bool]) -> dict:
-    """Values with a gradient in backward: computed from one that requires it, and with a
-    gradient coming back to them (``gradient_reaches``)."""
-    out = dict(requires)
-    live = gradient_reaches(prop.gm.graph)
-    for node in prop.gm.graph.nodes:
-        if node.op != "call_function":
-            continue
-        val = node.meta.get("val")
-        floating = any(isinstance(v, torch.Tensor) and v.is_floating_point()
-                       for v in (val if isinstance(val, (tuple, list)) else (val,)))
-        # no gradient flows through detach(): a parameter read only so keeps none
-        out[node] = floating and node.target is not torch.ops.aten.detach.default and \
-            any(out.get(a, False) for a in node.all_input_nodes)
-    return {n: g and n in live for n, g in out.items()}
-
-
-def _op_name(node: torch.fx.Node) -> str:
-    if node.op == "placeholder":
-        return "input"
-    return getattr(node.target, "__name__", "") if not isinstance(
-        node.target, OpOverload) else str(node.target)
-
-
-def _via(prop: Propagator, node: torch.fx.Node, d: Decision, ins: list[torch.fx.Node]) -> str:
-    """The input whose placement decided this node's: the first one its rule needs split or
-    partial (preferring one that arrives so); else, for a replicated result, an input that had
-    to be gathered or reduced, else the first computed (not parameter) input."""
-    if not ins:
-        src = node.args[0] if node.args and isinstance(node.args[0], torch.fx.Node) else None
-        return src.name if src is not None and node.op == "call_function" else ""
-    split_moved = ""
-    for i, a in enumerate(ins):
-        req = d.strategy.inputs[i] if i < len(d.strategy.inputs) else Replicate()
-        if isinstance(req, Replicate):
-            continue
-        if i not in d.redistribute:
-            return a.name
-        split_moved = split_moved or a.name
-    if split_moved:
-        return split_moved
-    if d.redistribute:
-        return ins[min(d.redistribute)].name
-    computed = [a for a in ins if a.op == "call_function"]
-    return computed[0].name if computed else ""
-
-
-def _typed(prop: Propagator, node: torch.fx.Node, d: Decision) -> tuple[str, str]:
-    val = node.meta["val"]
-    if isinstance(val, torch.Tensor):
-        return prop.typed(node), repr(d.output)
-    outs = d.output if isinstance(d.output, tuple) else (d.output,) * len(val)
-    typed = [typed_shape(tuple(x.shape), x.dtype, p, prop.axis) if isinstance(x, torch.Tensor)
-             else type(x).__name__ for x, p in zip(val, outs)]
-    return f"({', '.join(typed)})", f"({', '.join(map(repr, outs))})"
-
-
-def _value(prop: Propagator, node: torch.fx.Node, d: Decision) -> Value:
-    ins = tensor_inputs(node) if node.op == "call_function" else []
-    moves = tuple((ins[i].name, repr(s), repr(t)) for i, (s, t) in sorted(d.redistribute.items()))
-    via = _via(prop, node, d, ins)
-    origin = d.origin
-    if node.target is operator.getitem and node.args[0] in prop.decisions:
-        origin = prop.decisions[node.args[0]].origin     # an element gets its op's rule
-    module = module_of(node)
-    if node.op == "placeholder" and origin.startswith("parameter "):
-        module = origin.removeprefix("parameter ").rpartition(".")[0]   # its owner
-    typed, placement = _typed(prop, node, d)
-    return Value(node.name, _op_name(node), typed, placement, source_of(node), module, origin,
-                 tuple(a.name for a in ins) or ((via,) if via else ()), via, moves,
-                 d.alternatives)
-
-
-def _attention(node: torch.fx.Node, prop: Propagator, ins: list) -> Attention | None:
-    P = prop.parts
-    if P == 1:
-        return None
-    flex = node.target is torch.ops.higher_order.flex_attention
-    fn = node.target is torch.ops.spdsl.attention_fn.default
-    if is_attention_node(node) and len(ins) >= 3:
-        q, k, v = (ins[j].meta["val"] for j in range(3))
-        if q.dim() != 4:
-            return None
-        out = node.meta["val"][0] if flex else node.meta["val"]
-        rep = kv_repeat(q.shape[1], k.shape[1], P)    # kv heads repeated up to the degree
-        floor = (nbytes(q) + (nbytes(k) + nbytes(v)) * rep + nbytes(out)) / P
-        choice = node.meta.get(CHOICE)
-        runs, why = ("ulysses", "") if choice is None else (choice.label, _why(choice))
-        return Attention(node.name, form_of(node).name, module_of(node), source_of(node),
-                         int(floor), _mask_words(node, ins, fn, flex), runs, why)
-    if node.target is torch.ops.aten.bmm.default and len(ins) == 2:
-        a, b = (prop.placement(x) if not isinstance(prop.decisions[x].output, tuple)
-                else None for x in ins)
-        if isinstance(a, Shard) and a.dim == 1 and isinstance(b, Shard) and b.dim == 2:
-            q, k = ins[0].meta["val"], ins[1].meta["val"]
-            return Attention(node.name, "eager", module_of(node), source_of(node),
-                             int(2 * (nbytes(q) + nbytes(k)) / P))
-    return None
-
-
-def _why(choice) -> str:
-    costs = ", ".join(f"{k} {v * 1e3:.3g} ms" for k, v in choice.costs.items())
-    return f"{choice.why}" + (f"; cost model, one layer's attention per step: {costs}"
-                              if len(choice.costs) > 1 else "")
-
-
-def _mask_words(node: torch.fx.Node, ins: list, fn: bool, flex: bool) -> str:
-    if fn:
-        return node.meta.get(MASK, "function")
-    if flex:
-        return "BlockMask"
-    if len(ins) > 3:
-        m = ins[3].meta["val"]
-        return f"dense tensor {typed_shape(m.shape, m.dtype, Replicate())} ({nbytes(m):,} B on every rank)"
-    return "causal" if len(node.args) > 5 and node.args[5] else "none"
-
-
-def build_plan(prop: Propagator, requires: dict[torch.fx.Node, bool],
-               out_placements: list, state_reduced: frozenset = frozenset()) -> ShardingPlan:
-    """Collect values, collectives (bytes per rank, forward and backward) and attention
-    floors from propagation decisions. ``state_reduced``: names of sharded parameters whose
-    gradients are reduce-scattered instead (``spdsl.inspect.mesh_plan``)."""
-    P, axis = prop.parts, prop.axis
-    grad = _needs_grad(prop, requires)
-    plan = ShardingPlan(axis, P)
-    marked = set()
-
-    def add(kind, b, b_bwd, purpose, node, metas):
-        if P == 1 or (b == 0 and b_bwd == 0):
-            return
-        plan.collectives.append(Collective(kind, axis, int(b), int(b_bwd), purpose,
-                                           tuple(metas), source_of(node), module_of(node),
-                                           node.name))
-
-    for node in prop.gm.graph.nodes:
-        if node.op not in ("call_function", "placeholder"):
-            continue
-        d = prop.decisions.get(node)
-        if d is None:
-            continue
-        val = node.meta.get("val")
-        if isinstance(val, torch.Tensor) or isinstance(val, (tuple, list)) and any(
-                isinstance(x, torch.Tensor) for x in val):
-            plan.values.append(_value(prop, node, d))
-        if node.op == "placeholder":
-            # a global input split on entry: its (whole) gradient is gathered in backward
-            if isinstance(d.output, Shard) and grad.get(node, False) and \
-                    not d.origin.startswith(("parameter ", "DTensor")):
-                add("all_gather", 0, nbytes(val) // P, "input", node, [prop.typed(node)])
-            continue
-        ins = tensor_inputs(node)
-        site = _attention(node, prop, ins)
-        if site is not None:
-            plan.attention.append(site)
-        if d.fused:
-            b = sum(d.moves[i].local for i in d.fused)
-            g = any(grad.get(ins[i], False) for i in d.fused)
-            add("all_to_all", b, b if g else 0, "ulysses", node,
-                [prop.typed(ins[i]) for i in d.fused])
-        for i, m in d.moves.items():
-            if i in d.fused:
-                continue
-            purpose = "ulysses" if m.kind == "all_to_all" and (
-                m.src.dim != m.dst.dim or m.src.outer != m.dst.outer) else "reshard"
-            for kind, b, b_bwd in m.collectives(grad.get(ins[i], False)):
-                add(kind, b, b_bwd, purpose, node, [prop.typed(ins[i])])
-        for i in d.grad_reduce:
-            a = ins[i]
-            # one reduction per parameter however often it is read (a tied embedding's
-            # weight and its transpose): the lowering folds them into one bucket entry
-            key = (node, i) if i in d.redistribute else _root(a)
-            if key not in marked and grad.get(a, False) and \
-                    _root(a).name not in state_reduced:
-                marked.add(key)
-                add("all_reduce", 0, nbytes(a.meta["val"]), "gradient", node, [prop.typed(a)])
-        for c in d.issued:
-            for kind, b, b_bwd in c.collectives(grad.get(node, False)):
-                add(kind, b, b_bwd, c.purpose, node, list(c.values))
-    _output_collectives(prop, plan, out_placements, add, grad)
-    return plan
-
-
-def _root(a: torch.fx.Node) -> torch.fx.Node:
-    """The graph input a one-input chain (``t(w)``, a cast) starts from, else ``a``."""
-    b = a
-    while b.op == "call_function" and len(b.all_input_nodes) == 1:
-        b = b.all_input_nodes[0]
-    return b if b.op == "placeholder" else a
-
-
-def _output_collectives(prop: Propagator, plan: ShardingPlan, out_placements: list, add,
-                        grad: dict) -> None:
-    """What each output's redistribution to its out_spec runs: the same ``Move`` the lowering
-    executes (``Lowering._output`` -> ``_move``)."""
-    out_node = next(n for n in prop.gm.graph.nodes if n.op == "output")
-    for o, want in zip(out_node.args[0], out_placements):
-        if isinstance(o, torch.fx.Node) and isinstance(o.meta.get("val"), torch.Tensor):
-            have, val = prop.placement(o), o.meta["val"]
-            plan.outputs.append((o.name, repr(want)))
-            purpose = "loss" if isinstance(have, Partial) and val.dim() == 0 else "output"
-            for kind, b, b_bwd in Move(have, want, nbytes(val), prop.parts).collectives(
-                    grad.get(o, False)):
-                add(kind, b, b_bwd, purpose, o, [prop.typed(o)])

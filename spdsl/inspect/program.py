@@ -36,7 +36,7 @@ import torch
 
 from spdsl._torch import FakeTensorMode, TorchDispatchMode
 from spdsl.collectives import unordered
-from spdsl.inspect.plan import Collective, ShardingPlan
+from spdsl.inspect.plan import Collective, ProgramRead, ShardingPlan
 from spdsl.lower.calls import Call, describe
 from spdsl.propagate.source import source_of
 from spdsl.remat import Remat
@@ -254,7 +254,7 @@ def collectives_of(gm: torch.nn.Module, plan: ShardingPlan, axes: dict[str, str]
     values print as the typed shapes of ``plan``'s global values they are pieces of."""
     typed = {v.name: v for v in plan.values}
     outputs = _output_args(gm.__dict__.get("gm", gm))
-    colls = [c for c in plan.collectives if c.purpose == "input"]     # outside the program
+    colls = [c for c in plan.decided if c.purpose == "input"]     # outside the program
     for n, c, again in program_calls(gm):
         axis = axes.get(c.group, c.group)
         origin = n.meta.get("spdsl_origin") or ""
@@ -338,35 +338,33 @@ def program_for_plan(job, entry, args: tuple, kwargs: dict, *, fit: bool = False
         return local, step.axes, step.why      # tensors, with the step's groups (kept)
 
 
-def attach(plan: ShardingPlan, job, entry, args: tuple, kwargs: dict, *,
-           fit: bool = False, extra: tuple[Collective, ...] = ()) -> None:
-    """Let ``plan.collectives`` be read off the program of ``entry`` (the decisions of one
-    call) when first asked: built then by the pipeline for ``job`` (``spdsl.pipeline.Job``),
-    see :func:`program_for_plan`; ``plan.timing()`` schedules the same program
-    (``spdsl.inspect.timing``). ``fit=True``: under ``remat="fit"``, the mode is chosen then
-    (the memory planner, once per mode tried) and ``plan.remat`` records the choice.
-    ``extra``: collectives the call runs outside the program (the same-inputs check), listed
-    last."""
-    plan.remat_mode = job.remat.describe()
+def read_program(job, entry, args: tuple, kwargs: dict, plan: ShardingPlan, *,
+                 fit: bool = False, extra: tuple[Collective, ...] = ()) -> ProgramRead:
+    """The program of ``entry`` (the decisions of one call) as ``plan`` reads it
+    (``PlanSources.program``): built by the pipeline for ``job`` (``spdsl.pipeline.Job``,
+    see :func:`program_for_plan`), its calls as ``plan.collectives`` lists them and the
+    schedule ``plan.timing()`` walks (``spdsl.inspect.timing``). ``fit=True``: under
+    ``remat="fit"``, the mode is chosen here (the memory planner, once per mode tried) and
+    ``chosen`` records it. ``extra``: collectives the call runs outside the program (the
+    same-inputs check), listed last.
 
-    def read(plan: ShardingPlan) -> list[Collective]:
-        try:
-            local, axes, why = program_for_plan(job, entry, args, kwargs, fit=fit)
-        except (ValueError, NotImplementedError) as e:
-            # a lowering that needs groups a planning process lacks: say so, and list what
-            # propagation decided (the gradient of each parameter reduced alone, no remat)
-            warnings.warn(f"spdsl.plan: the local program could not be built here ({e}); "
-                          "the collectives listed are propagation's, not the program's",
-                          stacklevel=3)
-            return [*plan.__dict__["_collectives"], *extra]
-        if why is not None and plan.remat is None:
-            plan.remat = why
-        colls = collectives_of(local, plan, axes)
-        plan.__dict__["_schedule"] = replace(_schedule(local, colls, job, entry, args),
-                                                 before=tuple(extra))
-        plan.__dict__.pop("_timed", None)          # timed on the program read before
-        return [*colls, *extra]
-    plan.__dict__["_program"] = read
+    Example::
+
+        read = read_program(step.job, entry, (ids, ids), {}, entry.plan)
+        [c.purpose for c in read.collectives]
+    """
+    try:
+        local, axes, why = program_for_plan(job, entry, args, kwargs, fit=fit)
+    except (ValueError, NotImplementedError) as e:
+        # a lowering that needs groups a planning process lacks: say so, and list what
+        # propagation decided (the gradient of each parameter reduced alone, no remat)
+        warnings.warn(f"spdsl.plan: the local program could not be built here ({e}); "
+                      "the collectives listed are propagation's, not the program's",
+                      stacklevel=6)
+        return ProgramRead((*plan.decided, *extra))
+    colls = collectives_of(local, plan, axes)
+    schedule = replace(_schedule(local, colls, job, entry, args), before=tuple(extra))
+    return ProgramRead((*colls, *extra), schedule, why)
 
 
 def _schedule(local: torch.nn.Module, colls: list[Collective], job, entry, args: tuple):

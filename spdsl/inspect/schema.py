@@ -92,7 +92,7 @@ def from_json(text: str) -> ShardingPlan:
     Example::
 
         again = ShardingPlan.from_json(plan.to_json())
-        assert str(again) == str(plan)
+        assert again == plan and str(again) == str(plan)
     """
     d = json.loads(text)
     if d.get("schema") != SCHEMA:
@@ -112,10 +112,11 @@ def from_json(text: str) -> ShardingPlan:
                      a.get("mask", ""), a.get("runs", ""), a.get("why", ""))
            for a in d["attention"]]
     remat = RematChoice.from_dict(d["remat"]) if d.get("remat") else None
-    plan = ShardingPlan(d["axis"], d["parts"], values, colls,
-                        [(o["value"], o["placement"]) for o in d["outputs"]], att, d["title"],
-                        remat=remat, remat_mode=d.get("remat_mode", ""))
+    timed = None
     if d.get("timing"):
         from spdsl.inspect.timing import Timing
-        plan.__dict__["_timing"] = Timing.from_dict(d["timing"])
-    return plan
+        timed = Timing.from_dict(d["timing"])
+    return ShardingPlan(d["axis"], d["parts"], tuple(values), tuple(colls),
+                        tuple((o["value"], o["placement"]) for o in d["outputs"]), tuple(att),
+                        d["title"], remat=remat, remat_mode=d.get("remat_mode", ""),
+                        timed=timed)

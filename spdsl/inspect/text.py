@@ -139,7 +139,7 @@ def render(plan: ShardingPlan) -> str:
                      "'none'; spdsl.plan(..., fit=True) or --remat-fit chooses here)")
     elif plan.remat_mode:
         lines.append(f"  remat:              {plan.remat_mode}")
-    if "_schedule" in plan.__dict__ or "_timing" in plan.__dict__:    # modelled communication
+    if plan.has_timing:              # modelled communication
         lines.append(f"  communication:      {plan.timing().summary()} (cost model: "
                      "plan.timing())")
     return "\n".join(lines)

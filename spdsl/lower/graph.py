@@ -21,6 +21,7 @@ from spdsl.lower import mixers, ops, ring, tokenwise
 from spdsl.lower.factories import VAL as REPLICATED_VAL
 from spdsl.lower.factories import split_factories
 from spdsl.lower.grad_buckets import bucket_gradient_reduces, move_markers_to_inputs
+from spdsl.lower.local import bounds, data_shape, local_shape, sequence_inside
 from spdsl.propagate.attention_nodes import COMPUTE_DTYPE, OUT_DTYPE
 from spdsl.propagate.engine import Propagator, gradient_reaches, tensor_inputs
 from spdsl.propagate.forms import FORM, form_of
@@ -34,8 +35,6 @@ from spdsl.propagate.placement import (
     Placement,
     Replicate,
     Shard,
-    chunk_bounds,
-    local_shape,
 )
 from spdsl.propagate.rules.attention import CHOICE
 
@@ -69,7 +68,7 @@ class Lowering:
         self.prop, self.parts, self.rank, self.group = prop, prop.parts, rank, group
         self.factor = factor        # Ulysses degree U -> the axis' (Ulysses x ring) groups
         self.data = data if data is not None and data.parts > 1 else None
-        self.state = state          # a pass over the local graph (spdsl.lower.state)
+        self.state = state          # a pass over the local graph (spdsl.lower.param_gather)
         self.graph = torch.fx.Graph()
         self.env: dict[torch.fx.Node, torch.fx.Node] = {}
         self.marked: dict[tuple, torch.fx.Node] = {}
@@ -89,34 +88,18 @@ class Lowering:
         return out
 
     def _dp_shape(self, shape, dp: Placement) -> list[int]:
-        if self.data is None:
-            return list(shape)
-        return local_shape(shape, dp, self.data.parts, self.data.rank)
+        D = self.data
+        return data_shape(shape, dp, D.parts, D.rank) if D is not None else list(shape)
 
     def _sp_in(self, p: Placement, dp: Placement, node: torch.fx.Node | None = None) -> Placement:
-        """The sequence placement read on the data-local shape: where both axes split one dim
-        (``[B*S]`` after a flatten), the batch factor outside the sequence shrinks by D."""
-        if (self.data is None or not isinstance(p, Shard) or not isinstance(dp, Shard)
-                or p.dim != dp.dim):
-            return p
-        D = self.data.parts
-        if p.outer == 1 and dp.outer == 1 and p.size == dp.size:
-            return Shard(p.dim, 1, p.size // D)     # both split the batch: sp inside dp's rows
-        if dp.outer != 1 or p.outer % dp.size:
-            from spdsl.errors import ShardingError
-            from spdsl.propagate.source import where
-            raise ShardingError(
-                rule="data and sequence axes", value=f"{p!r} over sp, {dp!r} over dp",
-                where=where(node) if node is not None else "",
-                detail="one dim carries both splits, and the batch is not its outer factor",
-                fix="keep the batch dim outermost when merging it with the sequence")
-        return Shard(p.dim, p.outer // D, p.size)
+        return sequence_inside(p, dp, self.data.parts if self.data is not None else 1, node)
 
     def local_shape_of(self, node: torch.fx.Node, sp: Placement, dp: Placement,
                        shape=None) -> list[int]:
         shape = node.meta["val"].shape if shape is None else shape
-        return local_shape(self._dp_shape(shape, dp), self._sp_in(sp, dp, node), self.parts,
-                           self.rank)
+        D = self.data
+        return local_shape(shape, sp, self.parts, self.rank, dp, D.parts if D else 1,
+                           D.rank if D else 0, node)
 
     def redistribute(self, x: torch.fx.Node, src: Placement, dst: Placement,
                      meta: torch.Tensor, dp: Placement = REPLICATE,
@@ -433,7 +416,7 @@ class Lowering:
             src = node.args[0].meta["val"]
             dim = node.args[1] % src.dim()
             index = node.args[2] % src.shape[dim]
-            lo, hi = chunk_bounds(src.shape[dim], P, r)
+            lo, hi = bounds(Shard(dim, 1, src.shape[dim]), P, r)
             return self.call(ops.select_owner, args[0], dim, index, lo, hi)
         if node.target is torch.ops.spdsl.attention_fn.default:    # replicated attention
             q, k, v, leaves, program, _, is_causal, scale = args[:8]
@@ -485,6 +468,6 @@ def lower(prop: Propagator, rank: int, group: str, out_placements: list[Placemen
           state=None, factor=None) -> torch.fx.GraphModule:
     """The local graph of ``rank`` (``group``: the axis' process group name); ``data``: the
     data-parallel axis, if the batch is split too; ``state``: a pass that gathers sharded
-    parameters (``spdsl.lower.state``); ``factor``: Ulysses degree ``U`` -> the groups of a
+    parameters (``spdsl.lower.param_gather``); ``factor``: Ulysses degree ``U`` -> the groups of a
     hybrid attention (``spdsl.lower.ring``)."""
     return Lowering(prop, rank, group, data, state, factor).lower(out_placements, data_out)

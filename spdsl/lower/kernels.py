@@ -86,8 +86,8 @@ def swap_kernels(gm: torch.fx.GraphModule, kernels: str | Iterable[str] | Kernel
                  state: list, inputs: list) -> torch.fx.GraphModule:
     """Swap spdsl kernels into the local graph ``gm`` (in place; also returned).
 
-    ``state``/``inputs``: specs of the graph's inputs (``spdsl.remat.local_specs``), used for
-    one fake forward that gives every node its local shape and device.
+    ``state``/``inputs``: specs of the graph's inputs (``spdsl.lower.local.local_specs``), used
+    for one fake forward that gives every node its local shape and device.
 
     Example::
 

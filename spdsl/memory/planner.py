@@ -14,14 +14,16 @@ import torch
 from spdsl.memory.compiled import simulate_compiled
 from spdsl.memory.fit import SIZING
 from spdsl.memory.report import MemoryPlan
+from spdsl.memory.segmented import SegmentedMemoryPlan
 from spdsl.memory.simulate import simulate
 from spdsl.pipeline import Job, Step, planned_step
+from spdsl.propagate.trace_refusals import GraphBreak
 from spdsl.remat import Remat
 
 
 def plan_memory(fn, *args, remat=None, rank: int = 0, optimizer: str = "adamw",
                 optimizer_on_host: bool = False, pinned_host: bool | None = None,
-                compiled: bool | None = None, **kwargs) -> MemoryPlan:
+                compiled: bool | None = None, **kwargs) -> MemoryPlan | SegmentedMemoryPlan:
     """Predicted peak memory of one training step of ``fn(*args, **kwargs)`` on ``rank``.
 
     ``fn`` is an ``sp_shard``/``shard``-wrapped function or module; ``remat`` overrides its
@@ -35,6 +37,12 @@ def plan_memory(fn, *args, remat=None, rank: int = 0, optimizer: str = "adamw",
     ``pinned_host``: offloaded copies counted as CUDA's pinned host allocator takes them
     (``spdsl.memory.host``; default: when the arguments are on CUDA).
 
+    A function that reads tensor values in Python (it runs in segments,
+    ``spdsl.annotate.breaks``) is planned along the path these (real) arguments take, its
+    segments' programs in one simulated step, and the result is a
+    ``spdsl.memory.segmented.SegmentedMemoryPlan``: every path planned so far, the worst the
+    step's peak.
+
     Example::
 
         with torch.device("meta"):
@@ -46,9 +54,17 @@ def plan_memory(fn, *args, remat=None, rank: int = 0, optimizer: str = "adamw",
     job = getattr(fn, "job", None)
     if not isinstance(job, Job):           # spdsl.Sharded describes itself as a Job
         raise TypeError("plan_memory needs a function wrapped by spdsl.sp_shard or spdsl.shard")
-    return plan_entry(job, fn.build(args, kwargs), args, kwargs, remat=remat, rank=rank,
-                      optimizer=optimizer, optimizer_on_host=optimizer_on_host,
-                      pinned_host=pinned_host, compiled=compiled)
+    opts = {"remat": remat, "rank": rank, "optimizer": optimizer,
+            "optimizer_on_host": optimizer_on_host, "pinned_host": pinned_host,
+            "compiled": compiled}
+    # a function that reads values plans itself a path at a time (Sharded.segments_memory)
+    if fn.runs_in_segments(args, kwargs):
+        return fn.segments_memory(args, kwargs, **opts)
+    try:
+        entry = fn.build(args, kwargs)
+    except GraphBreak as e:
+        return fn.segments_memory(args, kwargs, e, **opts)
+    return plan_entry(job, entry, args, kwargs, **opts)
 
 
 def plan_entry(job: Job, entry, args: tuple, kwargs: dict, *, remat=None, rank: int = 0,

@@ -77,7 +77,7 @@ class MemoryPlan:
 
     def with_state_shards(self, n: int, gathered: tuple[int, int] = (0, 0)) -> MemoryPlan:
         """The same step with parameters, gradients and optimizer state split ``n`` ways
-        (ZeRO-3 over every rank, as ``spdsl.state`` shards them). The optimizer's per-parameter
+        (ZeRO-3 over every rank, ``spdsl.sharded_state``). The optimizer's per-parameter
         temporaries shrink with them. ``gathered``: bytes of whole parameters (and whole
         gradients) that exist for a moment, (forward, backward): the weights of the layer in
         flight all-gathered in forward; in backward the regathered weights plus the layer's

@@ -6,7 +6,6 @@ rewrites one rank's local graph accordingly (tiling, per-layer checkpoints, a SA
 
 from spdsl.remat.config import Remat, RematChoice, parse_bytes
 from spdsl.remat.policy import SavePolicy
-from spdsl.remat.transform import RematReport, apply_remat, local_specs
+from spdsl.remat.transform import RematReport, apply_remat
 
-__all__ = ["Remat", "RematChoice", "RematReport", "SavePolicy", "apply_remat", "local_specs",
-           "parse_bytes"]
+__all__ = ["Remat", "RematChoice", "RematReport", "SavePolicy", "apply_remat", "parse_bytes"]

@@ -21,9 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from spdsl._torch import tree_flatten
 from spdsl.lower.loss import find_loss, tile_loss
-from spdsl.propagate.placement import Shard, chunk_bounds
 from spdsl.remat.config import Remat
 from spdsl.remat.policy import OpClass, SavePolicy, candidates
 from spdsl.remat.segments import checkpoint_layers
@@ -43,27 +41,9 @@ class RematReport:
     predicted_peak: int | None = None
 
 
-def local_specs(entry, args: tuple, kwargs: dict, parts: int, rank: int
-                ) -> tuple[list[TensorSpec], list[TensorSpec]]:
-    """Specs of the local graph's inputs on ``rank``: state, then the rank's input pieces."""
-    leaves = tree_flatten((args, kwargs))[0]
-    state = [TensorSpec.of(t) for t in entry.traced.state]
-    if getattr(entry, "input_shapes", None):      # the run's own local inputs
-        return state, [TensorSpec.of(leaves[i], shape) for i, shape in zip(
-            entry.traced.tensor_leaf_index, entry.input_shapes)]
-    ins = []
-    for j, i in enumerate(entry.traced.tensor_leaf_index):
-        x, p = leaves[i], entry.in_placements[j]
-        shape = list(x.shape)
-        if isinstance(p, Shard) and not hasattr(x, "to_local"):
-            lo, hi = chunk_bounds(p.size, parts, rank)
-            shape[p.dim] = hi - lo
-        ins.append(TensorSpec.of(x, shape if not hasattr(x, "to_local") else None))
-    return state, ins
-
-
 # (candidate graph, state specs, input specs, optimizer) -> predicted peak bytes per rank
 PeakModel = Callable[[torch.fx.GraphModule, list[TensorSpec], list[TensorSpec], str], int]
+
 
 def apply_remat(gm: torch.fx.GraphModule, remat, state: list[TensorSpec],
                 inputs: list[TensorSpec], *, peak: PeakModel | None = None
@@ -76,7 +56,7 @@ def apply_remat(gm: torch.fx.GraphModule, remat, state: list[TensorSpec],
 
     Example::
 
-        state, ins = local_specs(entry, args, kwargs, parts, rank)
+        state, ins = spdsl.lower.local.local_specs(entry, args, kwargs, parts, rank)
         local = apply_remat(local, "auto", state, ins)
         local.spdsl_remat        # RematReport: what was tiled and saved
     """

@@ -89,3 +89,33 @@ def test_a_forward_that_runs_its_own_backward_is_refused_in_segments():
     with pytest.raises(spdsl.ShardingError) as e:
         spdsl.plan(spdsl.sp_shard(seq=2)(f), x)
     assert "backward of its own" in str(e.value)
+
+
+def test_a_base_python_holds_through_a_view_is_handed_on_as_the_view():
+    """Batch 2: a linear layer's ``[B*S, H]`` product, the base of the ``[B, S, H]`` view Python
+    holds, is split on the inner factor of its merged dim, which a DTensor cannot describe: it
+    was handed on gathered whole. The segment hands on the view; a later segment that reads the
+    base (Python holds it here too) views the view back, and a read of the base reads it."""
+    torch.manual_seed(0)
+    lin, lin2 = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+    seen = {}
+
+    def f(x):
+        flat = lin(x.reshape(-1, 4))           # [B*S, 4], held by Python
+        h = flat.view(x.shape)                 # [B, S, 4]
+        g = lin2(x)                            # a [B*S, 4] base only the view holds
+        if h.mean() > 0:                       # read 1: hands on h and g, not their bases
+            h = h * 2
+        seen["top"] = float(flat.max())        # the base used after the read
+        seen["nz"] = int(torch.nonzero(flat > 0).shape[0])     # and read whole
+        return (h + g).pow(2).mean() + flat.pow(2).mean()
+
+    x = torch.randn(2, 8, 4)
+    plan = spdsl.plan(spdsl.sp_shard(seq=2)(f), x)
+    assert plan.segments[0].outputs == 3, plan        # h, g, the comparison
+    first = plan.segments[0].plan.collectives      # the bases were gathered to be handed on
+    assert not [c for c in first if c.kind == "all_gather"], first
+    with torch.no_grad():
+        flat = lin(x.reshape(-1, 4))
+        assert seen == {"top": pytest.approx(float(flat.max())),
+                        "nz": int((flat > 0).sum())}

@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -13,8 +15,7 @@ def tiny_plan() -> spdsl.ShardingPlan:
     torch.manual_seed(0)
     ids = torch.randint(0, 256, (2, 64))
     plan = spdsl.plan(spdsl.sp_shard(seq=4)(Llama(LlamaConfig.tiny())), ids, ids.clone())
-    plan.title = "tiny Llama"
-    return plan
+    return dataclasses.replace(plan, title="tiny Llama")
 
 
 @pytest.fixture(scope="package")

@@ -12,7 +12,7 @@ import spdsl
 import spdsl.collectives.grads as GR
 import spdsl.lower.grad_buckets as G
 import spdsl.lower.ops as O
-import spdsl.pipeline as PR
+import spdsl.pipeline.build as PR
 from spdsl.inspect.flops import ATTENTION_BWD
 from spdsl.models.llama import Llama, LlamaConfig
 from spdsl.propagate.attention_choice import Links

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 import spdsl
 import spdsl.lower.ops as O
-import spdsl.pipeline as PR
+import spdsl.pipeline.build as PR
 from spdsl.lower.project import fuse_output_projection
 from spdsl.memory.fit import SIZING
 from spdsl.models.llama import Llama, LlamaConfig

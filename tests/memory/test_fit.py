@@ -14,12 +14,13 @@ import spdsl
 from spdsl.errors import ShardingError
 from spdsl.inspect.plan import ShardingPlan
 from spdsl.lower.graph import lower
+from spdsl.lower.local import local_specs
 from spdsl.memory import fit
 from spdsl.memory.planner import plan_memory
 from spdsl.memory.simulate import simulate
 from spdsl.models.llama import Llama, LlamaConfig
 from spdsl.pipeline import planning_group
-from spdsl.remat import Remat, RematChoice, apply_remat, local_specs
+from spdsl.remat import Remat, RematChoice, apply_remat
 
 SEQ = 512     # long enough that none > auto > full by kilobytes, not bytes
 

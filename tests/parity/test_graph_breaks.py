@@ -311,7 +311,13 @@ def test_plan_shows_segments_breaks_and_their_cost():
     text = str(plan)
     assert text.startswith("3 segments, 2 breaks") and "the whole sequence on every rank" in text
     assert len(json.loads(plan.to_json())["breaks"]) == 2
-    assert plan.collectives == [c for s in plan.segments for c in s.plan.collectives]
+    # every collective of the call, in order: the same-inputs check, each segment's, the reads'
+    seg = plan.segments
+    assert [c.purpose for c in seg[0].before] == ["check"]
+    assert [(c.kind, c.bytes, c.purpose) for c in unique.issued + mask.issued] == [
+        ("all_gather", 64, "read"), ("all_gather", 8, "read")]
+    assert plan.collectives == [*seg[0].before, *seg[0].plan.collectives, *unique.issued,
+                                *seg[1].plan.collectives, *mask.issued, *seg[2].plan.collectives]
 
 
 def test_reads_that_cannot_be_made_right_name_the_line_and_the_fix():

@@ -1,13 +1,12 @@
-"""Sharded state (``shard_state=True``) as ``Sharded`` sees it: which parameters are
-row shards, and which of their gradients the step reduces (``spdsl.state``,
-``spdsl.lower.state``)."""
+"""Sharded parameters (``shard_state=True``) as ``Sharded`` sees them: which parameters are
+row shards (``spdsl.sharded_state``), which are gathered again under recompute, and which of
+their gradients the step reduces (``spdsl.pipeline.build.reduced_state``)."""
 
 from __future__ import annotations
 
 import torch
 
 from spdsl.errors import ShardingError
-from spdsl.lower.graph import lower
 from spdsl.propagate.trace import Traced
 
 
@@ -15,7 +14,7 @@ class StateSharding:
     """Parameters sharded over the mesh (part of ``Sharded``)."""
 
     def _shard_state(self, roots: list[torch.nn.Module]) -> None:
-        from spdsl.state import shard_parameters
+        from spdsl.sharded_state import shard_parameters
         if not roots:
             raise ShardingError(
                 rule="state sharding", detail="shard_state=True, but no module is reachable "
@@ -26,9 +25,9 @@ class StateSharding:
             self._state_mesh = shard_parameters(root, self.mesh)
 
     def _check_state_sharded(self, traced: Traced) -> list:
-        """Which graph inputs are sharded parameters (``spdsl.lower.state``)."""
-        from spdsl.lower.state import ShardedInput
-        from spdsl.state import is_sharded_state
+        """Which graph inputs are sharded parameters (``spdsl.lower.param_gather``)."""
+        from spdsl.lower.param_gather import ShardedInput
+        from spdsl.sharded_state import is_sharded_state
         out = []
         for j, t in enumerate(traced.state):
             if not isinstance(t, torch.nn.Parameter):
@@ -61,21 +60,8 @@ class StateSharding:
 
     def _state_reduced(self, traced, prop, dprop, outs, data_out, sharded) -> dict:
         """Which sharded parameters' gradients are one reduce-scatter (the rest: whole on
-        every rank already): read off a lowering, so that the plan says what runs."""
-        if not sharded:
-            return {}
-        from spdsl.lower.graph import DataAxis
-        from spdsl.lower.state import GatherState
-        world = self.parts * self.data_parts
-        data = DataAxis(dprop, 0, "dp", "world") if dprop is not None else None
-        gather = GatherState(sharded, world, 0, "sp" if data is None or self.parts == world
-                             else "dp" if self.data_parts == world else "world")
-        # read only, never run: hybrid attention's groups by name alone
-        local = lower(prop, 0, "sp", outs, data, data_out, gather,
-                      lambda u: ("sp", 0, "sp", 0, self.parts // u))
-        found = {}
-        phs = [n for n in local.graph.nodes if n.op == "placeholder"]
-        for n in local.graph.nodes:
-            if n.target is torch.ops.spdsl.gather_param.default:
-                found[phs.index(n.args[0])] = n.args[5]
-        return found
+        every rank already): read off a lowering (``spdsl.pipeline.build.reduced_state``), so
+        that the plan says what runs."""
+        from spdsl.pipeline.build import reduced_state
+        return reduced_state(prop, outs, dprop, data_out, sharded, self.parts, self.axis,
+                             self.data_axis)

@@ -9,11 +9,12 @@ planner (``spdsl.memory.planner``) and both command lines all read the :class:`S
 none of them lowers or rewrites a program itself.
 
 A wrapped function describes itself to the pipeline as a :class:`Job` (``Sharded.job``): its
-mesh axes, its options and the three things only a running job knows (its process groups, the
-hybrid groups of its sequence axis, and its own lowering with the dp axis and sharded state).
-Outside a job (:func:`planned_step` with no process group of the job's size) a fake process group
-of the axis' size stands in (:func:`planning_group`): no collective runs and the model may live
-on the meta device.
+mesh axes, its options and its process groups, decided once (:class:`Groups`,
+``spdsl.pipeline.groups``). Outside a job (:func:`planned_step` with no process group of the
+job's size) a fake process group of the axis' size stands in (:func:`planning_group`): no
+collective runs and the model may live on the meta device. This module holds the only calls of
+``lower()``: the program's, and the lowering read for which sharded parameters' gradients are
+one reduce-scatter (:func:`reduced_state`).
 
 Example::
 
@@ -27,32 +28,30 @@ Example::
 from __future__ import annotations
 
 import contextlib
-import functools
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from spdsl._torch import fake_store, tree_flatten, use_lazy_graph_module
+from spdsl._torch import tree_flatten, use_lazy_graph_module
 from spdsl.lower.graph import lower
 from spdsl.lower.kernels import KernelChoice, swap_kernels
+from spdsl.lower.local import local_specs
 from spdsl.lower.project import fuse_output_projection
 from spdsl.lower.shapes import TensorSpec
+from spdsl.pipeline.groups import Groups, planning_group
 from spdsl.propagate.attention_choice import AttentionConfig, Links, device_model
-from spdsl.remat import Remat, apply_remat, local_specs
+from spdsl.remat import Remat, apply_remat
 
 
 @dataclass(frozen=True)
 class Job:
-    """What the pipeline needs of a wrapped function: its axes and options, and the job's
-    own groups. ``group(axis)`` -> (process group name, this rank in it), ``axis=None`` the
-    sequence axis; ``factor(u)`` -> the hybrid groups of the sequence axis
-    (``spdsl.lower.ring``); ``lowered(entry, args, kwargs)`` -> this rank's lowering with the dp
-    axis and sharded state (records the rank and its input shapes on ``entry``); ``world()`` ->
-    the mesh of every rank; ``resident()`` -> bytes of parameters already in CPU memory;
-    ``agree(index)`` -> the largest ``index`` over the mesh (None outside a job)."""
+    """What the pipeline needs of a wrapped function: its axes and options, and the running
+    job's process groups (``groups``; None outside a job of the axis' size: the pipeline then
+    plans against a fake group). ``batch``: ``"global"`` (every rank passes the whole batch)
+    or ``"local"`` (each data rank its own rows)."""
 
     parts: int
     axis: str
@@ -61,12 +60,8 @@ class Job:
     remat: Remat
     kernels: KernelChoice
     compile: bool
-    group: Callable[..., tuple[str, int]]
-    factor: Callable[[int], tuple]
-    lowered: Callable[[Any, tuple, dict], torch.fx.GraphModule]
-    world: Callable[[], Any]
-    resident: Callable[[Any], int] = lambda entry: 0
-    agree: Callable[[int], int] | None = None
+    batch: str = "global"
+    groups: Groups | None = None
 
 
 @dataclass(frozen=True)
@@ -90,7 +85,7 @@ class Step:
     and ``why`` (``RematChoice``, or None); ``kernels``: the swaps made (``kernel_report``
     rows); ``state``/``inputs``: the specs of the program's inputs on ``rank``; ``axes``:
     process group name -> the mesh axis it spans; ``planning``: built outside the run (fake
-    groups, meta tensors allowed)."""
+    groups, meta tensors allowed); ``groups``: the process groups it was lowered with."""
 
     decisions: Any
     lowered: torch.fx.GraphModule
@@ -103,6 +98,7 @@ class Step:
     inputs: list[TensorSpec]
     axes: dict[str, str] = field(default_factory=dict)
     planning: bool = False
+    groups: Groups | None = None
 
 
 def build_step(job: Job, entry, args: tuple, kwargs: dict, sizing: Sizing) -> Step:
@@ -145,21 +141,15 @@ def _build(stack: contextlib.ExitStack, job: Job, entry, args: tuple, kwargs: di
         stack.enter_context(use_lazy_graph_module(True))
     if planning and r.fit and getattr(entry, "remat", None) is not None:
         r = entry.remat                    # the mode the run chose for this program
-    if not planning or entry.data is not None or entry.sharded:
-        lowered = job.lowered(entry, args, kwargs)      # the job's own groups, its rank
-        rank, axes = entry.rank, _job_axes(job)
-        if planning:
-            lowered = _off_meta(lowered)
-    else:
-        in_job = dist.is_initialized() and dist.get_world_size() > 1
-        if rank is None:
-            rank = job.group()[1] if in_job else 0
-        factor = job.factor if in_job else functools.partial(_planning_factor, job.parts)
-        group = stack.enter_context(_planning_or_job_group(job, in_job))
-        lowered = _off_meta(lower(entry.prop, rank, group, entry.out_placements,
-                                  factor=factor))
-        axes = {group: job.axis}
-    state, ins = local_specs(entry, args, kwargs, job.parts, rank)
+    groups = _groups(stack, job, entry, planning, rank)
+    lowered = lower(entry.prop, groups.rank, groups.group, entry.out_placements,
+                    groups.data_axis_of(entry.data), entry.data_out,
+                    groups.gather_of(entry.sharded), groups.factor)
+    if planning:
+        lowered = _off_meta(lowered)
+    state, ins = local_specs(entry, args, kwargs, groups.parts, groups.rank,
+                             data_parts=groups.data_parts, data_rank=groups.data_rank,
+                             batch=job.batch)
     lowered = swap_kernels(lowered, job.kernels, state, ins)    # in place, before remat
     fuse_output_projection(lowered, state, ins)                 # with head groups; in place
     kernels = tuple(getattr(lowered, "spdsl_kernels", ()))
@@ -170,15 +160,62 @@ def _build(stack: contextlib.ExitStack, job: Job, entry, args: tuple, kwargs: di
         program, r, why = sizing.choose(
             program, r, state, ins, compiled=compiled, optimizer=optimizer,
             **({"target": device_of(entry, args, kwargs)} if away else {} if planning else
-               {"resident": job.resident(entry), "agree": job.agree}))
+               {"resident": _resident(entry), "agree": groups.most}))
     else:
         program = apply_remat(program, r, state, ins, peak=sizing.peak)
     if compiled and not planning:
         from spdsl.lower.compile import compile_local
         program = compile_local(program)         # fullgraph; breaks -> ShardingError
     from spdsl.lower.ring import ring_axes
-    axes = {**ring_axes(lowered, job.axis), **axes}
-    return Step(entry, lowered, program, r, why, kernels, rank, state, ins, axes, planning)
+    axes = {**ring_axes(lowered, job.axis), **groups.axes()}
+    return Step(entry, lowered, program, r, why, kernels, groups.rank, state, ins, axes,
+                planning, groups)
+
+
+def _groups(stack: contextlib.ExitStack, job: Job, entry, planning: bool,
+            rank: int | None) -> Groups:
+    """The groups to lower with: the job's own for the run, and for a plan that needs them
+    (a data axis, sharded state); else a fake group of the axis' size (kept up by ``stack``),
+    or the job's sequence group lowered for another rank."""
+    own = job.groups
+    if not planning or entry.data is not None or entry.sharded:
+        if own is None:
+            raise ValueError("a step with a data axis or sharded state is lowered with the "
+                             "job's own process groups: build it inside the job")
+        return own
+    if own is not None and dist.is_initialized() and dist.get_world_size() > 1:
+        return own if rank is None or rank == own.rank else replace(own, rank=rank)
+    if dist.is_initialized() and job.parts == 1:
+        name = dist.group.WORLD.group_name
+    else:
+        name = stack.enter_context(planning_group(job.parts))
+    return Groups.planned(job.parts, job.axis, name, rank or 0)
+
+
+def reduced_state(prop, outs: list, data, data_out: list, sharded: list, parts: int,
+                  axis: str, data_axis: str | None) -> dict[int, bool]:
+    """Which sharded parameters' gradients are one reduce-scatter (graph input index ->
+    the gather's ``reduce`` flag; the rest are whole on every rank already), read off rank 0's
+    lowering against groups named but never run (:meth:`Groups.named`), so that the plan says
+    what runs. ``data``: the data axis' propagation, or None."""
+    if not sharded:
+        return {}
+    data_parts = data.parts if data is not None else 1
+    groups = Groups.named(parts, axis, data_parts, data_axis)
+    local = lower(prop, 0, groups.group, outs, groups.data_axis_of(data), data_out,
+                  groups.gather_of(sharded), groups.factor)
+    found = {}
+    phs = [n for n in local.graph.nodes if n.op == "placeholder"]
+    for n in local.graph.nodes:
+        if n.target is torch.ops.spdsl.gather_param.default:
+            found[phs.index(n.args[0])] = n.args[5]
+    return found
+
+
+def _resident(entry) -> int:
+    """Bytes of the parameters already in CPU memory (``spdsl.memory.fit.device_budget``)."""
+    return sum((t.to_local() if hasattr(t, "to_local") else t).nbytes
+               for t in entry.traced.state if t.device.type == "cpu")
 
 
 def device_of(entry, args: tuple, kwargs: dict | None = None) -> Links:
@@ -188,30 +225,6 @@ def device_of(entry, args: tuple, kwargs: dict | None = None) -> Links:
     device = next((a.device.type for a in tree_flatten((args, kwargs or {}))[0]
                    if isinstance(a, torch.Tensor)), "cpu")
     return device_model(device, AttentionConfig.of(entry.prop.attention).links)
-
-
-def _job_axes(job: Job) -> dict[str, str]:
-    """Process group name -> the axis it reduces or exchanges over (``dp+sp``: every rank)."""
-    axes = {job.group()[0]: job.axis}
-    if job.data_parts > 1:
-        axes[job.group(job.data_axis)[0]] = job.data_axis
-        both = f"{job.data_axis}+{job.axis}" if job.parts > 1 else job.data_axis
-        axes.setdefault(job.world().get_group().group_name, both)
-    return axes
-
-
-def _planning_or_job_group(job: Job, in_job: bool):
-    if in_job:
-        return contextlib.nullcontext(job.group()[0])
-    if dist.is_initialized() and job.parts == 1:
-        return contextlib.nullcontext(dist.group.WORLD.group_name)
-    return planning_group(job.parts)
-
-
-def _planning_factor(parts: int, u: int) -> tuple:
-    """Hybrid attention's groups in the planning group (rank 0 of ``parts``)."""
-    from spdsl.lower.ring import factor_ranks
-    return factor_ranks(torch.arange(parts).view(1, parts), u)
 
 
 def _off_meta(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
@@ -225,22 +238,3 @@ def _off_meta(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     if changed:        # code generation: 0.4 s for an 8B model's 3,000 nodes
         gm.recompile()
     return gm
-
-
-@contextlib.contextmanager
-def planning_group(parts: int):
-    """A process group to lower against when none is running: a fake one, ``parts`` ranks
-    (``torch.testing._internal.distributed.fake_pg``), torn down afterwards. Yields its name."""
-    if dist.is_initialized():
-        if dist.get_world_size() != parts:
-            raise ValueError(f"cannot plan {parts} ranks inside a running job of "
-                             f"{dist.get_world_size()}: plan in a process without one (the "
-                             "`python -m spdsl memory` command does)")
-        yield dist.group.WORLD.group_name
-        return
-    dist.init_process_group("fake", store=fake_store(), rank=0, world_size=parts)
-    try:
-        yield dist.group.WORLD.group_name
-        return
-    finally:
-        dist.destroy_process_group()

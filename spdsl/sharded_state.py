@@ -50,7 +50,7 @@ def shard_parameters(module: torch.nn.Module, mesh: DeviceMesh) -> DeviceMesh:
     Example::
 
         mesh = spdsl.mesh(dp=2, sp=2)
-        spdsl.state.shard_parameters(model, mesh)
+        spdsl.sharded_state.shard_parameters(model, mesh)
         opt = torch.optim.AdamW(model.parameters())      # sharded optimizer state
     """
     if is_fsdp_wrapped(module):

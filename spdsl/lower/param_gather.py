@@ -1,4 +1,5 @@
-"""Gathers of sharded parameters in the local graph (``shard_state=True``; see spdsl.state).
+"""Gathers of sharded parameters in the local graph (``shard_state=True``; see
+``spdsl.sharded_state``).
 
 Each sharded parameter's graph input is the rank's rows; one ``spdsl::gather_param`` node,
 placed right before the parameter's first use, makes the whole parameter. Its backward is the

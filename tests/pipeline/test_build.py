@@ -1,7 +1,8 @@
-"""``spdsl.pipeline`` in one process, rank 0 of 2 against a fake process group: the frozen
-``Step`` ``build_step`` returns and what it carries, the plan's program (``planned_step``)
-running the same collectives in the same order as the run's, and no Inductor call unless
-the job compiles."""
+"""``spdsl.pipeline.build`` in one process against a fake process group: the frozen ``Step``
+``build_step`` returns and what it carries, the plan's program (``planned_step``) running the
+same collectives in the same order as the run's, no Inductor call unless the job compiles, and
+the programs of dp x sp, sharded state and hybrid attention calling the collectives they
+called when the job's groups were callables (each over the axis it did, in order)."""
 
 from __future__ import annotations
 
@@ -121,3 +122,69 @@ def test_inductor_runs_only_when_the_job_compiles(monkeypatch, compiled):
         step = PR.build_step(f.job, f.build((ids, ids), {}), (ids, ids), {}, SIZING)
     assert len(calls) == compiled
     assert (step.program is calls[0]) if compiled else (step.program is step.lowered)
+
+
+# (call, the axes of the groups it names, how many in a row), in program order, of rank 0's
+# program: as the lowering made them before the pipeline decided its groups once (Groups)
+_PROGRAMS = {
+    "dp2xsp2": [
+        ("grad_all_reduce_many", ("dp+sp",), 1),
+        ("grad_all_reduce", ("dp",), 4),
+        ("ulysses_attention", ("sp",), 1),
+        ("grad_all_reduce", ("dp",), 4),
+        ("ulysses_attention", ("sp",), 1),
+        ("window", ("sp",), 2),
+        ("nll_mean", ("dp+sp",), 1)],
+    "dp2xsp2_state": [
+        ("gather_param.default", ("dp+sp",), 5),
+        ("grad_all_reduce", ("dp",), 4),
+        ("ulysses_attention", ("sp",), 1),
+        ("gather_param.default", ("dp+sp",), 9),
+        ("grad_all_reduce", ("dp",), 4),
+        ("ulysses_attention", ("sp",), 1),
+        ("gather_param.default", ("dp+sp",), 7),
+        ("window", ("sp",), 2),
+        ("nll_mean", ("dp+sp",), 1)],
+    "sp4_hybrid": [
+        ("grad_all_reduce_many", ("sp",), 1),
+        ("ring_attention", ("sp/ulysses", "sp/ring"), 2),
+        ("window", ("sp",), 2),
+        ("nll_mean", ("sp",), 1)],
+}
+_CONFIGS = {"dp2xsp2": (4, 2, {}), "dp2xsp2_state": (4, 2, {"shard_state": True}),
+            "sp4_hybrid": (4, 1, {"seq": 4, "attention": ("hybrid", 2)})}
+
+
+def _axes_of(x, axes: dict) -> list[str]:
+    if isinstance(x, str):
+        return [axes[x]] if x in axes else []
+    if isinstance(x, (tuple, list)):
+        return [a for y in x for a in _axes_of(y, axes)]
+    return []
+
+
+def _calls(step: PR.Step) -> list:
+    out = []
+    for n in step.lowered.graph.nodes:
+        got = tuple(_axes_of(list(n.args), step.axes)) if n.op == "call_function" else ()
+        if not got:
+            continue
+        name = getattr(n.target, "__name__", str(n.target))
+        if out and out[-1][:2] == (name, got):
+            out[-1] = (name, got, out[-1][2] + 1)
+        else:
+            out.append((name, got, 1))
+    return out
+
+
+@pytest.mark.parametrize("name", list(_CONFIGS))
+def test_the_program_calls_what_it_called(name):
+    world, batch, kw = _CONFIGS[name]
+    torch.manual_seed(0)
+    model, ids = Llama(LlamaConfig.tiny()), torch.randint(0, 256, (batch, SEQ))
+    with PR.planning_group(world):
+        f = spdsl.sp_shard(seq=kw.pop("seq", 2), remat="none", **kw)(model)
+        step = f.prepare(ids, ids).step
+    assert _calls(step) == _PROGRAMS[name]
+    assert step.groups is not None and step.groups.kind == "job"
+    assert step.groups.world == world and step.rank == 0

@@ -1,0 +1,326 @@
+"""The memory planner for forwards that read tensor values in Python (``spdsl.annotate.breaks``);
+its results are ``spdsl.memory.segmented``'s.
+
+Such a forward runs in segments, and which segments run depends on the values read, so there is
+no one program to simulate: a plan is made per *path* (the segments one call runs and the values
+its reads gave), and the step's peak is the worst path planned. One path is planned as it runs:
+
+1. the call runs in segments for a plan (``spdsl.annotate.breaks.planned_cut``: real global
+   values in this process, no collective), which gives the path -- each segment's program (a
+   ``Sharded`` planned with no mesh) and where each of its inputs comes from;
+2. each segment's rank program is built by the pipeline as the run builds it
+   (``spdsl.pipeline.planned_step``: lowered for the rank, kernels, remat), all against one
+   planning process group;
+3. the programs run in order in ONE fake step under one ``LiveBytes`` tracker (as
+   ``spdsl.memory.simulate`` runs one program): a segment's inputs are the fake outputs of the
+   segments before it (this rank's pieces, the tensors themselves, so that autograd links them),
+   the function's parameters (the same fake tensors in every segment that uses them: their
+   gradients accumulate) and its arguments' pieces; a read makes its value whole with the
+   collective the run uses (an all-gather of a split value, an all-reduce of a partial sum; both
+   allocate), and a shape made from data (``x[mask]``'s indices, ``unique``) enters the next
+   segment as a tensor allocated at the read. Every segment's outputs stay alive until the
+   forward returns, as the runner holds them (``Cut.env``, ``Replayed.outs``); then one backward
+   from the function's outputs through every segment, and the optimizer over the parameters.
+
+Each plan is kept on the function's runner (per call signature and planning options), so a
+later call down another path adds its path and the step's peak is the worst of them; the
+runner's recorded paths that no plan has taken yet are counted apart.
+
+Measured (``tests/annotate/test_segments_memory.py``, SP 2): each path's peak equals a real replayed
+step's ``LiveBytes`` count to the byte, and the allocator's to 20 B (bytes C++ allocates below
+the dispatcher); with ``x[mask]`` the plan is one copy of the gathered gradient above the
+allocator (its backward scatters out of place under any dispatch mode, in place when nothing
+watches).
+
+Not planned (refused as a ``ShardingError``): meta or fake arguments (the reads need values), a
+dp x sp mesh or ``shard_state=True`` (segments are planned on the sequence axis alone), a
+compiled step. Not counted: the temporaries inside an op that makes a shape from data
+(``nonzero``, ``unique``: only its outputs); the padding of an all-gather of uneven pieces.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import weakref
+
+import torch
+
+from spdsl._torch import FakeTensorMode, disable_current_modes, pop_mode_temporarily, tree_flatten
+from spdsl.annotate.segment import Read, SegStep
+from spdsl.collectives import made_whole, unordered
+from spdsl.errors import ShardingError
+from spdsl.memory.fit import SIZING
+from spdsl.memory.planner import _local_tokens
+from spdsl.memory.report import MemoryPlan
+from spdsl.memory.segmented import PathMemory, SegmentedMemoryPlan
+from spdsl.memory.simulate import (
+    MASTER,
+    _adamw_state,
+    _adamw_update,
+    _moment_dtype,
+    _rng_states_counted,
+    canonical_optimizer,
+)
+from spdsl.memory.tracker import LiveBytes
+from spdsl.pipeline import Groups, planned_step, planning_group
+from spdsl.propagate.placement import PARTIAL, Shard
+from spdsl.remat import Remat
+
+# the runner (``Segments``) -> {(call key, options): {path guards: PathMemory}}
+_PLANNED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def plan_segmented(owner, args: tuple, kwargs: dict, error=None, *, remat=None,
+                   rank: int = 0, optimizer: str = "adamw", optimizer_on_host: bool = False,
+                   pinned_host: bool | None = None, compiled: bool | None = None
+                   ) -> SegmentedMemoryPlan:
+    """:func:`spdsl.memory.plan_memory` of a function that reads values: this call's path
+    planned and added to the paths planned before (see the module docstring)."""
+    from spdsl.annotate.breaks import planned_cut
+
+    where = getattr(owner, "__qualname__", "")
+    if compiled or (compiled is None and owner.compile):
+        raise ShardingError(
+            rule="data-dependent control flow", value="compile=True", where=where,
+            detail="a function that reads values runs in segments; their compiled programs "
+                   "are not planned",
+            fix="plan_memory(..., compiled=False) plans the eager segments")
+    if owner.shard_state or owner.data_parts > 1:
+        raise ShardingError(
+            rule="data-dependent control flow", value="a dp x sp mesh or shard_state=True",
+            where=where, detail="the segments of a function that reads values are planned on "
+                                "the sequence axis alone",
+            fix="plan it with sp_shard(seq=N) on one axis")
+    cut = planned_cut(owner, args, kwargs, error)
+    if pinned_host is None:
+        pinned_host = any(isinstance(a, torch.Tensor) and a.device.type == "cuda"
+                          for a in tree_flatten((args, kwargs))[0])
+    r = Remat.of(remat) if remat is not None else None
+    plan, n_segs = _simulate_path(owner, cut, rank=rank, remat=r, optimizer=optimizer,
+                                  optimizer_on_host=optimizer_on_host, pinned_host=pinned_host)
+    reads = [s for s in cut.path if _is_read(s)]
+    guards = tuple(s.guard for s in reads)
+    path = PathMemory(tuple(_shown(s) for s in reads), n_segs, plan, guards)
+    seg = owner._segmented
+    call = seg._key(args, kwargs)
+    opts = (call, repr(remat), rank, optimizer, optimizer_on_host, pinned_host)
+    planned = _PLANNED.setdefault(seg, {}).setdefault(opts, {})
+    planned[guards] = path
+    paths = tuple(planned.values())
+    recorded = _recorded(seg.paths.get(call))
+    return SegmentedMemoryPlan(paths, list(planned).index(guards),
+                               len([g for g in recorded if g not in planned]))
+
+
+def _simulate_path(owner, cut, *, rank: int, remat, optimizer: str, optimizer_on_host: bool,
+                   pinned_host: bool) -> tuple[MemoryPlan, int]:
+    """One fake step along ``cut``'s path (module docstring, step 3)."""
+
+    optimizer = canonical_optimizer(optimizer, optimizer_on_host)
+    # a segment's job: the function's options on its sequence axis alone (read here, before
+    # the planning group is up: a mesh made now would be made on it), against that group
+    base = dataclasses.replace(owner.job, data_axis=None, data_parts=1, groups=None)
+    real = _planning_values(cut)
+    n_state = len(cut.names)
+    cpu = all(t.device.type in ("cpu", "meta") for t in real.values()
+              if isinstance(t, torch.Tensor))
+    tracker = LiveBytes(workspace=True, pinned=pinned_host)
+    label, tokens, n_segs = "", None, 0
+    with contextlib.ExitStack() as stack:
+        group = stack.enter_context(planning_group(owner.parts))
+        stack.enter_context(FakeTensorMode(allow_non_fake_inputs=True))
+        stack.enter_context(unordered())
+        # the function's parameters and buffers: one fake each, whichever segments use it
+        fakes: dict = {("in", i): _fake_like(real[("in", i)]) for i in range(n_state)}
+        params = [f for f in fakes.values() if f.requires_grad]
+        states = {}
+        if optimizer.startswith("adamw"):
+            states = {i: _adamw_state(p, optimizer == MASTER, _moment_dtype(p.dtype, optimizer))
+                      for i, p in enumerate(params)}
+        tracker.register(list(fakes.values()), "parameter")
+        tracker.register([t for st in states.values() for t in st if t is not None],
+                         "host-pageable" if optimizer_on_host else "optimizer")
+        placed: dict = {}         # ("out", k, j) -> its placement as segment k hands it on
+        hooks = tracker.watch_gradients(params)
+        try:
+            with tracker, _rng_states_counted(tracker):
+                # a replayed call (the steady state) holds the CPU generator's state from its
+                # start to its end, to restore it on a path not recorded (``Segments._replay``)
+                held = torch.get_rng_state() if cpu else None
+                for step in cut.path:
+                    if not isinstance(step, SegStep):
+                        with torch.no_grad():
+                            _read(step, fakes, placed, real, group)
+                        continue
+                    k = n_segs
+                    n_segs += 1
+                    # the run's inputs need a gradient where the fake ones do (the planning
+                    # values were computed without one): the program is built for that
+                    grads = [_needs_grad(s, fakes, real) for s in step.srcs]
+                    job = dataclasses.replace(base, groups=Groups.planned(
+                        owner.parts, owner.axis, group, rank))
+                    with disable_current_modes():      # built as the run builds it
+                        ins = tuple(_as_grad(real[s] if s[0] in ("in", "out", "read")
+                                             else s[1], g) for s, g in zip(step.srcs, grads))
+                        entry = step.prog.build(ins, {})
+                        built = stack.enter_context(planned_step(
+                            job, entry, ins, {}, SIZING, rank=rank, remat=remat,
+                            compiled=False, optimizer=optimizer))
+                    if k == 0:
+                        label = f"{built.remat.describe()}, rank {rank} of {owner.parts}"
+                        tokens = _local_tokens(built.decisions, built.inputs)
+                    xs = [_fake_input(s, spec, fakes, tracker, k)
+                          for s, spec in zip(step.srcs, built.inputs)]
+                    with torch.set_grad_enabled(step.grad):
+                        outs = tree_flatten(built.program(*built.state, *xs))[0]
+                    for j, (o, q) in enumerate(zip(outs, entry.out_placements)):
+                        fakes[("out", k, j)] = o
+                        placed[("out", k, j)] = q
+                    del xs, outs
+                roots = [fakes[s] for s in cut.recipe if s[0] == "out"]
+                roots = [o for o in dict.fromkeys(roots) if isinstance(o, torch.Tensor)
+                         and o.requires_grad]
+                tracker.mark("forward_end")
+                for src in [s for s in fakes if s[0] in ("out", "read")]:
+                    del fakes[src]              # the runner's values die with the call
+                del held
+                tracker.phase = "backward"
+                if roots:
+                    torch.autograd.backward(roots, [torch.ones_like(o) for o in roots])
+                del roots
+                tracker.mark("backward_end")
+                tracker.phase = "optimizer"
+                tracker._check_peak()       # the phase starts here, whatever it allocates
+                if optimizer != "none":
+                    tracker.on_host = optimizer_on_host
+                    with torch.no_grad():
+                        for i, p in enumerate(params):
+                            if p.grad is None:
+                                continue
+                            if i in states:
+                                _adamw_update(p, *states[i])
+                            else:
+                                p.add_(p.grad, alpha=-1e-3)
+                    tracker.on_host = False
+        finally:
+            for h in hooks:
+                h.remove()
+    fwd = tracker.marks["forward_end"]
+    return MemoryPlan.from_tracker(tracker, saved=fwd.get("activation", 0), tokens=tokens,
+                                   label=label), n_segs
+
+
+def _planning_values(cut) -> dict:
+    """Source -> the global value the planning run gave it (arguments, parameters, segments'
+    outputs, reads' results)."""
+    real = {cut.src[n]: v for n, v in cut.env.items() if n in cut.src}
+    real.update({src: t for t, src in cut.made.values()})
+    return real
+
+
+def _fake_like(t: torch.Tensor) -> torch.Tensor:
+    f = torch.empty(t.shape, dtype=t.dtype, device=t.device if not t.is_meta else "cpu")
+    return f.requires_grad_(True) if t.requires_grad else f
+
+
+def _needs_grad(src: tuple, fakes: dict, real: dict) -> bool:
+    if src[0] == "out":
+        return fakes[src].requires_grad
+    return src[0] == "in" and real[src].requires_grad
+
+
+def _as_grad(x, grad: bool):
+    if not isinstance(x, torch.Tensor) or x.requires_grad == grad:
+        return x
+    return x.detach().requires_grad_(grad)
+
+
+def _fake_input(src: tuple, spec, fakes: dict, tracker: LiveBytes, k: int):
+    """What segment ``k`` reads for ``src``: a parameter's or an earlier segment's fake itself;
+    an argument's piece (a view of the global argument in the run, held before the step: an
+    input, as one program's are); a constant of the function (held before the step too)."""
+    kind = src[0]
+    if kind == "in" and src in fakes:               # a parameter or a buffer
+        return fakes[src]
+    if kind in ("in", "const"):
+        key = (kind, src[1] if kind == "in" else id(src[1]), tuple(spec.shape))
+        if key not in fakes:
+            with _quiet(tracker):
+                fakes[key] = spec.fake()
+            tracker.register([fakes[key]], "input")
+        return fakes[key]
+    if kind in ("out", "read"):
+        got = fakes[src]
+        if tuple(got.shape) != tuple(spec.shape):
+            raise ShardingError(
+                rule="segment memory plan", value=f"{src}: {tuple(got.shape)}",
+                where=f"segment {k}",
+                detail=f"the segment's program reads a piece of shape {tuple(spec.shape)}",
+                fix="plan with the options the run uses")
+        return got
+    return src[1]                                    # a literal
+
+
+@contextlib.contextmanager
+def _quiet(tracker: LiveBytes):
+    """Allocations the tracker must not see (tensors held before the step, registered)."""
+    with pop_mode_temporarily() as mode:
+        if mode is not tracker:
+            raise RuntimeError("the memory tracker is not the innermost mode")
+        yield
+
+
+def _whole(src: tuple, fakes: dict, placed: dict, group: str):
+    """A value read, made whole as the run makes it (``DTensor.full_tensor``)."""
+    v = fakes.get(src)
+    q = placed.get(src)
+    if src[0] != "out" or v is None:
+        return v              # an argument, a parameter, a read's result: whole already
+    if q == PARTIAL:
+        return made_whole(v, group)
+    if isinstance(q, Shard):
+        return made_whole(v, group, q.dim)
+    return v
+
+
+def _read(read, fakes: dict, placed: dict, real: dict, group: str) -> None:
+    """A read (``spdsl.annotate.segment.Read``): its values made whole (freed once read) and
+    the tensors it makes (inputs of later segments: ``x[mask]``'s indices, ``unique``'s
+    output), allocated as the real ones are laid out."""
+    srcs = [read.srcs] if read.kind == "item" else read.srcs if read.kind == "mask" \
+        else [s for s in read.srcs[1] if s[0] != "lit"]
+    whole = [_whole(s, fakes, placed, group) for s in srcs]
+    made = sorted((src, t) for src, t in real.items()
+                  if src[0] == "read" and src[1] == read.index)
+    bases: dict = {}
+    for src, t in made:
+        st = t.untyped_storage()
+        base = bases.get(st.data_ptr())
+        if base is None:
+            base = bases[st.data_ptr()] = torch.empty(st.nbytes() // t.element_size(),
+                                                      dtype=t.dtype, device=t.device)
+        fakes[src] = base.as_strided(t.shape, t.stride(), t.storage_offset())
+    del whole
+
+
+def _is_read(step) -> bool:
+    return isinstance(step, Read)
+
+
+def _shown(read) -> str:
+    """A read's value as Python saw it (a number or a bool), or what it made."""
+    if read.kind == "item":
+        return read.guard[1]
+    if read.kind == "mask":
+        return "x[mask] " + "x".join(str(s[0]) for s in read.guard[:1]) + " picked"
+    return read.brk.kind if read.brk is not None else "a shape from data"
+
+
+def _recorded(node, guards: tuple = ()) -> list[tuple]:
+    """The guards of every path recorded under ``node`` (``Segments.paths``)."""
+    if node is None:
+        return []
+    if node.read is None:
+        return [guards]
+    return [g for guard, kid in node.kids.items() for g in _recorded(kid, guards + (guard,))]

@@ -5,8 +5,6 @@ Examples::
     python -m spdsl memory --model spdsl.models.llama:LlamaConfig.llama3_8b --sp 8 --state-shards 8 --offload --max-seq
     python -m spdsl memory --model spdsl.models.llama:LlamaConfig.llama3_70b --sp 32 --state-shards all --offload --max-seq
     python -m spdsl memory --model spdsl.models.llama:LlamaConfig.llama3_8b --sp 8 --seq 131072 --remat full
-    python -m spdsl memory --model spdsl.models.llama:LlamaConfig.llama3_8b --sp 4 --dp 2 --state-shards all --max-seq
-    python -m spdsl memory --model spdsl.models.llama:LlamaConfig.small --sp 4 --seq 8192 --dtype fp32 --kernels auto --json
     python -m spdsl memory --model hf:llama-tiny --sp 4 --seq 65536 --remat auto
 
 Modes (--remat), as remat= of sp_shard: none; auto (remat="auto": saves per op by recompute
@@ -30,15 +28,12 @@ copies counted as PyTorch's pinned allocator takes them (each rounded up to a po
 spdsl.memory.host). Device figures plan the GPU run (--kernels triton: spdsl's Triton kernels
 swapped in); --reserve is kept back from --device-memory for what the tensor planner cannot see
 (default: the CUDA context, NCCL's buffers, allocator fragmentation and the card's unaddressable
-capacity, part by part in spdsl.memory.reserve: 7.9 GiB of 80). The answer of --max-seq is
-the full-depth simulation's: the depth extrapolation proposes, the full model is simulated at
-the proposal and stepped down until it fits. No mode is searched past its bound (every layer's
-input, which no mode recomputes, per token against the device budget, plus the host budget
-when it offloads); best skips a combination whose bound, or whose extrapolation one granule
-past the longest proposal so far, says it cannot be longer. With several modes the full depth
-checks the longest proposals, longest first, until one verified answer is at least every
-proposal left; the other modes' answers are the extrapolation's, and say so. --max-seq says on
-stderr each length it simulates and whether it fits.
+capacity, part by part in spdsl.memory.reserve: 7.9 GiB of 80). --max-seq answers what the
+full depth simulates to fit, one granule more not (spdsl.memory.search: the bounds, the depth
+extrapolation's proposals); best skips combinations whose bound or extrapolation cannot pass
+the longest proposal so far; the full depth checks the longest proposals, longest first, until
+one verified answer is at least every proposal left (the others: the extrapolation's, to 1%).
+Each length simulated, and whether it fits, is said on stderr.
 """
 
 from __future__ import annotations
@@ -86,6 +81,7 @@ from spdsl.modelspec.cli import (
 from spdsl.remat import Remat, parse_bytes
 
 MODES = ("none", "auto", "lean", "full", "best")
+COARSE = 0.01   # modes are proposed to 1% of their length; the one checked at full depth exactly
 
 
 def size(text: str) -> int:
@@ -218,14 +214,26 @@ class _Saying(Estimator):
               flush=True)
         t0 = time.perf_counter()
         p = super().phases(seq)
-        peak = max(v for k, v in p.items() if k != "host")
-        host_over = self.host_budget is not None and p.get("host", 0) > self.host_budget
+        self._verdict(max(v for k, v in p.items() if k != "host"), p.get("host", 0), t0)
+        return p
+
+    def _verdict(self, peak: int, host: int, t0: float) -> None:
+        host_over = self.host_budget is not None and host > self.host_budget
         verdict = "fits" if peak <= self.budget and not host_over else \
             "too long for the host" if peak <= self.budget else "too long"
-        host = f", host {fmt_bytes(p['host'])}" if self.host_budget is not None else ""
-        print(f" {verdict} ({fmt_bytes(peak)}{host}; {time.perf_counter() - t0:.0f} s)",
+        said = f", host {fmt_bytes(host)}" if self.host_budget is not None else ""
+        print(f" {verdict} ({fmt_bytes(peak)}{said}; {time.perf_counter() - t0:.0f} s)",
               file=sys.stderr, flush=True)
-        return p
+
+    def full(self, seq: int):
+        if seq in self.__dict__.get("_full", {}):
+            return super().full(seq)
+        print(f"  {_name(self.remat)}: full depth at {seq:,} tokens ...", end="",
+              file=sys.stderr, flush=True)
+        t0 = time.perf_counter()
+        plan = super().full(seq)
+        self._verdict(plan.peak, plan.host, t0)
+        return plan
 
 
 def _estimator(cfg, a, remat: Remat, shards: int, budget: int, host: int) -> _Saying:
@@ -270,11 +278,20 @@ class _Search:
               f" (every layer's input, {token_floor(self.cfg, est.dtype):,} B per token, "
               f"against the {where} budget)", file=sys.stderr, flush=True)
         self.proposed[key] = propose(est, self.budget, granularity=self.a.granularity,
-                                     host_budget=est.host_budget,
+                                     host_budget=est.host_budget, tol=COARSE,
                                      probes=(self.a.probe // 4, self.a.probe))
-        print(f"  {who}: the 2-3 layer line says {self.proposed[key]:,} tokens",
-              file=sys.stderr, flush=True)
+        print(f"  {who}: the 2-3 layer line says {self.proposed[key]:,} tokens (to "
+              f"{COARSE:.0%})", file=sys.stderr, flush=True)
         return self.proposed[key]
+
+    def ceiling(self, remat: Remat, shards: int) -> int:
+        """The longest the combination's extrapolation may reach: one granule short of the
+        shortest length it was seen not to fit (its proposal is precise to ``COARSE``)."""
+        est = self.est(remat, shards)
+        seq = self.proposed.get((remat, shards), 0)
+        over = [s for s in est.seen() if s > seq and over_budget(
+            est.phases(s), self.budget, est.host_budget) > 0]
+        return min(over) - granule(self.a.granularity, est.sp) if over else seq
 
     def beats(self, remat: Remat, shards: int, bar: int) -> bool:
         """Whether the combination could pass ``bar`` tokens: its bound, then (memory grows
@@ -412,8 +429,8 @@ class _Answer:
 def _max_seq(cfg, a, shards: int, budget: int, host: int) -> None:
     """``--max-seq``: every mode's proposal (bounded, its probes said on stderr), then the
     full-depth simulation at the longest proposals, longest first, until the longest verified
-    answer is at least every proposal left: that one is the answer, the others are reported as
-    the extrapolation gave them (they are shorter)."""
+    answer is at least every proposal left could reach (:meth:`_Search.ceiling`): that one is
+    the answer, the others are reported as the extrapolation gave them (they are shorter)."""
     search = _Search(cfg, a, budget, host)
     answers: list[_Answer] = []
     for mode in a.remat:
@@ -431,7 +448,7 @@ def _max_seq(cfg, a, shards: int, budget: int, host: int) -> None:
         for x in sorted(answers, key=lambda x: -x.seq):
             key = (x.remat, x.shards)
             if key not in done:
-                if x.seq <= longest or x.seq == 0:
+                if search.ceiling(*key) <= longest or x.seq == 0:
                     continue
                 done[key] = search.verify(x.remat, x.shards)
                 longest = max(longest, done[key][0])
@@ -462,7 +479,8 @@ def _report(search: _Search, x: _Answer, h: int) -> None:
     how = "full depth" if x.plan is not None else \
         "extrapolated, not verified" if a.no_verify else \
         "none fits at full depth" if x.verified else \
-        "extrapolated from 2-3 layer models; shorter than the best, not simulated at full depth"
+        f"extrapolated from 2-3 layer models, to {COARSE:.0%}; shorter than the best, not " \
+        "simulated at full depth"
     print(f"\n== remat={label}: longest sequence {x.seq:,} tokens ({x.seq // a.sp:,} per "
           f"rank; {how}); activations kept on the device {per:,.0f} B/token/layer = "
           f"{per / h:.1f}*h, on the host {per_host:,.0f} = {per_host / h:.1f}*h at "

@@ -57,10 +57,10 @@ from spdsl.memory.segmented import PathMemory, SegmentedMemoryPlan
 from spdsl.memory.simulate import (
     MASTER,
     _adamw_state,
-    _adamw_update,
     _moment_dtype,
     _rng_states_counted,
     canonical_optimizer,
+    optimizer_phase,
 )
 from spdsl.memory.tracker import LiveBytes
 from spdsl.pipeline import Groups, planned_step, planning_group
@@ -189,20 +189,7 @@ def _simulate_path(owner, cut, *, rank: int, remat, optimizer: str, optimizer_on
                 if roots:
                     torch.autograd.backward(roots, [torch.ones_like(o) for o in roots])
                 del roots
-                tracker.mark("backward_end")
-                tracker.phase = "optimizer"
-                tracker._check_peak()       # the phase starts here, whatever it allocates
-                if optimizer != "none":
-                    tracker.on_host = optimizer_on_host
-                    with torch.no_grad():
-                        for i, p in enumerate(params):
-                            if p.grad is None:
-                                continue
-                            if i in states:
-                                _adamw_update(p, *states[i])
-                            else:
-                                p.add_(p.grad, alpha=-1e-3)
-                    tracker.on_host = False
+                optimizer_phase(tracker, params, states, optimizer, optimizer_on_host)
         finally:
             for h in hooks:
                 h.remove()

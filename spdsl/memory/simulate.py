@@ -148,26 +148,34 @@ def simulate(gm: torch.nn.Module, state: list[TensorSpec], inputs: list[TensorSp
                 if roots:
                     torch.autograd.backward(roots, [torch.ones_like(o) for o in roots])
                 del outs, roots
-                tracker.mark("backward_end")
-                tracker.phase = "optimizer"
-                tracker._check_peak()       # the phase starts here, whatever it allocates
-                if optimizer != "none":
-                    tracker.on_host = optimizer_on_host
-                    with torch.no_grad():
-                        for i, p in enumerate(params):
-                            if p.grad is None:
-                                continue
-                            if i in states:
-                                _adamw_update(p, *states[i])
-                            else:
-                                p.add_(p.grad, alpha=-1e-3)
-                    tracker.on_host = False
+                optimizer_phase(tracker, params, states, optimizer, optimizer_on_host)
         finally:
             for h in hooks:
                 h.remove()
     fwd = tracker.marks["forward_end"]
     return MemoryPlan.from_tracker(tracker, saved=fwd.get("activation", 0),
                                    tokens=tokens, label=label)
+
+
+def optimizer_phase(tracker: LiveBytes, params: list, states: dict, optimizer: str,
+                    on_host: bool) -> None:
+    """The step after backward, under ``tracker``: the optimizer's update of every parameter
+    with a gradient (AdamW with ``states``, else SGD), on the host when ``on_host``."""
+    tracker.mark("backward_end")
+    tracker.phase = "optimizer"
+    tracker._check_peak()       # the phase starts here, whatever it allocates
+    if optimizer == "none":
+        return
+    tracker.on_host = on_host
+    with torch.no_grad():
+        for i, p in enumerate(params):
+            if p.grad is None:
+                continue
+            if i in states:
+                _adamw_update(p, *states[i])
+            else:
+                p.add_(p.grad, alpha=-1e-3)
+    tracker.on_host = False
 
 
 def _adamw_state(p: torch.Tensor, master: bool, moments: torch.dtype = torch.float32) -> tuple:

@@ -91,25 +91,3 @@ def axis_size(m: DeviceMesh, axis: str) -> int:
                 f"spdsl.mesh({axis}=N)",
         )
     return m.size(names.index(axis))
-
-
-def factor_axis(m: DeviceMesh, axis: str, u: int) -> tuple:
-    """Axis ``axis`` of ``m`` as Ulysses groups of ``u`` consecutive ranks and rings across
-    them (hybrid attention, ``spdsl.lower.ring``): this rank's (Ulysses group name, rank in
-    it, ring group name, rank in it, ring size). Rank ``r`` of the axis is member ``r % u`` of
-    Ulysses group ``r // u`` and member ``r // u`` of ring ``r % u``. Creating a group takes
-    every rank of the job, so every rank builds all of them, in the same order.
-
-    Example::
-
-        mesh = spdsl.mesh(sp=8)
-        ugroup, urank, rgroup, rrank, rings = factor_axis(mesh, "sp", 4)   # 4 x 2
-    """
-    parts = axis_size(m, axis)
-    if u < 1 or parts % u:
-        raise ShardingError(rule="hybrid attention", value=f"U={u} over {axis}={parts}",
-                            detail="the Ulysses degree must divide the axis",
-                            fix=f"pick a divisor of {parts}")
-    from spdsl.lower.ring import factor_ranks
-    dim = (m.mesh_dim_names or ()).index(axis)
-    return factor_ranks(m.mesh.movedim(dim, -1).reshape(-1, parts), u)

@@ -36,8 +36,3 @@ def test_a_one_rank_mesh(one_rank):
     with pytest.raises(ShardingError) as e:
         M.axis_size(m, "tp")
     assert e.value.rule == "unknown mesh axis" and "spdsl.mesh(tp=N)" in e.value.fix
-    with pytest.raises(ShardingError) as e:
-        M.factor_axis(m, "sp", 2)
-    assert e.value.rule == "hybrid attention" and e.value.value == "U=2 over sp=1"
-    _ug, ur, _rg, rr, rings = M.factor_axis(m, "sp", 1)
-    assert (ur, rr, rings) == (0, 0, 1)

@@ -63,6 +63,8 @@ dtensor_sharding_propagator(),  (spdsl.dtensor_ops) and DTensor's op strategies 
 dtensor_spec_types()            rule (propagate.rules.dtensor): eager DTensor attention gathers
                                 instead of exchanging; ops without an spdsl rule stop
                                 propagating split placements
+swapped(obj, name, value)       every temporary change to an object spdsl does not own (the
+                                private names below among them), put back on any exit
 grouped_mm                      ``torch._grouped_mm`` (None where absent), met while tracing
                                 outside a token-wise module (propagate.tokenwise): an fp32 call
                                 stops the trace with PyTorch's bf16-only fake kernel's error
@@ -141,6 +143,33 @@ def profiler_event_kinds():
     return torch._C._profiler._EventType
 
 
+_ABSENT = object()
+
+
+@contextlib.contextmanager
+def swapped(obj, name: str, value):
+    """Inside: ``obj.<name>`` is ``value``; on any exit, what it was (deleted again where
+    ``obj`` did not hold it itself, so a class's attribute or a cached property shows through
+    as before). The one way spdsl changes, for a while, an object it does not own: PyTorch's
+    modules and classes, a Hugging Face object, the user's module (``tools/counts.py`` lists
+    each use as a ``foreign_patches`` site).
+
+    Example::
+
+        with swapped(torch.fx._symbolic_trace, "_is_fx_tracing_flag", False):
+            torch.compile(fn)(x)       # fx no longer considers itself tracing
+    """
+    own = vars(obj).get(name, _ABSENT)
+    setattr(obj, name, value)
+    try:
+        yield value
+    finally:
+        if own is not _ABSENT:
+            setattr(obj, name, own)
+        elif name in vars(obj):
+            delattr(obj, name)
+
+
 @contextlib.contextmanager
 def flex_attention_on_cpu():
     """Inside: ``flex_attention`` on CPU tensors that need gradients is traced (and runs, in
@@ -153,11 +182,8 @@ def flex_attention_on_cpu():
         if query.device.type != "cpu":
             check(query, key, value)
 
-    fa._validate_device = allow_cpu
-    try:
+    with swapped(fa, "_validate_device", allow_cpu):
         yield
-    finally:
-        fa._validate_device = check
 
 
 @contextlib.contextmanager
@@ -165,12 +191,8 @@ def outside_fx_trace():
     """Inside: ``torch.fx`` does not consider itself tracing (``torch.compile`` refuses to
     compile while it does). For code that runs, blocking the trace, while a trace is open."""
     import torch.fx._symbolic_trace as st
-    was = st._is_fx_tracing_flag
-    st._is_fx_tracing_flag = False
-    try:
+    with swapped(st, "_is_fx_tracing_flag", False):
         yield
-    finally:
-        st._is_fx_tracing_flag = was
 
 
 @contextlib.contextmanager
@@ -200,11 +222,8 @@ def stack_trace_anchors(fns):
                      if (f.filename, f.name) in anchors and f.filename not in skip}
         return traceback.StackSummary.from_list([f for f in summary if id(f) in kept])
 
-    tracer._filter_traceback_frames = keep_anchors
-    try:
+    with swapped(tracer, "_filter_traceback_frames", keep_anchors):
         yield
-    finally:
-        tracer._filter_traceback_frames = keep
 
 
 def process_group(name: str):
@@ -241,7 +260,6 @@ def inductor_programs(record):
     from torch._inductor.ir import FallbackKernel, MultiOutputLayout
     from torch._inductor.utils import is_nonfreeable_buffers
 
-    lines = GraphLowering._compile_to_module_lines
     backward = [False]
 
     def nbytes(graph, node) -> int | None:
@@ -297,13 +315,10 @@ def inductor_programs(record):
     def backend(gm, example_inputs):
         return compile_fx(gm, example_inputs, inner_compile=inner)
 
-    GraphLowering._compile_to_module_lines = read
-    try:
-        with inductor_config.patch(fx_graph_cache=False), \
-                functorch_config.patch(enable_autograd_cache=False):
-            yield backend
-    finally:
-        GraphLowering._compile_to_module_lines = lines
+    with swapped(GraphLowering, "_compile_to_module_lines", read), \
+            inductor_config.patch(fx_graph_cache=False), \
+            functorch_config.patch(enable_autograd_cache=False):
+        yield backend
 
 
 def dtensor_op_handlers() -> dict:
@@ -461,6 +476,7 @@ __all__ = [
     "reparametrize_module",
     "sac_contexts",
     "stack_trace_anchors",
+    "swapped",
     "tree_flatten",
     "tree_map",
     "tree_unflatten",

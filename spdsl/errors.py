@@ -10,6 +10,8 @@ import os
 import re
 import sys
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import spdsl.env as env
 
@@ -105,13 +107,21 @@ def one_error_per_job() -> None:
 
         one_error_per_job()      # then, on rank 0 of 4:  spdsl: ShardingError (rank 0; ...
     """
-    if getattr(sys.excepthook, "_spdsl_one_error", False) or _world() < 2:
+    if isinstance(sys.excepthook, _OneErrorHook) or _world() < 2:
         return
-    previous = sys.excepthook
+    sys.excepthook = _OneErrorHook(sys.excepthook)
 
-    def hook(kind, value, tb) -> None:
+
+@dataclass(frozen=True)
+class _OneErrorHook:
+    """``sys.excepthook`` under ``one_error_per_job``; ``previous`` takes what it does not
+    print."""
+
+    previous: Callable
+
+    def __call__(self, kind, value, tb) -> None:
         if not isinstance(value, ShardingError) or env.on(TRACEBACK_ENV):
-            previous(kind, value, tb)
+            self.previous(kind, value, tb)
             return
         rank = _rank()
         if rank == 0:
@@ -123,9 +133,6 @@ def one_error_per_job() -> None:
             # the first rank to exit has torchrun stop the others: leave rank 0, raising at
             # the same point, the time to print the whole message
             time.sleep(SETTLE_S)
-
-    hook._spdsl_one_error = True
-    sys.excepthook = hook
 
 
 def _world() -> int:

@@ -183,6 +183,61 @@ def test_detectors(tmp_path):
         ["spdsl/lower/graph.py", "spdsl/propagate/rules/loss.py"]
 
 
+SWAPPER = """
+import contextlib
+@contextlib.contextmanager
+def swapped(obj, name, value):
+    own = vars(obj)[name]
+    setattr(obj, name, value)
+    yield
+    setattr(obj, name, own)
+def quiet(mod):
+    with swapped(mod, "_flag", False):
+        pass
+"""
+
+SWAPS = """
+import spdsl._torch
+from spdsl import _torch as T
+from spdsl._torch import swapped
+def f(mod, m, cls):
+    with swapped(mod, "_x", 1):
+        pass
+    with T.swapped(m, "forward", m), spdsl._torch.swapped(cls, "y", 2):
+        pass
+    mod._x = 1
+"""
+
+ATTACH = """
+def _attach(trainer, mixin, runner):
+    trainer.__class__ = type("S", (mixin, type(trainer)), {"_loss": runner})
+    trainer.model.forward = runner.forward
+    trainer.args.flag = False
+    setattr(trainer.accelerator, "gather", runner.gather)
+    runner._seen = True
+    model = trainer.model
+    model._x = 1
+def other(trainer):
+    trainer._y = 1
+    trainer.__class__ = object
+"""
+
+
+def test_foreign_patches(tmp_path):
+    """Swaps through the one helper, whatever the import, and the trainer attachment's writes
+    to the trainer it is given; everything else the attachment file patches (through another
+    name, in another function) stays in ``patched_after``."""
+    sites = counts.measure(_tree(tmp_path, {
+        "spdsl/__init__.py": "", "spdsl/hf/__init__.py": "",
+        "spdsl/_torch.py": SWAPPER, "spdsl/swaps.py": SWAPS, "spdsl/hf/trainer.py": ATTACH,
+        "spdsl/lookalike.py": "def swapped(a, b, c):\n    return a\nswapped(1, '_x', 3)\n"}))
+    assert [(s.path, s.line) for s in sites["foreign_patches"]] == [
+        ("spdsl/_torch.py", 9), *(("spdsl/hf/trainer.py", n) for n in (2, 3, 4, 5)),
+        ("spdsl/swaps.py", 5), ("spdsl/swaps.py", 7), ("spdsl/swaps.py", 7)]
+    assert [(s.path, s.line) for s in sites["patched_after"]] == [
+        *(("spdsl/hf/trainer.py", n) for n in (6, 8, 10, 11)), ("spdsl/swaps.py", 9)]
+
+
 def test_search_moved_out_of_cli(tmp_path):
     root = _synthetic(tmp_path)
     _tree(root, {"spdsl/cli/search.py": "from spdsl.memory.search import max_seq\n",

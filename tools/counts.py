@@ -1,5 +1,6 @@
-"""Counts of what spdsl's restructuring removes, read from the source with ``ast`` (no import of
-spdsl), and a ratchet that keeps each from going back up.
+"""Counts of what spdsl's restructuring removes (and of the foreign objects it still changes),
+read from the source with ``ast`` (no import of spdsl), and a ratchet that keeps each from going
+back up.
 
     python tools/counts.py              # one line per count
     python tools/counts.py -v           # and under each, every counted site: file:line  code
@@ -7,26 +8,40 @@ spdsl), and a ratchet that keeps each from going back up.
     python tools/counts.py --check      # exit 1 when a count is above tools/counts.json
     python tools/counts.py --write      # record the counts in tools/counts.json
 
-count          what it counts, in ``spdsl/``
--------------  ---------------------------------------------------------------------------------
-env_reads      ``SPDSL_*`` switches read (``os.environ.get``/``[]``/``in``, ``os.getenv``; the name
-               a literal, an f-string or a constant) outside ``spdsl/env.py``, their one reader
-group_calls    calls of ``torch.distributed`` process-group functions (collectives, point to
-               point, barriers, ``new_group``, ``_functional_collectives``, ``_c10d_functional``
-               ops) outside ``spdsl/collectives/``, through any alias a file imports, spdsl's
-               re-exports (``spdsl._torch``) included; not ``get_rank``, ``wait_tensor`` (no data
-               moves) nor methods of a ``ProcessGroup`` object (``pg.allreduce``)
-patched_after  ``x.__dict__[k] = v``; ``object.__setattr__`` outside a class's own ``__init__``/
-               ``__post_init__``/``__new__``; ``x._attr = v``, ``setattr(x, "_attr", v)`` and
-               ``x.__class__ = C`` where ``x`` is not ``self``/``cls``
-cli_imports    imports of ``spdsl.cli`` outside ``spdsl/cli/`` and ``spdsl/__main__.py`` (and in
-               ``bench/``)
-search_in_cli  1 while the planner's search (``max_seq``, ``propose``, ``seq_bound``,
-               ``model_plan``, ``Estimator``) is defined under ``spdsl/cli/`` (a re-export: 0)
-long_files     files over 500 lines
-untested_core  modules of ``annotate/``, ``propagate/``, ``lower/``, ``remat/``, ``pipeline`` with
-               no test file named for them in their package's folder of ``tests/`` (for
-               ``propagate/rules/views.py``: ``tests/propagate/**/test_{,rules_}views{,_*}.py``)
+count            what it counts, in ``spdsl/``
+---------------  -------------------------------------------------------------------------------
+env_reads        ``SPDSL_*`` switches read (``os.environ.get``/``[]``/``in``, ``os.getenv``; the
+                 name a literal, an f-string or a constant) outside ``spdsl/env.py``, their one
+                 reader
+group_calls      calls of ``torch.distributed`` process-group functions (collectives, point to
+                 point, barriers, ``new_group``, ``_functional_collectives``, ``_c10d_functional``
+                 ops) outside ``spdsl/collectives/``, through any alias a file imports, spdsl's
+                 re-exports (``spdsl._torch``) included; not ``get_rank``, ``wait_tensor`` (no
+                 data moves) nor methods of a ``ProcessGroup`` object (``pg.allreduce``)
+patched_after    objects patched after construction, spdsl's own or not (the source does not
+                 say whose): ``x.__dict__[k] = v``; ``object.__setattr__`` outside a class's own
+                 ``__init__``/``__post_init__``/``__new__``; ``x._attr = v``, ``setattr(x,
+                 "_attr", v)`` and ``x.__class__ = C`` where ``x`` is not ``self``/``cls``; all
+                 but the trainer attachment's writes to its trainer (``foreign_patches``'). Held
+                 at 0. Neither count sees a public name set outside the attachment (``x.attr =
+                 v``) nor a name known only when it runs (``setattr(x, name, v)``, as in
+                 ``swapped`` itself)
+foreign_patches  objects spdsl does not own (PyTorch's modules and classes, Hugging Face's, the
+                 user's) changed: each call of ``spdsl._torch.swapped`` (set for the length of a
+                 ``with``, put back on any exit), and in ``spdsl/hf/trainer.py``'s ``_attach``
+                 (``sequence_parallel``'s one attachment to a trainer the user built) every
+                 assignment or ``setattr``, public names included, to its first parameter (the
+                 trainer) and what hangs off it (its class, model, arguments, accelerator);
+                 a write there through another name is ``patched_after``'s to count. Held, not
+                 meant to reach 0
+cli_imports      imports of ``spdsl.cli`` outside ``spdsl/cli/`` and ``spdsl/__main__.py`` (and
+                 in ``bench/``)
+search_in_cli    1 while the planner's search (``max_seq``, ``propose``, ``seq_bound``,
+                 ``model_plan``, ``Estimator``) is defined under ``spdsl/cli/`` (a re-export: 0)
+long_files       files over 500 lines
+untested_core    modules of ``annotate/``, ``propagate/``, ``lower/``, ``remat/``, ``pipeline``
+                 with no test file named for them in their package's folder of ``tests/`` (for
+                 ``propagate/rules/views.py``: ``tests/propagate/**/test_{,rules_}views{,_*}.py``)
 
 ``tools/counts.json`` holds the counts and their sites as last recorded. ``--check`` fails when a
 count rose and says to run ``--write`` when one went down; ``--write`` refuses to record a rise
@@ -50,6 +65,8 @@ MAX_LINES = 500
 CORE = ("annotate", "propagate", "lower", "remat", "pipeline")
 SEARCH_ENTRIES = {"max_seq", "propose", "seq_bound", "model_plan", "Estimator"}
 BUILDERS = {"__init__", "__post_init__", "__new__"}
+SWAP = "spdsl._torch.swapped"                   # the one helper that puts back what it changes
+ATTACH = ("spdsl/hf/trainer.py", "_attach")     # the one attachment to a user's trainer
 
 # where torch's process-group functions live, and which of their names move data or make groups
 GROUP_MODULES = {"torch.distributed", "torch.distributed.distributed_c10d",
@@ -323,7 +340,7 @@ def _private(attr: str) -> bool:
 
 
 def _targets(node: ast.AST):
-    ts = node.targets if isinstance(node, ast.Assign) else [node.target]
+    ts = list(node.targets) if isinstance(node, ast.Assign) else [node.target]
     while ts:
         t = ts.pop()
         if isinstance(t, (ast.Tuple, ast.List)):
@@ -332,29 +349,80 @@ def _targets(node: ast.AST):
             yield t.value if isinstance(t, ast.Starred) else t
 
 
+def _patch(project: Project, src: Source, node: ast.AST) -> bool:
+    """Whether ``node`` is one of ``patched_after``'s patterns."""
+    if isinstance(node, (ast.Assign, ast.AugAssign, ast.AnnAssign)) and \
+            getattr(node, "value", None) is not None:
+        for t in _targets(node):
+            if isinstance(t, ast.Subscript) and isinstance(t.value, ast.Attribute) and \
+                    t.value.attr == "__dict__":
+                if not (_self(t.value.value) and id(node) in src.building):
+                    return True
+            elif isinstance(t, ast.Attribute) and not _self(t.value) and \
+                    (_private(t.attr) or t.attr == "__class__"):
+                return True
+    elif isinstance(node, ast.Call) and node.args:
+        f = node.func
+        if isinstance(f, ast.Attribute) and f.attr == "__setattr__" and \
+                isinstance(f.value, ast.Name) and f.value.id == "object":
+            return id(node) not in src.building
+        if isinstance(f, ast.Name) and f.id == "setattr" and len(node.args) == 3 and \
+                not _self(node.args[0]):
+            return _private(project.string(src, node.args[1], whole=True) or "")
+    return False
+
+
+def _root(node: ast.AST) -> str | None:
+    """The name an attribute chain or item starts from (``trainer`` of ``trainer.args.x``)."""
+    while isinstance(node, (ast.Attribute, ast.Subscript)):
+        node = node.value
+    return node.id if isinstance(node, ast.Name) else None
+
+
+def _attachment(src: Source) -> list[ast.AST]:
+    """``ATTACH``'s writes to its first parameter and what hangs off it: assignments, and
+    ``setattr``/``object.__setattr__`` calls."""
+    path, name = ATTACH
+    fns = [n for n in src.nodes if isinstance(n, _FUNCTIONS[:2]) and n.name == name and
+           n.args.args] if src.path == path else []
+    out = []
+    for fn in fns:
+        given = fn.args.args[0].arg
+        for node in _walk(fn.body, skip=_FUNCTIONS):
+            if isinstance(node, (ast.Assign, ast.AugAssign, ast.AnnAssign)):
+                hit = any(isinstance(t, (ast.Attribute, ast.Subscript)) and _root(t) == given
+                          for t in _targets(node))
+            elif isinstance(node, ast.Call) and node.args and (
+                    isinstance(node.func, ast.Name) and node.func.id == "setattr" or
+                    isinstance(node.func, ast.Attribute) and node.func.attr == "__setattr__"):
+                hit = _root(node.args[0]) == given
+            else:
+                hit = False
+            if hit:
+                out.append(node)
+    return out
+
+
 def patched_after(project: Project) -> list[Site]:
     sites = []
     for src in project.spdsl():
+        attached = {id(n) for n in _attachment(src)}
+        sites += [src.site(n) for n in src.nodes
+                  if id(n) not in attached and _patch(project, src, n)]
+    return sites
+
+
+def foreign_patches(project: Project) -> list[Site]:
+    sites = []
+    for src in project.spdsl():
         for node in src.nodes:
-            hit = False
-            if isinstance(node, (ast.Assign, ast.AugAssign, ast.AnnAssign)) and \
-                    getattr(node, "value", None) is not None:
-                for t in _targets(node):
-                    if isinstance(t, ast.Subscript) and isinstance(t.value, ast.Attribute) and \
-                            t.value.attr == "__dict__":
-                        hit = hit or not (_self(t.value.value) and id(node) in src.building)
-                    elif isinstance(t, ast.Attribute) and not _self(t.value):
-                        hit = hit or _private(t.attr) or t.attr == "__class__"
-            elif isinstance(node, ast.Call) and node.args:
+            if isinstance(node, ast.Call):
                 f = node.func
-                if isinstance(f, ast.Attribute) and f.attr == "__setattr__" and \
-                        isinstance(f.value, ast.Name) and f.value.id == "object":
-                    hit = id(node) not in src.building
-                elif isinstance(f, ast.Name) and f.id == "setattr" and len(node.args) == 3 and \
-                        not _self(node.args[0]):
-                    hit = _private(project.string(src, node.args[1], whole=True) or "")
-            if hit:
-                sites.append(src.site(node))
+                q = project.qualname(src, f) or \
+                    (f"{src.module}.{f.id}" if isinstance(f, ast.Name) else None)
+                if q == SWAP:
+                    sites.append(src.site(node))
+        sites += [src.site(n) for n in _attachment(src)]
     return sites
 
 
@@ -417,8 +485,8 @@ def untested_core(project: Project) -> list[Site]:
     return sites
 
 
-COUNTERS = {f.__name__: f for f in (env_reads, group_calls, patched_after, cli_imports,
-                                     search_in_cli, long_files, untested_core)}
+COUNTERS = {f.__name__: f for f in (env_reads, group_calls, patched_after, foreign_patches,
+                                     cli_imports, search_in_cli, long_files, untested_core)}
 NAMES = tuple(COUNTERS)
 
 
@@ -478,7 +546,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(counts(sites), indent=2))
     elif not a.check or a.verbose:
         for name, n in counts(sites).items():
-            print(f"{name:<14} {n}")
+            print(f"{name:<16} {n}")
             if a.verbose:
                 print("".join(f"    {s}\n" for s in sites[name]), end="")
     if a.check or a.write:

@@ -42,18 +42,19 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 import spdsl.collectives as C
+from spdsl._torch import swapped
 from spdsl.annotate.api import sp_shard
 from spdsl.annotate.mesh import mesh as make_mesh
 from spdsl.errors import ShardingError
 from spdsl.hf.fused import VARLEN_KWARGS, fused_output, token_sums
 from spdsl.hf.pad import pad_batch
 from spdsl.hf.trainer_state import (
+    ResumingShards,
     check_resumable,
     gathering_save_pretrained,
     has_sharded_state,
     holds_shards,
     load_state,
-    resuming_shards,
     save_state,
     whole_state_dict,
 )
@@ -67,8 +68,9 @@ def sequence_parallel(trainer, *, seq: int, **options: Any):
     sequence parallelism (docs/trainer.md).
 
     ``options`` are ``spdsl.sp_shard``'s (``remat``, ``compile``, ``attention``, ``debug``,
-    ...). In one process it returns ``trainer`` as it is (but for resuming a checkpoint that
-    ``shard_state=True`` wrote on several ranks), so the same script runs with and without
+    ...). It returns ``trainer`` itself, its class a subclass of its own made for it. In one
+    process that subclass changes nothing but the resuming of a checkpoint that
+    ``shard_state=True`` wrote on several ranks, so the same script runs with and without
     torchrun. Every rank must build the same trainer (same model, data and arguments).
 
     Example::
@@ -79,28 +81,39 @@ def sequence_parallel(trainer, *, seq: int, **options: Any):
     """
     world = dist.get_world_size() if dist.is_initialized() else 1
     if world == 1:
-        return resuming_shards(trainer)
+        return _attach(trainer, ResumingShards, "ResumingShards")
     _check(trainer, seq, world, options)
     layout = _Layout.of(seq, world)
-    model = trainer.model
-    _broadcast_state(model)
+    _broadcast_state(trainer.model)
     if layout.dp > 1:
         options = {**options, "batch": "local"}        # each dp group loads its own rows
-    runner = _SequenceParallelLoss(model, seq, layout.mesh, options)
-    model.forward = runner.forward
-    accel = trainer.accelerator
-    accel.prepare_model = _without_ddp(accel.prepare_model)
-    accel.prepare_data_loader = _loader_per_group(accel, layout)
-    accel.gather = layout.gather
+    runner = _SequenceParallelLoss(trainer.model, seq, layout.mesh, options)
+    return _attach(trainer, _SequenceParallelTrainer, "SequenceParallel", runner, layout)
+
+
+def _attach(trainer, mixin: type, prefix: str, runner: _SequenceParallelLoss | None = None,
+            layout: _Layout | None = None):
+    """``trainer`` with ``mixin``'s methods before its own class's, and with ``runner`` its
+    model's forward and ``layout`` its accelerator's data-parallel view. The one place the
+    integration changes objects the user built (the trainer, its model, arguments and
+    accelerator): ``tools/counts.py`` lists each line as a ``foreign_patches`` site. The
+    trainer's class becomes a subclass made for it, its namespace holding the trainer's
+    sequence-parallel state when the class is made."""
+    cls = type(trainer)
+    sharded = runner is not None and has_sharded_state(trainer.model)
+    state = {} if runner is None else {
+        "_spdsl_loss": runner, "_spdsl_layout": layout, "_spdsl_sharded": sharded}
+    trainer.__class__ = type(f"{prefix}{cls.__name__}", (mixin, cls), state)
+    if runner is None:
+        return trainer
+    trainer.model.forward = runner.forward
+    trainer.accelerator.prepare_model = _without_ddp(trainer.accelerator.prepare_model)
+    trainer.accelerator.prepare_data_loader = _loader_per_group(trainer.accelerator, layout)
+    trainer.accelerator.gather = layout.gather
     # counted per dp group and summed over dp here (_get_num_items_in_batch), never over sp
     trainer.args.average_tokens_across_devices = False
-    cls = type(trainer)
-    trainer.__class__ = type(f"SequenceParallel{cls.__name__}", (_SequenceParallelTrainer, cls),
-                             {})
-    trainer._spdsl_loss, trainer._spdsl_layout = runner, layout
-    trainer._spdsl_sharded = has_sharded_state(model)
-    if trainer._spdsl_sharded:
-        model.save_pretrained = gathering_save_pretrained(model)
+    if sharded:
+        trainer.model.save_pretrained = gathering_save_pretrained(trainer.model)
     return trainer
 
 
@@ -363,9 +376,6 @@ def _unindexed_cpu(args):
     if device.type != "cpu" or device.index is None:
         yield
         return
-    args.__dict__["_setup_devices"] = torch.device("cpu")   # the cached property's value
-    try:
+    with swapped(args, "_setup_devices", torch.device("cpu")):   # the cached property's value
         yield
-    finally:
-        args.__dict__["_setup_devices"] = device
 

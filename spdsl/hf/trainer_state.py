@@ -86,17 +86,15 @@ def holds_shards(checkpoint: str) -> bool:
         not os.path.isfile(os.path.join(checkpoint, "optimizer.pt"))
 
 
-def resuming_shards(trainer):
-    """``trainer`` (one process, or ranks without sharded state) resuming a checkpoint of
-    shards through ``load_state``, resharded to its whole parameters."""
-    own = trainer._load_optimizer_and_scheduler
+class ResumingShards:
+    """Mixed in before the class of a trainer (one process, or ranks without sharded state):
+    a checkpoint of shards resumes through ``load_state``, resharded to its whole
+    parameters."""
 
-    def load(checkpoint):
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
         if checkpoint is not None and holds_shards(checkpoint):
-            return load_state(trainer, checkpoint)
-        return own(checkpoint)
-    trainer._load_optimizer_and_scheduler = load
-    return trainer
+            return load_state(self, checkpoint)
+        return super()._load_optimizer_and_scheduler(checkpoint)
 
 
 def check_resumable(checkpoint: str) -> None:

@@ -72,12 +72,14 @@ from __future__ import annotations
 import contextlib
 import inspect
 import sys
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 from torch.fx.experimental.proxy_tensor import get_proxy_mode
 
+from spdsl._torch import swapped
 from spdsl.propagate import lightning
 from spdsl.propagate.mixer_form import (
     MIXERS,
@@ -146,43 +148,50 @@ def _declined(*args, **kwargs) -> None:
     return None
 
 
+# the wrappers captured_mixers puts in place, by the name of their form: a function met again
+# (a module importing it from another, a nested trace) is not wrapped twice
+_WRAPPERS: weakref.WeakKeyDictionary[Callable, str] = weakref.WeakKeyDictionary()
+
+
+def wrapped_form(fn: Callable) -> str | None:
+    """The name of the form whose ``spdsl.mixer`` node the function ``fn`` makes while traced,
+    if ``fn`` is one of ``captured_mixers``' wrappers."""
+    return _WRAPPERS.get(fn)
+
+
 @contextlib.contextmanager
 def captured_mixers() -> Iterator[int]:
     """For the length of a trace, every registered mixer function (in the modules imported so
     far) calls ``spdsl.mixer`` instead, the forwards of ``FORWARDS`` call such a function, and
     the fused kernels of ``FUSED`` decline. Yields how many names it replaced."""
-    done: list[tuple[Any, str, Any]] = []
-    for name in FUSED:
-        for mod, attr in _named(name):
-            done.append((mod, attr, getattr(mod, attr)))
-            setattr(mod, attr, _declined)
-    for target, build in FORWARDS.items():
-        mod, cls_name = target.split(":")
-        cls = getattr(sys.modules.get(mod), "__dict__", {}).get(cls_name)
-        if cls is not None and "forward" in vars(cls):
-            orig = vars(cls)["forward"]
-            setattr(cls, "forward", build(orig))
-            done.append((cls, "forward", orig))
-    for form in MIXERS.values():
-        for mod, attr in _targets(form):
-            orig = getattr(mod, attr)
-            if getattr(orig, "_spdsl_mixer", None) is not None:
-                continue
+    with contextlib.ExitStack() as stack:
+        replaced = 0
+        for name in FUSED:
+            for mod, attr in _named(name):
+                stack.enter_context(swapped(mod, attr, _declined))
+                replaced += 1
+        for target, build in FORWARDS.items():
+            mod, cls_name = target.split(":")
+            cls = getattr(sys.modules.get(mod), "__dict__", {}).get(cls_name)
+            if cls is not None and "forward" in vars(cls):
+                stack.enter_context(swapped(cls, "forward", build(vars(cls)["forward"])))
+                replaced += 1
+        for form in MIXERS.values():
+            for mod, attr in _targets(form):
+                orig = getattr(mod, attr)
+                if orig in _WRAPPERS:
+                    continue
 
-            def wrapper(*args, _form=form, _fn=orig, **kwargs):
-                return _capture(_form, _fn, args, kwargs)
-            wrapper._spdsl_mixer = form.name
-            with contextlib.suppress(TypeError, ValueError):
-                # callers that read the signature (Hugging Face's flash-attention dispatch
-                # passes only the options the function names) see the function's own
-                wrapper.__signature__ = inspect.signature(signed(orig))
-            setattr(mod, attr, wrapper)
-            done.append((mod, attr, orig))
-    try:
-        yield len(done)
-    finally:
-        for mod, attr, orig in reversed(done):
-            setattr(mod, attr, orig)
+                def wrapper(*args, _form=form, _fn=orig, **kwargs):
+                    return _capture(_form, _fn, args, kwargs)
+                _WRAPPERS[wrapper] = form.name
+                with contextlib.suppress(TypeError, ValueError):
+                    # callers that read the signature (Hugging Face's flash-attention dispatch
+                    # passes only the options the function names) see the function's own
+                    wrapper.__signature__ = inspect.signature(signed(orig))
+                stack.enter_context(swapped(mod, attr, wrapper))
+                replaced += 1
+        yield replaced
 
 
 # -- the forms -----------------------------------------------------------------------------------

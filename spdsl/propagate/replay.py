@@ -33,7 +33,7 @@ from torch.fx.experimental.proxy_tensor import (
 )
 
 import spdsl.env as env
-from spdsl._torch import OpOverload, tree_flatten, tree_unflatten
+from spdsl._torch import OpOverload, swapped, tree_flatten, tree_unflatten
 from spdsl.propagate.modes import MODULE_KEYS as _MODULE_KEYS
 from spdsl.propagate.modes import SIMPLE as _SIMPLE
 from spdsl.propagate.modes import global_modes
@@ -98,27 +98,23 @@ class LayerReplay:
 
     @contextlib.contextmanager
     def installed(self) -> Iterator[None]:
-        wrapped: list[nn.Module] = []
-        if env.on("SPDSL_TRACE_REPLAY"):
-            for root in self.roots:
-                for container in root.modules():
-                    if isinstance(container, (nn.ModuleList, nn.Sequential)):
-                        wrapped += self._wrap_children(container)
-        try:
+        with contextlib.ExitStack() as stack:
+            if env.on("SPDSL_TRACE_REPLAY"):
+                for root in self.roots:
+                    for container in root.modules():
+                        if isinstance(container, (nn.ModuleList, nn.Sequential)):
+                            self._wrap_children(container, stack)
             yield
-        finally:
-            for m in wrapped:
-                m.__dict__.pop("forward", None)
 
-    def _wrap_children(self, container: nn.Module) -> list[nn.Module]:
+    def _wrap_children(self, container: nn.Module, stack: contextlib.ExitStack) -> None:
+        """Each child of ``container`` whose structure repeats runs through the replay while
+        ``stack`` is open (``swapped``: its own ``forward`` put back on exit)."""
         kids = [c for c in container.children() if "forward" not in vars(c)]
         keys = [structure(c) for c in kids]
-        out = []
         for c, k in zip(kids, keys):
             if keys.count(k) > 1:
-                c.forward = self._make_forward(c, (id(container), k))
-                out.append(c)
-        return out
+                stack.enter_context(swapped(c, "forward",
+                                            self._make_forward(c, (id(container), k))))
 
     def _make_forward(self, mod: nn.Module, group: Any) -> Callable:
         orig = type(mod).forward.__get__(mod)

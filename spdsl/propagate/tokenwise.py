@@ -47,7 +47,7 @@ from typing import Any
 import torch
 from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing, get_proxy_mode
 
-from spdsl._torch import FakeTensor, grouped_mm, tree_flatten, tree_unflatten
+from spdsl._torch import FakeTensor, grouped_mm, swapped, tree_flatten, tree_unflatten
 from spdsl.errors import ShardingError, user_line
 from spdsl.propagate.placement import REPLICATE, typed_shape
 from spdsl.propagate.source import stack_line
@@ -221,29 +221,23 @@ def _capture(m: torch.nn.Module, mark: Marked, orig: Callable, args, kwargs):
 def captured_modules(roots: list[torch.nn.Module]) -> Iterator[int]:
     """For the length of a trace, every token-wise module under ``roots`` calls
     ``spdsl.token_wise`` instead of its forward. Yields how many modules it wrapped."""
-    done: list[tuple[torch.nn.Module, Any]] = []
     seen: set[int] = set()
-    for root in roots:
-        for m in root.modules():
-            mark = marked(m) if id(m) not in seen else None
-            seen.add(id(m))
-            if mark is None:
-                continue
-            prev = m.__dict__.get("forward")
-            orig = prev if prev is not None else type(m).forward.__get__(m)
+    wrapped = 0
+    with contextlib.ExitStack() as stack:
+        for root in roots:
+            for m in root.modules():
+                mark = marked(m) if id(m) not in seen else None
+                seen.add(id(m))
+                if mark is None:
+                    continue
+                prev = m.__dict__.get("forward")
+                orig = prev if prev is not None else type(m).forward.__get__(m)
 
-            def forward(*args, _m=m, _mark=mark, _orig=orig, **kwargs):
-                return _capture(_m, _mark, _orig, args, kwargs)
-            m.forward = forward
-            done.append((m, prev))
-    try:
-        yield len(done)
-    finally:
-        for m, prev in done:
-            if prev is None:
-                m.__dict__.pop("forward", None)
-            else:
-                m.__dict__["forward"] = prev
+                def forward(*args, _m=m, _mark=mark, _orig=orig, **kwargs):
+                    return _capture(_m, _mark, _orig, args, kwargs)
+                stack.enter_context(swapped(m, "forward", forward))
+                wrapped += 1
+        yield wrapped
 
 
 # -- value-dependent lengths the load-balancing loss uses --------------------------------------

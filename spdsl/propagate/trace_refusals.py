@@ -15,7 +15,12 @@ from torch.fx.experimental.proxy_tensor import get_proxy_mode
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 from torch.overrides import TorchFunctionMode
 
-from spdsl._torch import DataDependentOutputException, DynamicOutputShapeException, tree_flatten
+from spdsl._torch import (
+    DataDependentOutputException,
+    DynamicOutputShapeException,
+    swapped,
+    tree_flatten,
+)
 from spdsl.errors import ShardingError
 from spdsl.propagate.source import stack_line, user_frame
 
@@ -135,17 +140,12 @@ def no_python_draws(fn: Callable):
     """A draw from Python's ``random`` while one program is traced stops the trace there,
     before the function's Python goes on (its side effects then happen once, in the
     segmented run); draws through names bound elsewhere are caught by the state after."""
-    saved = {n: getattr(random, n) for n in _DRAWS}
-
     def refuse(*_a, **_k):
         raise python_random(fn, stack_line())
-    for n in _DRAWS:
-        setattr(random, n, refuse)
-    try:
+    with contextlib.ExitStack() as stack:
+        for n in _DRAWS:
+            stack.enter_context(swapped(random, n, refuse))
         yield
-    finally:
-        for n, f in saved.items():
-            setattr(random, n, f)
 
 
 def python_random(fn: Callable, where: str = "") -> GraphBreak:

@@ -63,6 +63,17 @@ def test_other_errors_and_the_traceback_switch_keep_the_hook_before(hook, monkey
     assert hook == [boom, e] and capsys.readouterr().err == ""
 
 
+def test_installed_once_per_process(monkeypatch):
+    def before(*a):
+        return None
+    monkeypatch.setattr(sys, "excepthook", before)
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    errors.one_error_per_job()
+    installed = sys.excepthook
+    errors.one_error_per_job()
+    assert sys.excepthook is installed and installed.previous is before
+
+
 def test_one_process_keeps_pythons_hook(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "1")
     before = sys.excepthook

@@ -97,12 +97,6 @@ def _pairs(one: list, other: list, key: str) -> list[tuple[float, float]]:
     return list(zip(a, b))
 
 
-def test_one_process_is_unchanged():
-    trainer = make_trainer()
-    cls = type(trainer)
-    assert spdsl.hf.sequence_parallel(trainer, seq=2) is trainer and type(trainer) is cls
-
-
 def test_logs_match_one_process(jobs):
     one, ranks = jobs
     ref, sp = one["logs"], ranks[0]["sp"]["logs"]

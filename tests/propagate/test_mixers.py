@@ -14,7 +14,7 @@ import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from spdsl.propagate.mixer_form import MIXERS, SITES, bind
-from spdsl.propagate.mixers import captured_mixers
+from spdsl.propagate.mixers import captured_mixers, wrapped_form
 
 MIXER = torch.ops.spdsl.mixer.default
 
@@ -52,11 +52,15 @@ def test_a_traced_call_is_one_mixer_node_and_an_eager_one_is_itself(hf_module):
     with captured_mixers() as replaced:
         assert replaced >= 1
         wrapped = hf_module.torch_chunk_gated_delta_rule
-        assert wrapped._spdsl_mixer == "gated_delta_rule"
+        assert wrapped_form(wrapped) == "gated_delta_rule"
+        with captured_mixers():                       # nested: the wrapper is not wrapped again
+            assert hf_module.torch_chunk_gated_delta_rule is wrapped
+        assert hf_module.torch_chunk_gated_delta_rule is wrapped
         gm = make_fx(lambda *a: hf_module.torch_chunk_gated_delta_rule(*a)[0],
                      tracing_mode="fake")(*args)
         eager = hf_module.torch_chunk_gated_delta_rule(*args)[0]
     assert hf_module.torch_chunk_gated_delta_rule is torch_chunk_gated_delta_rule
+    assert wrapped_form(torch_chunk_gated_delta_rule) is None
     assert _ops(gm).count(MIXER) == 1 and len(_ops(gm)) <= 3      # no loop unrolled
     node = next(n for n in gm.graph.nodes if n.target is MIXER)
     site = SITES[node.args[1]]

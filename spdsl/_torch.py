@@ -87,8 +87,8 @@ from torch._subclasses.fake_tensor import (
     FakeTensor,
     FakeTensorMode,
 )
-from torch.fx._lazy_graph_module import _use_lazy_graph_module as use_lazy_graph_module
 from torch.fx._lazy_graph_module import _make_graph_module as make_graph_module
+from torch.fx._lazy_graph_module import _use_lazy_graph_module as use_lazy_graph_module
 from torch.nn.utils.stateless import _reparametrize_module as reparametrize_module
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._python_dispatch import _disable_current_modes as disable_current_modes

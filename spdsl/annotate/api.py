@@ -123,12 +123,9 @@ def plan(fn: Callable, *args, fit: bool = False, **kwargs) -> ShardingPlan:
     if segmented(fn, args, kwargs) is not None:
         return plan_segments(fn, args, kwargs)
     try:
-        entry = fn.build(args, kwargs)
+        return fn.build(args, kwargs, fit=fit).plan
     except GraphBreak as e:
         return plan_segments(fn, args, kwargs, e)
-    if fit and fn.remat.fit and entry.plan.remat is None:
-        entry.plan = fn._planned(entry.plan, entry, args, kwargs, fit=True)   # chosen now
-    return entry.plan
 
 
 def _check_degree(seq, seq_dim) -> None:

@@ -38,7 +38,8 @@ is made whole over both (the global batch's). ``batch="local"`` rows enter as DT
 global batch. With ``shard_state=True`` the sharded parameters a segment uses are its state:
 gathered where used, their gradients reduce-scattered, as in one program. The memory planner
 plans the step along the path a call's values take (``spdsl.annotate.segments_memory``: the segments'
-programs in one simulation, the worst path seen the step's peak).
+programs in one simulation, the worst path seen the step's peak; on a dp x sp mesh or with
+sharded state, the run's own programs with the job's groups).
 
 This module decides and replays; the call as its trace runs (the values so far, the cut at each
 read, the dispatch mode that sees the reads) is ``spdsl.annotate.cut``.
@@ -49,6 +50,7 @@ from __future__ import annotations
 import random
 import time
 import zlib
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -63,7 +65,6 @@ from spdsl._torch import (
 )
 from spdsl.annotate.cut import Cut
 from spdsl.annotate.lifted import number
-from spdsl.annotate.runtime import _out_nodes
 from spdsl.annotate.segment import (
     PathNode,
     Replayed,
@@ -72,9 +73,10 @@ from spdsl.annotate.segment import (
     hooked,
 )
 from spdsl.annotate.sharded import Sharded
+from spdsl.annotate.spec import P
 from spdsl.errors import ShardingError
 from spdsl.inspect.breaks import Break, SegmentedPlan
-from spdsl.propagate.placement import PARTIAL, REPLICATE, Shard
+from spdsl.propagate.placement import PARTIAL, Shard
 from spdsl.propagate.source import stack_line
 from spdsl.propagate.trace import Traced, trace
 from spdsl.propagate.trace_refusals import GraphBreak
@@ -94,7 +96,7 @@ def segmented(owner: Sharded, args: tuple, kwargs: dict, error: GraphBreak | Non
             return None
         return seg if seg.applies(args, kwargs) else None
     if seg is None:
-        seg = owner._segmented = Segments(owner)
+        seg = owner.segments_runner()
     seg.remember(args, kwargs)
     return seg
 
@@ -117,7 +119,9 @@ def plan_segments(owner: Sharded, args: tuple, kwargs: dict,
 def planned_cut(owner: Sharded, args: tuple, kwargs: dict,
                 error: GraphBreak | None = None) -> Cut:
     """This call run in segments for a plan (``planning=True``: each segment planned with no
-    mesh, on the real global values): its segments, breaks and path, in order."""
+    mesh, on the sequence axis alone, on the real global values): its segments, breaks and
+    path, in order. No collective runs, but for ``shard_state=True``: each segment's sharded
+    parameters are gathered whole for it (every rank must plan alike)."""
     leaves = tree_flatten((args, kwargs))[0]
     if any(isinstance(x, torch.Tensor) and (x.is_meta or isinstance(x, FakeTensor))
            for x in leaves):
@@ -287,6 +291,10 @@ class Segments:
         for x, s in zip([x for x in leaves if isinstance(x, torch.Tensor)], leaf_specs):
             if s is not None and not isinstance(x, DTensor):
                 owner._placement_of(x, s, 0)      # divisibility, as one program checks it
+        if planning and owner.data_parts > 1:
+            # a plan's segments run on the sequence axis alone (the values read are global,
+            # whatever splits the batch); the memory planner builds each with the mesh
+            leaf_specs = [_sequence_only(s, owner.data_axis) for s in leaf_specs]
         cut = Cut(self, leaf_specs, planning,
                    names=state_of(reachable_modules(owner.fn, args, kwargs))[0])
         # the trace's own autograd graph never runs backward: what it would save for it is
@@ -362,6 +370,13 @@ def _whole(v):
     return v
 
 
+def _sequence_only(spec, data_axis: str):
+    """``spec`` with the data axis dropped (``P('dp', 'sp')`` -> ``P(None, 'sp')``)."""
+    if not isinstance(spec, P):
+        return spec
+    return P(*[None if e == data_axis else e for e in spec])
+
+
 def _unsaved(t: torch.Tensor) -> None:
     return None
 
@@ -392,29 +407,21 @@ class _Segment(Sharded):
         needed it whole). On a mesh of the sequence axis alone."""
         return not self._final and self.data_parts == 1
 
-    def _out_placements(self, traced: Traced, prop) -> list:
-        outs = super()._out_placements(traced, prop)
-        if not self._hands_on_partial():
-            return outs
-        nodes = _out_nodes(traced)
-        return [PARTIAL if isinstance(n, torch.fx.Node) and prop.placement(n) == PARTIAL
-                else p for p, n in zip(outs, nodes)]
-
     def _placement_of(self, x: torch.Tensor, spec, i: int):
         # planning hands a partial sum on as its placement (no DTensor to carry it)
         return spec if spec == PARTIAL else super()._placement_of(x, spec, i)
-
-    def _wrap(self, local, p, node, dp=REPLICATE):
-        if p == PARTIAL and isinstance(local, torch.Tensor):
-            val = node.meta["val"]
-            return self._as_dtensor(local, p, dp, val.shape, val.stride())
-        return super()._wrap(local, p, node, dp)
 
     @property
     def data_axis(self) -> str | None:
         """The function's data axis: a segment's inputs may all be DTensors, whose specs
         name no axis."""
         return self._data
+
+    @property
+    def job(self):
+        """The function's job; a segment's gradient buckets merge with the other segments'
+        (``spdsl.lower.grad_buckets.merge_buckets``)."""
+        return replace(super().job, merge_buckets=True)
 
     def _trace(self, args: tuple, kwargs: dict) -> Traced:
         return self._make()

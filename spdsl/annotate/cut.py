@@ -274,7 +274,10 @@ class Cut:
             placed = [entry.prop.placement(o) for o in _out_nodes(entry.traced)]
             if self.planning:
                 with torch.no_grad():
-                    vals = gm(*[x.detach() for x in inputs])
+                    # sharded parameters (shard_state=True) read whole: an all-gather each,
+                    # on every rank alike, as the run's segments gather them
+                    whole = [x.full_tensor() for x in state]
+                    vals = gm(*[x.detach() for x in whole + inputs])
                 for o, q in zip(outs, entry.out_placements):
                     self.spec[o] = PARTIAL if q == PARTIAL else None \
                         if not isinstance(q, Shard) else \

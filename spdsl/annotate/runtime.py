@@ -1,109 +1,41 @@
-"""The run of a built step: the rank's pieces of the global inputs, the outputs
-wrapped as DTensors, the check that every rank passed the same batch."""
+"""The public layer's part of a call: the check that every rank passed the same batch and its
+entry in the plan. The ranks' one order is ``spdsl.pipeline.decide.one_order``, the run itself
+(local inputs in, the program, DTensors out) ``spdsl.pipeline.run``."""
 
 from __future__ import annotations
-
-from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor import Partial as DPartial
-from torch.distributed.tensor import Replicate as DReplicate
-from torch.distributed.tensor import Shard as DShard
 
 import spdsl.collectives as C
 from spdsl._torch import tree_flatten
-from spdsl.annotate.mesh import axis_size
 from spdsl.errors import ShardingError, user_line
-from spdsl.lower.local import bounds
-from spdsl.propagate.order import digest, follow, merge_equal, structure_keys
-from spdsl.propagate.placement import (
-    PARTIAL,
-    REPLICATE,
-    Placement,
-    Shard,
-    typed_shape,
-)
-from spdsl.propagate.trace import Traced
+from spdsl.pipeline.decide import one_order
+from spdsl.pipeline.decide import out_nodes as _out_nodes
+from spdsl.pipeline.run import _dtensor_placement, _split, as_dtensor
+from spdsl.propagate.placement import REPLICATE, Placement, Shard, typed_shape
 
-if TYPE_CHECKING:
-    from spdsl.annotate.sharded import _Compiled
-
-
-def _out_nodes(traced: Traced) -> list:
-    out_node = next(n for n in traced.graph.graph.nodes if n.op == "output")
-    return list(out_node.args[0])
+__all__ = ["Runtime", "_dtensor_placement", "_out_nodes"]
 
 
 class Runtime:
-    """Global arguments in, local program run, DTensors out (part of ``Sharded``)."""
+    """The same-batch check and the ranks' one order, and the cut of an argument and the
+    wrapping of a piece the segments (``spdsl.annotate.breaks``) use as the run does (part of
+    ``Sharded``)."""
 
     def _most(self, index: int) -> int:
         """The largest ``index`` of any rank of the mesh: one all-reduce per axis."""
         return self.groups.most(index)
 
     def _same_order(self, gm: torch.fx.GraphModule) -> bool:
-        """Put this rank's traced program in the order of the mesh's first rank where the
-        ranks traced the same work in different orders (``spdsl.propagate.order``): two
-        all-reduces of a digest when they agree; True if this rank's order changed. Every rank
-        raises, before any exchange of the step, if one traced other work."""
-        if not dist.is_initialized():
-            return False
-        keys = structure_keys(gm)
-        mine = digest(keys)
-        if self._most(mine) == -self._most(-mine):
-            return False
-        moved, failed = merge_equal(gm) > 0, None
-        keys = structure_keys(gm)
-        mesh = self.mesh
-        for name in mesh.mesh_dim_names or ():
-            if axis_size(mesh, name) == 1:
-                continue
-            first = C.share(keys, group=mesh.get_group(name))
-            if failed is None:
-                try:
-                    moved = follow(gm, first) or moved
-                except ShardingError as e:
-                    failed = e
-            if self._most(int(failed is not None)):
-                raise failed or ShardingError(
-                    rule="one program on every rank",
-                    detail="another rank of the mesh traced a different program (its error "
-                           "says where); no exchange of the step ran")
-            keys = structure_keys(gm)
-        return moved
-
-    def _local_inputs(self, entry: _Compiled, args: tuple, kwargs: dict) -> list:
-        """This rank's pieces of the inputs: the one place global tensors become local (cut
-        as ``spdsl.lower.local`` says; the step's input specs read the same)."""
-        leaves, _ = tree_flatten((args, kwargs))
-        groups = entry.step.groups
-        local_in = []
-        for j, i in enumerate(entry.traced.tensor_leaf_index):
-            x = leaves[i]
-            p = entry.in_placements[j]
-            dp = entry.data_in[j] if entry.data is not None else REPLICATE
-            if isinstance(x, DTensor):
-                local_in.append(x.to_local())
-                continue
-            if isinstance(dp, Shard) and self.batch == "global":
-                x = self._split_input(x, dp, groups.data_parts, groups.data_rank,
-                                      self.data_axis)
-            if isinstance(p, Shard):
-                x = self._split_input(x, p, groups.parts, groups.rank, self.axis)
-            local_in.append(x.contiguous() if x is not leaves[i] else x)
-        return local_in
+        """The ranks' traces put in one order (``spdsl.pipeline.decide.one_order``); outside
+        a job there is one rank's."""
+        return dist.is_initialized() and one_order(gm, self.groups)
 
     def _split_input(self, x: torch.Tensor, p: Shard, parts: int, rank: int, axis: str):
-        """This rank's chunk of a global input. The global tensor is the same on every rank
-        (replicated), so its gradient is the whole one: gathered in backward where it is
-        asked for."""
-        if x.requires_grad and torch.is_grad_enabled() and parts > 1:
-            return C.take(x, (p.dim, 1, p.size, 1), parts, rank,
-                          self._group_and_rank(axis)[0])
-        lo, hi = bounds(p, parts, rank)
-        return x.narrow(p.dim, lo, hi - lo)
+        """This rank's chunk of a global input over ``axis`` (``spdsl.pipeline.run``)."""
+        return _split(x, p, parts, rank, self._group_and_rank(axis)[0])
 
     def _check_same_inputs(self, args: tuple, kwargs: dict, full: bool = False) -> None:
         """Every rank of the axis must pass the same global tensors: a mismatch (a
@@ -159,31 +91,11 @@ class Runtime:
                                                                         f"f64[{2 * n}]")
         return (Collective(kind, self.axis, 16 * n, 0, "check", (typed,), "", "", ""),)
 
-    def _wrap(self, local, p: Placement, node, dp: Placement = REPLICATE):
-        if (isinstance(p, Shard) or isinstance(dp, Shard)) and isinstance(local, torch.Tensor):
-            val = node.meta["val"]
-            return self._as_dtensor(local, p, dp, val.shape, val.stride())
-        return local
-
     def _as_dtensor(self, local: torch.Tensor, p: Placement, dp: Placement, shape,
-                    stride) -> DTensor:
-        """``local`` as the piece it is of a global tensor of ``shape``: placed ``p`` over the
-        sequence axis and ``dp`` over the data axis (a partial sum is a ``Partial``)."""
-        if self.data_parts > 1:
-            names = self.mesh.mesh_dim_names
-            sub = self.mesh[(names[0], names[1])] if self.mesh.ndim > 2 else self.mesh
-            pl = {self.axis: p, self.data_axis: dp}
-            places = [_dtensor_placement(pl[n]) for n in sub.mesh_dim_names]
-        else:
-            sub = self.mesh[self.axis] if self.mesh.ndim > 1 else self.mesh
-            places = [_dtensor_placement(p)]
-        return DTensor.from_local(local, sub, places, run_check=False, shape=shape,
-                                  stride=stride)
-
-
-def _dtensor_placement(p: Placement):
-    return DShard(p.dim) if isinstance(p, Shard) else DPartial() if p == PARTIAL else \
-        DReplicate()
+                    stride):
+        """``local`` as the piece it is of a global tensor of ``shape`` on this function's
+        mesh (``spdsl.pipeline.run.as_dtensor``)."""
+        return as_dtensor(local, p, dp, self.groups, shape, stride)
 
 
 def _checksum(x: torch.Tensor, full: bool) -> torch.Tensor:

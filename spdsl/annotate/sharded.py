@@ -1,12 +1,14 @@
 """``Sharded``: a function made to run split over a mesh, and what it decided per call signature.
 
 A sharded function traces itself on first call (and again only when shapes, dtypes or specs
-change), propagates placements, has the pipeline (``spdsl.pipeline``) build this rank's
-program and runs it on local tensors. ``Sharded`` is assembled from the parts of the job:
-``options.py`` (every option, read once), ``specs.py`` (arguments to placements,
-``with_sharding_constraint``), ``state.py`` (sharded parameters), ``runtime.py`` (local inputs
-in, DTensors out); this module keeps the mesh, the cache of decisions per call signature, and
-the call itself. ``api.py`` holds the public transforms that make one.
+change), reads its arguments, constraints and ``out_specs`` into placements (``Starts``) and
+hands them to the pipeline (``spdsl.pipeline``), which decides (``decide``), builds this
+rank's program (``build_step``) and runs it (``run``). ``Sharded`` is assembled from the parts
+of the public layer: ``options.py`` (every option, read once), ``specs.py`` (arguments to
+placements, ``with_sharding_constraint``), ``sharded_params.py`` (parameters sharded when
+wrapped), ``runtime.py`` (the same-batch check); this module keeps the mesh, one frozen
+:class:`Entry` per call signature, and the call itself. ``api.py`` holds the public
+transforms that make one.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from __future__ import annotations
 import functools
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -27,60 +29,63 @@ from spdsl._torch import tree_flatten, tree_unflatten
 from spdsl.annotate.mesh import axis_size
 from spdsl.annotate.mesh import mesh as make_mesh
 from spdsl.annotate.options import ShardOptions
-from spdsl.annotate.runtime import Runtime, _out_nodes
+from spdsl.annotate.runtime import Runtime
 from spdsl.annotate.sharded_params import StateSharding
 from spdsl.annotate.spec import P
-from spdsl.annotate.specs import (
-    InputSpecs,
-    _axis_of,
-    _check_specs,
-    _decode,
-)
+from spdsl.annotate.specs import InputSpecs, _axis_of, _check_specs, _decode
 from spdsl.errors import one_error_per_job
-from spdsl.inspect.decided import build_plan
+from spdsl.inspect.decided import plan_of
 from spdsl.inspect.plan import PlanSources, ShardingPlan
 from spdsl.inspect.program import read_program
 from spdsl.memory.fit import SIZING
 from spdsl.memory.planner import plan_entry
-from spdsl.pipeline import Groups, Job, build_step
-from spdsl.propagate.engine import Propagator
-from spdsl.propagate.modes import describe_change, global_modes, module_modes, run_modes
-from spdsl.propagate.placement import (
-    REPLICATE,
-    Placement,
-    Shard,
-)
+from spdsl.pipeline import Decisions, Groups, Job, Starts, Step, build_step, decide, run
+from spdsl.pipeline.decide import out_nodes
+from spdsl.propagate.modes import describe_change, global_modes, module_modes
+from spdsl.propagate.placement import REPLICATE, Shard
 from spdsl.propagate.trace import Traced, trace
 from spdsl.propagate.trace_refusals import GraphBreak
 from spdsl.propagate.trace_state import reachable_modules
+from spdsl.remat import Remat
 
 # programs traced by one step before it says why: train/eval x autocast x grad mode x a few
 # lengths are legitimately that many; state that changes every call reaches it at once
 _RETRACE_WARN = 16
 
 
-@dataclass
-class _Compiled:
-    traced: Traced
-    prop: Propagator
-    in_placements: list[Placement]
-    out_placements: list[Placement]
+@dataclass(frozen=True)
+class Entry:
+    """What one call signature decided and built: ``decisions`` (``spdsl.pipeline.decide``),
+    the ``plan`` of them (``spdsl.inspect``) and, once a call has built it, ``step`` (this
+    rank's program, ``spdsl.pipeline.Step``). Replaced, never changed, when the step is built
+    or ``remat="fit"`` chooses."""
+
+    decisions: Decisions
     plan: ShardingPlan
-    local: Any = None
-    state_requires: tuple = ()
-    data: Any = None                  # the data axis' Propagator (a dp axis of size > 1)
-    data_in: list[Placement] = field(default_factory=list)
-    data_out: list[Placement] = field(default_factory=list)
-    input_shapes: list = field(default_factory=list)    # what this rank's inputs look like
-    sharded: list = field(default_factory=list)    # lower.param_gather.ShardedInput each
-    remat: Any = None         # the Remat remat="fit" chose for this program
-    step: Any = None          # spdsl.pipeline.Step: this rank's program, as built
-    agreed: bool = False      # the ranks' traces were put in one order (Runtime._same_order)
+    step: Step | None = None
+
+    # the decisions read through the entry (segments, the plan's readers)
+    traced = property(lambda self: self.decisions.traced)
+    prop = property(lambda self: self.decisions.prop)
+    in_placements = property(lambda self: self.decisions.in_placements)
+    out_placements = property(lambda self: self.decisions.out_placements)
+    data = property(lambda self: self.decisions.data)
+    data_in = property(lambda self: self.decisions.data_in)
+    data_out = property(lambda self: self.decisions.data_out)
+    sharded = property(lambda self: self.decisions.sharded)
+
+    @property
+    def local(self):
+        """The program that runs (None before the step is built)."""
+        return None if self.step is None else self.step.program
+
+    @property
+    def remat(self) -> Remat | None:
+        """The mode ``remat="fit"`` chose for this program (None: not built, or not "fit")."""
+        return self.step.remat if self.step is not None and self.step.why is not None else None
 
     def stale(self) -> bool:
-        """A parameter was frozen or unfrozen since the trace: which gradients exist, and so
-        the plan and its lowering (tables built per rank, say), may differ."""
-        return tuple(t.requires_grad for t in self.traced.state) != self.state_requires
+        return self.decisions.stale()
 
 
 class Sharded(InputSpecs, StateSharding, Runtime):
@@ -105,7 +110,8 @@ class Sharded(InputSpecs, StateSharding, Runtime):
         self._state_mesh = None
         self.axis = axis or _axis_of(in_specs) or "sp"
         self._parts = parts
-        self._cache: dict[Any, _Compiled] = {}
+        self._cache: dict[Any, Entry] = {}        # call signature -> what it decided, built
+        self._agreed: set = set()     # signatures whose trace the ranks put in one order
         self._traces, self._last_key = 0, None     # programs traced, the last one's key
         self._segmented = None     # spdsl.annotate.breaks: how calls that read values run
         functools.update_wrapper(self, getattr(fn, "forward", fn), updated=())
@@ -211,17 +217,28 @@ class Sharded(InputSpecs, StateSharding, Runtime):
                               for x in leaves))
         return inputs, (global_modes(), module_modes(reachable_modules(self.fn, args, kwargs)))
 
-    def build(self, args: tuple, kwargs: dict, agree: bool = False) -> _Compiled:
-        """Trace and propagate (cached per call signature). ``agree``: the run's build, on
-        every rank of the mesh at once: the ranks' programs are put in one order first
-        (``spdsl.propagate.order``); the plan's build (one rank may ask) exchanges nothing."""
+    def build(self, args: tuple, kwargs: dict, agree: bool = False, *,
+              fit: bool = False) -> Entry:
+        """Trace and decide (cached per call signature). ``agree``: the run's build, on every
+        rank of the mesh at once: the ranks' programs are put in one order first
+        (``spdsl.pipeline.decide.one_order``); the plan's build (one rank may ask) exchanges
+        nothing. ``fit``: under ``remat="fit"``, the plan's mode is chosen now."""
+        key, entry = self._entry(args, kwargs, agree)
+        if fit and self.remat.fit and entry.plan.remat is None:
+            entry = replace(entry, plan=self._planned(entry.plan, entry.decisions, args,
+                                                      kwargs, fit=True))
+            self._cache[key] = entry
+        return entry
+
+    def _entry(self, args: tuple, kwargs: dict, agree: bool) -> tuple[tuple, Entry]:
         leaves, spec = tree_flatten((args, kwargs))
         key = self._key(args, kwargs, leaves, spec)
         cached = self._cache.get(key)
         if cached is not None and not cached.stale():
-            if not agree or cached.agreed or not self._same_order(cached.traced.graph):
-                cached.agreed = cached.agreed or agree
-                return cached
+            if not agree or key in self._agreed or not self._same_order(cached.traced.graph):
+                if agree:
+                    self._agreed.add(key)
+                return key, cached
             traced = cached.traced          # traced before the ranks compared: decide again
         else:
             traced = None
@@ -235,61 +252,64 @@ class Sharded(InputSpecs, StateSharding, Runtime):
             traced = self._trace(targs, tkwargs)
             if agree:
                 self._same_order(traced.graph)
-        gm = traced.graph
-        phs = [n for n in gm.graph.nodes if n.op == "placeholder"]
-        n_state = len(traced.state)
-        inputs, requires = {}, {}
-        for j, ph in enumerate(phs):
-            if j < n_state:
-                inputs[ph] = (REPLICATE, f"parameter {traced.state_names[j]}")
-                requires[ph] = traced.state[j].requires_grad
-            else:
-                p, origin = placements[j - n_state]
-                inputs[ph] = (p, origin)
-                requires[ph] = leaves[traced.tensor_leaf_index[j - n_state]].requires_grad
-            ph.meta["spdsl_requires_grad"] = requires[ph]
-        for node in gm.graph.nodes:
-            if node.target is torch.ops.spdsl.constraint.default:
-                sp = _decode(node.args[1])
-                val = node.meta["val"]
-                node.meta["spdsl_constraint"] = self._placement_of(val, sp, -1) if len(sp) \
-                    else REPLICATE
-        dprop, data_out = None, []
-        if self.data_parts > 1:      # first: the sequence axis must not cut what dp splits
-            dprop, data_out = self._propagate_data(traced, phs, data_in)
-        prop = Propagator(gm, self.parts, self.axis, gathers="error" if self.strict else "warn",
-                          attention=self.attention, taken=dprop)
-        prop.run(inputs)
-        outs = self._out_placements(traced, prop)
-        sharded = self._check_state_sharded(traced)
-        reduced = self._state_reduced(traced, prop, dprop, outs, data_out, sharded)
-        plan = build_plan(prop, requires, outs, frozenset(
-            phs[s.index].name for s in sharded if reduced.get(s.index)))
-        if dprop is not None or sharded:
-            from spdsl.inspect.mesh_plan import with_mesh_collectives
-            plan = with_mesh_collectives(plan, gm, dprop, requires, data_out, sharded,
-                                         reduced, self._regathered(phs, sharded))
-        entry = _Compiled(traced, prop, [p for p, _ in placements], outs, plan,
-                          state_requires=tuple(t.requires_grad for t in traced.state),
-                          data=dprop, data_in=data_in, data_out=data_out, sharded=sharded,
-                          agreed=agree)
-        entry.plan = self._planned(plan, entry, args, kwargs)
+        decisions = decide(traced, self._starts(traced, leaves, placements, data_in),
+                           self.job)
+        entry = Entry(decisions, self._planned(plan_of(decisions), decisions, args, kwargs))
         self._cache[key] = entry
-        return entry
+        if agree:
+            self._agreed.add(key)
+        else:
+            self._agreed.discard(key)
+        return key, entry
 
-    def _planned(self, plan: ShardingPlan, entry: _Compiled, args: tuple, kwargs: dict, *,
-                 fit: bool = False) -> ShardingPlan:
+    def _starts(self, traced: Traced, leaves: list, placements: list, data_in: list) -> Starts:
+        """What the arguments, ``with_sharding_constraint`` and ``out_specs`` say, as
+        placements (``spdsl.pipeline.decide.Starts``)."""
+        constraints = []
+        for node in traced.graph.graph.nodes:
+            if node.target is torch.ops.spdsl.constraint.default:
+                sp, val = _decode(node.args[1]), node.meta["val"]
+                data = self._data_placement_of(val, sp, -1) if self.data_parts > 1 and \
+                    self.data_axis in sp else None
+                constraints.append((node, self._placement_of(val, sp, -1) if len(sp)
+                                    else REPLICATE, data))
+        return Starts(tuple(placements), tuple(data_in),
+                      tuple(leaves[i].requires_grad for i in traced.tensor_leaf_index),
+                      tuple(constraints), self._out_pins(traced), self._hands_on_partial())
+
+    def _out_pins(self, traced: Traced) -> tuple:
+        """Per output, the placement ``out_specs`` gives it (None: as propagated)."""
+        if self.out_specs is None:
+            return ()
+        specs = self.out_specs if isinstance(self.out_specs, (list, tuple)) and not \
+            isinstance(self.out_specs, P) else [self.out_specs]
+        pins = []
+        for i, o in enumerate(out_nodes(traced)):
+            val = o.meta.get("val") if isinstance(o, torch.fx.Node) else None
+            if not isinstance(val, torch.Tensor) or i >= len(specs) or specs[i] is None:
+                pins.append(None)
+            else:
+                pins.append(self._placement_of(val, specs[i], i) if len(specs[i]) else REPLICATE)
+        return tuple(pins)
+
+    def _hands_on_partial(self) -> bool:
+        """Whether outputs that are partial sums stay so (a segment's, ``annotate.breaks``)."""
+        return False
+
+    def _planned(self, plan: ShardingPlan, decisions: Decisions, args: tuple, kwargs: dict, *,
+                 fit: bool = False, chosen: Remat | None = None) -> ShardingPlan:
         """``plan`` with what it computes when first asked, from the pipeline's records only
         (``PlanSources``): the calls this call's program runs (``spdsl.inspect.program``) and
         its memory. ``fit=True``: the program is read now, ``remat="fit"`` choosing the mode
-        (``plan.remat``)."""
+        (``plan.remat``); ``chosen``: the mode the run chose (``Entry.remat``)."""
         job = self.job
         extra = self._check_collectives(tree_flatten((args, kwargs))[0])
-        program = functools.partial(read_program, job, entry, args, kwargs, extra=extra)
+        program = functools.partial(read_program, job, decisions, args, kwargs, extra=extra,
+                                    chosen=chosen)
         if fit:
             read = program(plan, fit=True)
             program, plan = (lambda _: read), replace(plan, remat=read.chosen)
-        memory = functools.partial(plan_entry, job, entry, args, kwargs)
+        memory = functools.partial(plan_entry, job, decisions, args, kwargs, chosen=chosen)
         return replace(plan, remat_mode=job.remat.describe(),
                        sources=PlanSources(program, memory))
 
@@ -326,62 +346,8 @@ class Sharded(InputSpecs, StateSharding, Runtime):
                     new[i] = torch.empty(shape, dtype=x.dtype, device=x.device)
         return tree_unflatten(new, tree_flatten((args, kwargs))[1])
 
-    def _propagate_data(self, traced: Traced, phs, data_in):
-        """The same rules over the same graph for the data axis: where batch rows meet."""
-        gm = traced.graph
-        n_state = len(traced.state)
-        inputs = {}
-        for j, ph in enumerate(phs):
-            inputs[ph] = (REPLICATE, "parameter") if j < n_state else \
-                (data_in[j - n_state], f"in_specs[{j - n_state}] over {self.data_axis!r}")
-        saved = {}
-        for node in gm.graph.nodes:      # constraints that name no data axis leave it alone
-            if node.target is torch.ops.spdsl.constraint.default:
-                saved[node] = node.meta["spdsl_constraint"]
-                sp = _decode(node.args[1])
-                node.meta["spdsl_constraint"] = self._data_placement_of(
-                    node.meta["val"], sp, -1) if self.data_axis in sp else None
-        try:
-            dprop = Propagator(gm, self.data_parts, self.data_axis)
-            dprop.run(inputs)
-        finally:
-            for node, c in saved.items():
-                node.meta["spdsl_constraint"] = c
-        out_node = next(n for n in gm.graph.nodes if n.op == "output")
-        data_out = []
-        for o in out_node.args[0]:
-            val = o.meta.get("val") if isinstance(o, torch.fx.Node) else None
-            have = dprop.placement(o) if isinstance(val, torch.Tensor) else REPLICATE
-            keep = isinstance(have, Shard) and have.outer == 1 and \
-                have.size == val.shape[have.dim]
-            data_out.append(have if keep else REPLICATE)
-        return dprop, data_out
-
-
-    def _out_placements(self, traced: Traced, prop: Propagator) -> list[Placement]:
-        out_node = next(n for n in traced.graph.graph.nodes if n.op == "output")
-        outs = []
-        specs = None
-        if self.out_specs is not None:
-            specs = self.out_specs if isinstance(self.out_specs, (list, tuple)) and not \
-                isinstance(self.out_specs, P) else [self.out_specs]
-        for i, o in enumerate(out_node.args[0]):
-            val = o.meta.get("val") if isinstance(o, torch.fx.Node) else None
-            if not isinstance(val, torch.Tensor):
-                outs.append(REPLICATE)
-                continue
-            if specs is not None and i < len(specs) and specs[i] is not None:
-                outs.append(self._placement_of(val, specs[i], i) if len(specs[i]) else REPLICATE)
-                continue
-            have = prop.placement(o)
-            if isinstance(have, Shard) and have.outer == 1 and have.size == val.shape[have.dim]:
-                outs.append(have)
-            else:
-                outs.append(REPLICATE)
-        return outs
-
-    def prepare(self, *args, **kwargs) -> _Compiled | None:
-        """Trace, propagate and build this rank's program for these arguments without running
+    def prepare(self, *args, **kwargs) -> Entry | None:
+        """Trace, decide and build this rank's program for these arguments without running
         it (no collective runs): what a call does first. A rank that fails here fails before
         any exchange, so the others are not left waiting in one.
 
@@ -398,19 +364,19 @@ class Sharded(InputSpecs, StateSharding, Runtime):
         if segmented(self, args, kwargs) is not None:
             return None
         try:
-            entry = self.build(args, kwargs, agree=True)
+            key, entry = self._entry(args, kwargs, agree=True)
         except GraphBreak as e:
             segmented(self, args, kwargs, e)     # raises where segments cannot run
             return None
-        if entry.local is None:
+        if entry.step is None:
             # -- lower for this rank, kernels, remat, compile: one pipeline (spdsl.pipeline) --
-            entry.step = build_step(replace(self.job, groups=self.groups), entry, args,
-                                    kwargs, SIZING)
-            entry.local = entry.step.program
-            entry.input_shapes = [s.shape for s in entry.step.inputs]
-            if entry.step.why is not None:   # remat="fit": what was chosen, once per program
-                entry.remat = entry.step.remat
-                entry.plan = replace(entry.plan, remat=entry.step.why)
+            step = build_step(replace(self.job, groups=self.groups), entry.decisions, args,
+                              kwargs, SIZING)
+            plan = entry.plan
+            if step.why is not None:   # remat="fit": what was chosen, once per program
+                plan = self._planned(replace(plan, remat=step.why), entry.decisions, args,
+                                     kwargs, chosen=step.remat)
+            entry = self._cache[key] = replace(entry, plan=plan, step=step)
         return entry
 
     @property
@@ -422,7 +388,16 @@ class Sharded(InputSpecs, StateSharding, Runtime):
         return Job(parts=self.parts, axis=self.axis, data_axis=self.data_axis,
                    data_parts=self.data_parts, remat=self.remat, kernels=self.kernels,
                    compile=self.compile, batch=self.batch,
-                   groups=self.groups if fits else None)
+                   groups=self.groups if fits else None, strict=self.strict,
+                   attention=self.attention, shard_state=self.shard_state)
+
+    def segments_runner(self):
+        """This function's runner of calls that read tensor values in Python
+        (``spdsl.annotate.breaks.Segments``), made when a call first shows one."""
+        if self._segmented is None:
+            from spdsl.annotate.breaks import Segments
+            self._segmented = Segments(self)
+        return self._segmented
 
     def runs_in_segments(self, args: tuple, kwargs: dict) -> bool:
         """Whether calls like this one run in segments (the function reads tensor values in
@@ -446,10 +421,4 @@ class Sharded(InputSpecs, StateSharding, Runtime):
         if entry is None:                      # a function that reads values: in segments
             with C.backward_order():
                 return segmented(self, args, kwargs)(args, kwargs)
-        state = [t.to_local() if isinstance(t, DTensor) else t for t in entry.traced.state]
-        with run_modes(), C.backward_order():   # the trace's casts are ops of the program
-            outs = C.tie_order(entry.local(*state, *self._local_inputs(entry, args, kwargs)))
-        data_out = entry.data_out or [REPLICATE] * len(entry.out_placements)
-        wrapped = [self._wrap(o, p, node, dp) for o, p, node, dp in zip(
-            outs, entry.out_placements, _out_nodes(entry.traced), data_out)]
-        return tree_unflatten(wrapped, entry.traced.out_spec)
+        return run(entry.step, args, kwargs, batch=self.batch)

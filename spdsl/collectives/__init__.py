@@ -25,7 +25,8 @@ All-to-alls are real ``all_to_all_single`` calls (DTensor's CPU path gathers ins
 collective waits where it is issued, except ``all_to_all_many_start``'s, which is waited
 later (pipelined Ulysses overlaps it with another head group's attention). The
 gradient all-reduces of parameters go in buckets (``grad_all_reduce_many``): one flat
-all-reduce per bucket instead of one per parameter.
+all-reduce per bucket instead of one per parameter; the buckets of a segmented forward's
+programs are merged across its segments in backward (``grads``).
 
 =================  ======================================================================
 module             what it holds

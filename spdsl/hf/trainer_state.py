@@ -71,7 +71,7 @@ def _torch_optimizer(optimizer):
 def save_state(trainer, output_dir: str) -> None:
     """The model's and optimizer's shards through ``save_checkpoint`` (every rank writes its
     own); the scheduler from the main process."""
-    from spdsl.checkpoint import save_checkpoint    # DCP loads when a run first saves
+    from spdsl.checkpoint import save_checkpoint  # DCP loads when a run first saves
     save_checkpoint(state_dir(output_dir), trainer.model, _torch_optimizer(trainer.optimizer),
                     step=trainer.state.global_step)
     if trainer.args.should_save:

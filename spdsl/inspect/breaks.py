@@ -86,14 +86,15 @@ class SegmentedPlan:
     def collectives(self) -> list:
         """Every collective of one call, in order (``spdsl.inspect.plan.Collective``): per
         segment, what runs before its program, its program's (forward, backward and its
-        gradient buckets), then what the reads after it run."""
+        gradient buckets), then what the reads after it run. The segments' gradient buckets
+        are merged as backward merges them (:func:`merged_buckets`)."""
         out = [c for s in self.segments[:1] for c in s.before]
         out += [c for b in self.breaks if b.segment < 0 for c in b.issued]
         for s in self.segments:
             out += list(s.before if s.index else ()) + list(s.plan.collectives)
             out += list(s.after)
             out += [c for b in self.breaks if b.segment == s.index for c in b.issued]
-        return out
+        return merged_buckets(out)
 
     def to_json(self, indent: int | None = 1) -> str:
         return json.dumps({"segments": [{"index": s.index, "ops": s.ops, "outputs": s.outputs,
@@ -112,3 +113,47 @@ class SegmentedPlan:
         lines += [f"  {b}" for b in self.breaks if b.segment < 0]
         lines += [f"note: {n}" for n in dict.fromkeys(b.note for b in self.breaks if b.note)]
         return "\n".join(lines)
+
+
+def merged_buckets(colls: list, cap: int | None = None) -> list:
+    """``colls`` (one call's, in forward order) with the merged gradient buckets of its
+    segments' programs replaced by the all-reduces backward issues for them
+    (``spdsl.collectives.grads``): walked in backward order (the reverse of the list), a bucket
+    is held, and the held ones of its group and dtype are reduced as one where adding it would
+    pass ``cap`` bytes (default ``spdsl.lower.grad_buckets.GRAD_BUCKET_BYTES``, read now),
+    listed at that bucket; those still held where backward ends are listed at the last bucket
+    backward reaches."""
+    from spdsl.inspect.plan import Collective
+    from spdsl.lower import grad_buckets
+    cap = grad_buckets.GRAD_BUCKET_BYTES if cap is None else cap
+    held: dict = {}         # (axis, dtype) -> the buckets held, in backward order
+    at: dict[int, list] = {}     # list position -> the merged all-reduces issued there
+    last = None
+
+    def merged(group: list) -> Collective:
+        first = group[0]
+        return Collective("all_reduce", first.axis, 0, sum(c.bytes_bwd for c in group),
+                          "gradient", tuple(v for c in group for v in c.values), "",
+                          first.module, grad_buckets.MERGED,
+                          carries=tuple(p for c in group for p in c.carries))
+
+    for i in reversed(range(len(colls))):
+        c = colls[i]
+        if c.node != grad_buckets.MERGED:
+            continue
+        key = (c.axis, c.values[0].lstrip("(").split("[")[0] if c.values else "")
+        group = held.pop(key, [])
+        if group and sum(g.bytes_bwd for g in group) + c.bytes_bwd > cap:
+            at.setdefault(i, []).append(merged(group))
+            group = []
+        held[key] = [*group, c]
+        last = i
+    if last is None:
+        return list(colls)
+    at.setdefault(last, []).extend(merged(g) for g in held.values())
+    out = []
+    for i, c in enumerate(colls):
+        out += at.get(i, [])
+        if c.node != grad_buckets.MERGED:
+            out.append(c)
+    return out

@@ -9,7 +9,7 @@ stands in where that program cannot be built.
 
 Example::
 
-    plan = build_plan(prop, requires, out_placements)
+    plan = plan_of(step.build((ids, ids), {}).decisions)     # or build_plan(prop, ...)
     [v.typed for v in plan.values]
 """
 
@@ -146,6 +146,21 @@ def _mask_words(node: torch.fx.Node, ins: list, fn: bool, flex: bool) -> str:
         m = ins[3].meta["val"]
         return f"dense tensor {typed_shape(m.shape, m.dtype, Replicate())} ({nbytes(m):,} B on every rank)"
     return "causal" if len(node.args) > 5 and node.args[5] else "none"
+
+
+def plan_of(decisions) -> ShardingPlan:
+    """The plan of one call's ``decisions`` (``spdsl.pipeline.Decisions``): the sequence
+    axis' records, with the data axis' and the sharded parameters' collectives where there
+    are any (``spdsl.inspect.mesh_plan``)."""
+    d = decisions
+    phs = [n for n in d.traced.graph.graph.nodes if n.op == "placeholder"]
+    plan = build_plan(d.prop, d.requires, list(d.out_placements), frozenset(
+        phs[s.index].name for s in d.sharded if d.reduced.get(s.index)))
+    if d.data is None and not d.sharded:
+        return plan
+    from spdsl.inspect.mesh_plan import with_mesh_collectives
+    return with_mesh_collectives(plan, d.traced.graph, d.data, d.requires, list(d.data_out),
+                                 list(d.sharded), dict(d.reduced), d.regathered)
 
 
 def build_plan(prop: Propagator, requires: dict[torch.fx.Node, bool],

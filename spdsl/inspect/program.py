@@ -14,7 +14,7 @@ by ``spdsl.lower.calls``:
 - halo exchanges carry this rank's buffer (the rows it keeps go through the exchange too).
 
 What runs outside the program is added from propagation: the backward gather of a split
-input's gradient (``Sharded._split_input``). Bytes are those of the rank the program was
+input's gradient (``spdsl.pipeline.run``). Bytes are those of the rank the program was
 lowered for (``spdsl.plan`` outside a job: rank 0; inside one: the calling rank).
 
 Example::
@@ -317,20 +317,21 @@ def _param(v: torch.fx.Node, typed: dict) -> str:
 PLAN_REMAT = Remat("none")
 
 
-def program_for_plan(job, entry, args: tuple, kwargs: dict, *, fit: bool = False
+def program_for_plan(job, decisions, args: tuple, kwargs: dict, *, fit: bool = False,
+                     chosen: Remat | None = None
                      ) -> tuple[torch.nn.Module, dict[str, str], Any]:
     """The local program of one call as the pipeline builds it for the step
     (``spdsl.pipeline.planned_step``: no collective runs), its shapes filled, the axis of
     each process group it names, and what ``remat="fit"`` chose (``RematChoice``, or None).
-    Under ``"fit"`` the choice is made only with ``fit=True`` (or taken from the run, once it
-    made one); else the program is the one of ``PLAN_REMAT``."""
+    Under ``"fit"`` the choice is made only with ``fit=True`` (or taken from the run,
+    ``chosen``, once it made one); else the program is the one of ``PLAN_REMAT``."""
     from spdsl.lower.shapes import fill_shapes
     from spdsl.memory.fit import SIZING
     from spdsl.pipeline import planned_step
 
-    unchosen = job.remat.fit and getattr(entry, "remat", None) is None and not fit
-    with planned_step(job, entry, args, kwargs, SIZING,
-                      remat=PLAN_REMAT if unchosen else None) as step:
+    unchosen = job.remat.fit and chosen is None and not fit
+    with planned_step(job, decisions, args, kwargs, SIZING,
+                      remat=PLAN_REMAT if unchosen else None, chosen=chosen) as step:
         local = step.program
         if any(n.op == "call_function" and "val" not in n.meta for n in local.graph.nodes):
             fill_shapes(local, step.state + step.inputs)    # remat "none" leaves it unfilled
@@ -338,23 +339,27 @@ def program_for_plan(job, entry, args: tuple, kwargs: dict, *, fit: bool = False
         return local, step.axes, step.why      # tensors, with the step's groups (kept)
 
 
-def read_program(job, entry, args: tuple, kwargs: dict, plan: ShardingPlan, *,
-                 fit: bool = False, extra: tuple[Collective, ...] = ()) -> ProgramRead:
-    """The program of ``entry`` (the decisions of one call) as ``plan`` reads it
+def read_program(job, decisions, args: tuple, kwargs: dict, plan: ShardingPlan, *,
+                 fit: bool = False, extra: tuple[Collective, ...] = (),
+                 chosen: Remat | None = None) -> ProgramRead:
+    """The program of one call's ``decisions`` (``spdsl.pipeline.Decisions``) as ``plan`` reads it
     (``PlanSources.program``): built by the pipeline for ``job`` (``spdsl.pipeline.Job``,
     see :func:`program_for_plan`), its calls as ``plan.collectives`` lists them and the
     schedule ``plan.timing()`` walks (``spdsl.inspect.timing``). ``fit=True``: under
     ``remat="fit"``, the mode is chosen here (the memory planner, once per mode tried) and
-    ``chosen`` records it. ``extra``: collectives the call runs outside the program (the
-    same-inputs check), listed last.
+    ``chosen`` records it (the argument ``chosen``: the mode the run chose already).
+    ``extra``: collectives the call runs outside the program (the same-inputs check), listed
+    last.
 
     Example::
 
-        read = read_program(step.job, entry, (ids, ids), {}, entry.plan)
+        entry = step.build((ids, ids), {})
+        read = read_program(step.job, entry.decisions, (ids, ids), {}, entry.plan)
         [c.purpose for c in read.collectives]
     """
     try:
-        local, axes, why = program_for_plan(job, entry, args, kwargs, fit=fit)
+        local, axes, why = program_for_plan(job, decisions, args, kwargs, fit=fit,
+                                            chosen=chosen)
     except (ValueError, NotImplementedError) as e:
         # a lowering that needs groups a planning process lacks: say so, and list what
         # propagation decided (the gradient of each parameter reduced alone, no remat)
@@ -363,11 +368,11 @@ def read_program(job, entry, args: tuple, kwargs: dict, plan: ShardingPlan, *,
                       stacklevel=6)
         return ProgramRead((*plan.decided, *extra))
     colls = collectives_of(local, plan, axes)
-    schedule = replace(_schedule(local, colls, job, entry, args), before=tuple(extra))
+    schedule = replace(_schedule(local, colls, job, decisions, args), before=tuple(extra))
     return ProgramRead((*colls, *extra), schedule, why)
 
 
-def _schedule(local: torch.nn.Module, colls: list[Collective], job, entry, args: tuple):
+def _schedule(local: torch.nn.Module, colls: list[Collective], job, decisions, args: tuple):
     """What ``spdsl.inspect.timing`` needs of the program: its events beside the plan's
     entry of each call, the axes' sizes, the device model and how gradient buckets run."""
     import spdsl.collectives.grads as grads
@@ -383,5 +388,5 @@ def _schedule(local: torch.nn.Module, colls: list[Collective], job, entry, args:
         sizes[job.data_axis] = job.data_parts
         sizes[f"{job.data_axis}+{job.axis}"] = job.data_parts * job.parts
     return Schedule(local.__dict__.get("gm", local), tuple(events), per_event, tuple(after), sizes,
-                    device_of(entry, args), grads.GRAD_OVERLAP and not job.compile)
+                    device_of(decisions, args), grads.GRAD_OVERLAP and not job.compile)
 

@@ -1,7 +1,9 @@
 """Gradient all-reduces of parameters folded into buckets, each issued in backward as soon as
 its parameters' gradients are complete (``bucket_gradient_reduces``); a gradient marker on a
 value computed from one parameter alone moved onto the parameter (``move_markers_to_inputs``).
-Both run on a rank's lowered graph (``spdsl.lower.graph``)."""
+Both run on a rank's lowered graph (``spdsl.lower.graph``). A segment's program (a forward that
+reads values) has its buckets merged with the other segments' in backward
+(``merge_buckets``, applied by the pipeline)."""
 
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ from spdsl.lower.layers import layer_of
 from spdsl.propagate.engine import gradient_reaches
 
 GRAD_BUCKET_BYTES = 32 * 2 ** 20
+MERGED = "merged gradient bucket"       # a merged bucket's origin, as the plan lists it
 
 
 def bucket_gradient_reduces(graph: torch.fx.Graph, cap: int | None = None) -> int:
@@ -80,6 +83,30 @@ def bucket_gradient_reduces(graph: torch.fx.Graph, cap: int | None = None) -> in
         many.meta.update(spdsl_module=layer, spdsl_origin="gradient bucket",
                          stack_trace=None)
     return len(buckets)
+
+
+def merge_buckets(gm: torch.fx.GraphModule, cap: int | None = None) -> int:
+    """Mark every gradient bucket of ``gm`` (a segment's program) merged: in backward it is
+    held and reduced with the merged buckets of the segments after it, one all-reduce of up to
+    ``cap`` bytes (default :data:`GRAD_BUCKET_BYTES`, read when called) instead of one per
+    segment (``spdsl.collectives.grads``); returns the number marked. Under ``torch.compile``
+    the compiled backward reduces each bucket where it is: not to be marked there.
+
+    Example::
+
+        lowered = lower(...)              # a segment's rank program
+        merge_buckets(lowered)            # its buckets reduced with the next segments'
+    """
+    cap = GRAD_BUCKET_BYTES if cap is None else cap
+    marked = 0
+    for n in gm.graph.nodes:
+        if n.target is C.grad_all_reduce_many:
+            n.args = (*n.args[:2], cap)
+            n.meta["spdsl_origin"] = MERGED
+            marked += 1
+    if marked:
+        gm.recompile()
+    return marked
 
 
 def move_markers_to_inputs(graph: torch.fx.Graph) -> None:

@@ -4,7 +4,7 @@ A dim split over an axis of ``P`` ranks is cut ``torch.chunk``-style, as DTensor
 cuts it: pieces of ``ceil(n / P)`` rows, the last ones shorter or empty (10 tokens over 4
 ranks: 3, 3, 3, 1; ``spdsl.propagate.placement.chunk_bounds``). With a data axis the batch is
 cut first and the sequence inside the rank's rows. The lowering (``spdsl.lower.graph``: the
-shapes in views, the collectives' buffers), the run (``spdsl.annotate.runtime``: the pieces of
+shapes in views, the collectives' buffers), the run (``spdsl.pipeline.run``: the pieces of
 the global arguments) and the pipeline's input specs (``spdsl.pipeline.build``: what remat,
 the kernels and the memory model size the program by) all read their shapes here.
 
@@ -71,7 +71,7 @@ def input_shapes(entry, args: tuple, kwargs: dict, parts: int, rank: int, *,
                  data_parts: int = 1, data_rank: int = 0, batch: str = "global"
                  ) -> list[tuple[int, ...]]:
     """The shapes of the rank's pieces of the call's tensor arguments, as the run cuts them
-    (``Runtime._local_inputs``): a DTensor is its local piece already; ``batch="local"``:
+    (``spdsl.pipeline.run.local_inputs``): a DTensor is its local piece already; ``batch="local"``:
     each data rank passed its own rows."""
     leaves = tree_flatten((args, kwargs))[0]
     out = []

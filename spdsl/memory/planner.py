@@ -64,21 +64,23 @@ def plan_memory(fn, *args, remat=None, rank: int = 0, optimizer: str = "adamw",
         entry = fn.build(args, kwargs)
     except GraphBreak as e:
         return fn.segments_memory(args, kwargs, e, **opts)
-    return plan_entry(job, entry, args, kwargs, **opts)
+    return plan_entry(job, entry.decisions, args, kwargs, chosen=entry.remat, **opts)
 
 
-def plan_entry(job: Job, entry, args: tuple, kwargs: dict, *, remat=None, rank: int = 0,
+def plan_entry(job: Job, decisions, args: tuple, kwargs: dict, *, remat=None, rank: int = 0,
                optimizer: str = "adamw", optimizer_on_host: bool = False,
-               pinned_host: bool | None = None, compiled: bool | None = None) -> MemoryPlan:
-    """:func:`plan_memory` of one call whose decisions (``entry``) are already made: what a
-    plan's ``memory()`` runs."""
+               pinned_host: bool | None = None, compiled: bool | None = None,
+               chosen: Remat | None = None) -> MemoryPlan:
+    """:func:`plan_memory` of one call whose ``decisions`` (``spdsl.pipeline.Decisions``) are
+    already made: what a plan's ``memory()`` runs. ``chosen``: the mode the run's
+    ``remat="fit"`` chose for this program, taken instead of choosing again."""
     compiled = job.compile if compiled is None else compiled
     if pinned_host is None:
         pinned_host = any(isinstance(a, torch.Tensor) and a.device.type == "cuda"
                           for a in args)
-    with planned_step(job, entry, args, kwargs, SIZING, rank=rank,
+    with planned_step(job, decisions, args, kwargs, SIZING, rank=rank,
                       remat=Remat.of(remat) if remat is not None else None,
-                      compiled=compiled, optimizer=optimizer) as step:
+                      compiled=compiled, optimizer=optimizer, chosen=chosen) as step:
         return plan_step(step, job.parts, compiled=compiled, optimizer=optimizer,
                          optimizer_on_host=optimizer_on_host, pinned_host=pinned_host)
 
@@ -95,12 +97,12 @@ def plan_step(step: Step, parts: int, *, compiled: bool = False, optimizer: str 
                pinned_host=pinned_host)
 
 
-def _local_tokens(entry, ins) -> int | None:
+def _local_tokens(decisions, ins) -> int | None:
     """Tokens this rank holds: the largest ``B * S_local`` among sequence-split inputs."""
     from spdsl.propagate.placement import Shard
 
     best = None
-    for spec, p in zip(ins, entry.in_placements):
+    for spec, p in zip(ins, decisions.in_placements):
         if isinstance(p, Shard) and len(spec.shape) >= 2:
             n = 1
             for s in spec.shape[: p.dim + 1]:

@@ -91,7 +91,9 @@ class LiveBytes(TorchDispatchMode):
             # a wrapper (a collective's AsyncCollectiveTensor, say) owns no memory of its own;
             # its storage reports the full size but holds nothing: count what it wraps
             for name in t.__tensor_flatten__()[0]:
-                self._add(getattr(t, name), category)
+                inner = getattr(t, name)
+                if isinstance(inner, torch.Tensor):     # a DTensor names its mesh too
+                    self._add(inner, category)
             return
         st = t.untyped_storage()
         key = st._cdata

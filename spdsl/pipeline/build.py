@@ -1,12 +1,13 @@
 """One rank's program for one call, built one way for everyone who reads it.
 
-``trace -> propagate`` give the decisions (``spdsl.annotate`` keeps them per call signature);
-from them :func:`build_step` makes this rank's program: lower for the rank, swap in kernels (and fuse
-the output projection into attention pipelined by head groups, ``spdsl.lower.project``),
-apply the remat stage (chosen from memory under ``remat="fit"``), compile when asked. The run
-(``sp_shard``/``shard``), the plan's list of collectives (``spdsl.inspect.program``), the memory
-planner (``spdsl.memory.planner``) and both command lines all read the :class:`Step` it returns;
-none of them lowers or rewrites a program itself.
+``trace -> decide`` give the decisions (:class:`spdsl.pipeline.decide.Decisions`, kept per
+call signature by ``spdsl.annotate``); from them :func:`build_step` makes this rank's
+program: lower for the rank, swap in kernels (and fuse the output projection into attention
+pipelined by head groups, ``spdsl.lower.project``), apply the remat stage (chosen from
+memory under ``remat="fit"``), compile when asked. The run (``spdsl.pipeline.run``), the
+plan's list of collectives (``spdsl.inspect.program``), the memory planner
+(``spdsl.memory.planner``) and both command lines all read the :class:`Step` it returns; none
+of them lowers or rewrites a program itself.
 
 A wrapped function describes itself to the pipeline as a :class:`Job` (``Sharded.job``): its
 mesh axes, its options and its process groups, decided once (:class:`Groups`,
@@ -19,8 +20,8 @@ one reduce-scatter (:func:`reduced_state`).
 Example::
 
     step = spdsl.sp_shard(seq=4)(model)
-    entry = step.build((ids, ids), {})                     # decisions: trace + propagate
-    with planned_step(step.job, entry, (ids, ids), {}, SIZING) as s:   # no collective runs
+    d = step.build((ids, ids), {}).decisions                # trace + decide
+    with planned_step(step.job, d, (ids, ids), {}, SIZING) as s:     # no collective runs
         s.program.print_readable()                         # rank 0's program, remat applied
         s.remat.describe(), s.kernels                      # what was chosen
 """
@@ -36,6 +37,7 @@ import torch
 import torch.distributed as dist
 
 from spdsl._torch import tree_flatten, use_lazy_graph_module
+from spdsl.lower.grad_buckets import merge_buckets
 from spdsl.lower.graph import lower
 from spdsl.lower.kernels import KernelChoice, swap_kernels
 from spdsl.lower.local import local_specs
@@ -51,7 +53,8 @@ class Job:
     """What the pipeline needs of a wrapped function: its axes and options, and the running
     job's process groups (``groups``; None outside a job of the axis' size: the pipeline then
     plans against a fake group). ``batch``: ``"global"`` (every rank passes the whole batch)
-    or ``"local"`` (each data rank its own rows)."""
+    or ``"local"`` (each data rank its own rows). ``strict``, ``attention``, ``shard_state``:
+    the options propagation reads (``spdsl.pipeline.decide``)."""
 
     parts: int
     axis: str
@@ -62,6 +65,10 @@ class Job:
     compile: bool
     batch: str = "global"
     groups: Groups | None = None
+    strict: bool = False
+    attention: Any = None
+    shard_state: bool = False
+    merge_buckets: bool = False     # a segment's: its gradient buckets merged across segments
 
 
 @dataclass(frozen=True)
@@ -78,8 +85,8 @@ class Sizing:
 class Step:
     """One rank's compiled step for one call signature.
 
-    ``decisions``: the traced and propagated call (``spdsl.annotate``'s entry: graph,
-    placements, plan); ``lowered``: this rank's program as lowering made it with the kernels
+    ``decisions``: the traced and propagated call (``spdsl.pipeline.decide.Decisions``);
+    ``lowered``: this rank's program as lowering made it with the kernels
     swapped in, before remat (kept for inspection); ``program``: what runs (kernels swapped, remat
     applied, compiled if asked); ``remat``: the mode applied (under ``"fit"``, the one chosen)
     and ``why`` (``RematChoice``, or None); ``kernels``: the swaps made (``kernel_report``
@@ -101,53 +108,57 @@ class Step:
     groups: Groups | None = None
 
 
-def build_step(job: Job, entry, args: tuple, kwargs: dict, sizing: Sizing) -> Step:
-    """This rank's program for ``entry``, for the run (see the module docstring): lowered
+def build_step(job: Job, decisions, args: tuple, kwargs: dict, sizing: Sizing) -> Step:
+    """This rank's program for ``decisions``, for the run (see the module docstring): lowered
     with the job's groups, kernels swapped, remat applied (``"fit"`` agreed over the mesh),
     compiled if the job asks."""
     with contextlib.ExitStack() as stack:
-        return _build(stack, job, entry, args, kwargs, sizing, planning=False)
+        return _build(stack, job, decisions, args, kwargs, sizing, planning=False)
 
 
 @contextlib.contextmanager
-def planned_step(job: Job, entry, args: tuple, kwargs: dict, sizing: Sizing, *,
+def planned_step(job: Job, decisions, args: tuple, kwargs: dict, sizing: Sizing, *,
                  rank: int | None = None, remat: Remat | None = None,
-                 compiled: bool | None = None, optimizer: str = "adamw"):
+                 compiled: bool | None = None, optimizer: str = "adamw",
+                 chosen: Remat | None = None):
     """The step built without running anything, as the plan and the memory planner read it:
     a fake process group where the job has none (kept up inside the ``with``, so the program
     can be simulated or its shapes filled), factory calls off the meta device, the program
     left uncompiled. ``rank``: the rank to plan (default: this process's rank in a job, else
     0); a dp axis or sharded state always plans this process's own rank, whose groups they
     need. ``remat``/``compiled`` override the job's; ``optimizer``: the update ``"fit"``
-    sizes the step with.
+    sizes the step with; ``chosen``: the mode the run's ``"fit"`` chose for this program
+    (``Step.remat`` where ``Step.why`` is set), taken instead of choosing again.
 
     Example::
 
-        with planned_step(step.job, step.build(args, {}), args, {}, SIZING) as s:
+        with planned_step(step.job, step.build(args, {}).decisions, args, {}, SIZING) as s:
             simulate(s.program, s.state, s.inputs)
     """
     with contextlib.ExitStack() as stack:
-        yield _build(stack, job, entry, args, kwargs, sizing, planning=True, rank=rank,
-                     remat=remat, compiled=compiled, optimizer=optimizer)
+        yield _build(stack, job, decisions, args, kwargs, sizing, planning=True, rank=rank,
+                     remat=remat, compiled=compiled, optimizer=optimizer, chosen=chosen)
 
 
-def _build(stack: contextlib.ExitStack, job: Job, entry, args: tuple, kwargs: dict,
+def _build(stack: contextlib.ExitStack, job: Job, decisions, args: tuple, kwargs: dict,
            sizing: Sizing, *, planning: bool, rank: int | None = None,
            remat: Remat | None = None, compiled: bool | None = None,
-           optimizer: str = "adamw") -> Step:
+           optimizer: str = "adamw", chosen: Remat | None = None) -> Step:
     r = remat if remat is not None else job.remat
     compiled = job.compile if compiled is None else compiled
     if planning:     # code generated when first run: a plan reads graphs (0.3 s of an 8B plan)
         stack.enter_context(use_lazy_graph_module(True))
-    if planning and r.fit and getattr(entry, "remat", None) is not None:
-        r = entry.remat                    # the mode the run chose for this program
-    groups = _groups(stack, job, entry, planning, rank)
-    lowered = lower(entry.prop, groups.rank, groups.group, entry.out_placements,
-                    groups.data_axis_of(entry.data), entry.data_out,
-                    groups.gather_of(entry.sharded), groups.factor)
+    if planning and r.fit and chosen is not None:
+        r = chosen                         # the mode the run chose for this program
+    groups = _groups(stack, job, decisions, planning, rank)
+    lowered = lower(decisions.prop, groups.rank, groups.group, decisions.out_placements,
+                    groups.data_axis_of(decisions.data), decisions.data_out,
+                    groups.gather_of(decisions.sharded), groups.factor)
+    if job.merge_buckets and not compiled:
+        merge_buckets(lowered)            # held across segments (spdsl.lower.grad_buckets)
     if planning:
         lowered = _off_meta(lowered)
-    state, ins = local_specs(entry, args, kwargs, groups.parts, groups.rank,
+    state, ins = local_specs(decisions, args, kwargs, groups.parts, groups.rank,
                              data_parts=groups.data_parts, data_rank=groups.data_rank,
                              batch=job.batch)
     lowered = swap_kernels(lowered, job.kernels, state, ins)    # in place, before remat
@@ -159,8 +170,8 @@ def _build(stack: contextlib.ExitStack, job: Job, entry, args: tuple, kwargs: di
                                 for a in tree_flatten((args, kwargs))[0])
         program, r, why = sizing.choose(
             program, r, state, ins, compiled=compiled, optimizer=optimizer,
-            **({"target": device_of(entry, args, kwargs)} if away else {} if planning else
-               {"resident": _resident(entry), "agree": groups.most}))
+            **({"target": device_of(decisions, args, kwargs)} if away else {} if planning else
+               {"resident": _resident(decisions), "agree": groups.most}))
     else:
         program = apply_remat(program, r, state, ins, peak=sizing.peak)
     if compiled and not planning:
@@ -168,17 +179,17 @@ def _build(stack: contextlib.ExitStack, job: Job, entry, args: tuple, kwargs: di
         program = compile_local(program)         # fullgraph; breaks -> ShardingError
     from spdsl.lower.ring import ring_axes
     axes = {**ring_axes(lowered, job.axis), **groups.axes()}
-    return Step(entry, lowered, program, r, why, kernels, groups.rank, state, ins, axes,
+    return Step(decisions, lowered, program, r, why, kernels, groups.rank, state, ins, axes,
                 planning, groups)
 
 
-def _groups(stack: contextlib.ExitStack, job: Job, entry, planning: bool,
+def _groups(stack: contextlib.ExitStack, job: Job, decisions, planning: bool,
             rank: int | None) -> Groups:
     """The groups to lower with: the job's own for the run, and for a plan that needs them
     (a data axis, sharded state); else a fake group of the axis' size (kept up by ``stack``),
     or the job's sequence group lowered for another rank."""
     own = job.groups
-    if not planning or entry.data is not None or entry.sharded:
+    if not planning or decisions.data is not None or decisions.sharded:
         if own is None:
             raise ValueError("a step with a data axis or sharded state is lowered with the "
                              "job's own process groups: build it inside the job")
@@ -212,19 +223,19 @@ def reduced_state(prop, outs: list, data, data_out: list, sharded: list, parts: 
     return found
 
 
-def _resident(entry) -> int:
+def _resident(decisions) -> int:
     """Bytes of the parameters already in CPU memory (``spdsl.memory.fit.device_budget``)."""
     return sum((t.to_local() if hasattr(t, "to_local") else t).nbytes
-               for t in entry.traced.state if t.device.type == "cpu")
+               for t in decisions.traced.state if t.device.type == "cpu")
 
 
-def device_of(entry, args: tuple, kwargs: dict | None = None) -> Links:
+def device_of(decisions, args: tuple, kwargs: dict | None = None) -> Links:
     """The device model of one call's step (``spdsl.propagate.attention_choice.device_model``):
     the ``Links`` its attention choice priced, which ``plan.timing()`` runs on and, for a plan
     on the meta device (a plan for another machine), ``remat="fit"`` budgets against."""
     device = next((a.device.type for a in tree_flatten((args, kwargs or {}))[0]
                    if isinstance(a, torch.Tensor)), "cpu")
-    return device_model(device, AttentionConfig.of(entry.prop.attention).links)
+    return device_model(device, AttentionConfig.of(decisions.prop.attention).links)
 
 
 def _off_meta(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:

@@ -29,8 +29,7 @@ def test_sharded_inputs_and_their_reductions_match_the_program():
             assert s.rows == whole.shape[0]
             assert s.local_rows == whole.to_local().shape[0] == -(-s.rows // 4)   # rank 0's
         phs = [n for n in entry.traced.graph.graph.nodes if n.op == "placeholder"]
-        said = f._state_reduced(entry.traced, entry.prop, entry.data, entry.out_placements,
-                                entry.data_out, entry.sharded)
+        said = dict(entry.decisions.reduced)       # what the plan says (pipeline.decide)
     local = entry.step.lowered
     lphs = [n for n in local.graph.nodes if n.op == "placeholder"]
     ran = {lphs.index(n.args[0]): n.args[5] for n in local.graph.nodes

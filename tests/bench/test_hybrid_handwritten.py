@@ -12,7 +12,6 @@ import pytest
 
 from tests.dist import spawn
 
-
 FAMILIES = ("qwen3_5", "bamba")
 
 

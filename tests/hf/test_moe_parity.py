@@ -16,6 +16,7 @@ import pytest
 pytest.importorskip("transformers")
 
 from tests.dist import spawn
+from tests.hf.cases import one_per_family
 from tests.hf.families import LAYERS
 from tests.hf.moe_cases import (
     BIAS_BALANCED,
@@ -24,7 +25,6 @@ from tests.hf.moe_cases import (
     records_router_logits,
     run_moe_all,
 )
-from tests.hf.cases import one_per_family
 
 pytestmark = [pytest.mark.multirank, pytest.mark.slow]
 

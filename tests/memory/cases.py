@@ -7,6 +7,7 @@ Shared by ``tests/remat`` (loss and gradients equal the no-remat run) and ``test
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import torch
@@ -79,8 +80,8 @@ def run_config(name: str, cfg, batch: int, seq: int, world: int, modes: dict,
     for mode, remat in modes.items():
         model.load_state_dict(init)
         f.options = f.options.replace(remat=Remat.of(remat))
-        for entry in f._cache.values():      # same trace, lowered again under this mode
-            entry.local = None
+        # same trace, lowered again under this mode: the entries without their built step
+        f._cache = {k: dataclasses.replace(e, step=None) for k, e in f._cache.items()}
         loss = f(ids, ids)
         loss.backward()
         grads = {k: p.grad.clone() for k, p in model.named_parameters()}

@@ -316,8 +316,15 @@ def test_plan_shows_segments_breaks_and_their_cost():
     assert [c.purpose for c in seg[0].before] == ["check"]
     assert [(c.kind, c.bytes, c.purpose) for c in unique.issued + mask.issued] == [
         ("all_gather", 64, "read"), ("all_gather", 8, "read")]
-    assert plan.collectives == [*seg[0].before, *seg[0].plan.collectives, *unique.issued,
-                                *seg[1].plan.collectives, *mask.issued, *seg[2].plan.collectives]
+    listed = [*seg[0].before, *seg[0].plan.collectives, *unique.issued,
+              *seg[1].plan.collectives, *mask.issued, *seg[2].plan.collectives]
+    # the segments' gradient buckets merged as backward reduces them: one all-reduce of all
+    buckets = [c for c in listed if c.purpose == "gradient"]
+    merged = [c for c in plan.collectives if c.purpose == "gradient"]
+    assert len(buckets) > 1 and len(merged) == 1, (buckets, merged)
+    assert merged[0].bytes_bwd == sum(c.bytes_bwd for c in buckets)
+    assert [c for c in plan.collectives if c.purpose != "gradient"] == \
+        [c for c in listed if c.purpose != "gradient"]
 
 
 def test_reads_that_cannot_be_made_right_name_the_line_and_the_fix():

@@ -69,7 +69,7 @@ def test_the_step_is_frozen_and_carries_the_run():
     assert isinstance(step, PR.Step)
     with pytest.raises(dataclasses.FrozenInstanceError):
         step.rank = 1
-    assert step.decisions is entry and step.program is entry.local
+    assert step.decisions is entry.decisions and step.program is entry.local
     assert step.remat == Remat("full") and step.why is None
     assert len([m for m in step.program.children() if isinstance(m, Checkpointed)]) == 2
     assert not any(isinstance(m, Checkpointed) for m in step.lowered.children())
@@ -96,7 +96,8 @@ def test_the_plan_runs_the_collectives_of_the_run_in_order():
         run = _forward(entry.step, ids)
         planned = {}
         for rank in (0, 1):
-            with PR.planned_step(f.job, entry, (ids, ids), {}, SIZING, rank=rank) as s:
+            with PR.planned_step(f.job, entry.decisions, (ids, ids), {}, SIZING,
+                                 rank=rank) as s:
                 assert s.planning and s.rank == rank
                 planned[rank] = _forward(s, ids)
     assert run and run == planned[0]
@@ -119,7 +120,7 @@ def test_inductor_runs_only_when_the_job_compiles(monkeypatch, compiled):
     model, ids = _model_and_ids()
     f = spdsl.sp_shard(seq=2, remat="none", compile=compiled)(model)
     with PR.planning_group(2):
-        step = PR.build_step(f.job, f.build((ids, ids), {}), (ids, ids), {}, SIZING)
+        step = PR.build_step(f.job, f.build((ids, ids), {}).decisions, (ids, ids), {}, SIZING)
     assert len(calls) == compiled
     assert (step.program is calls[0]) if compiled else (step.program is step.lowered)
 

@@ -70,7 +70,6 @@ from spdsl.annotate.segment import Read, SegStep
 from spdsl.annotate.segments_memory_mesh import (
     as_grad,
     check_mesh,
-    handed_on,
     leaf_specs,
     on_mesh,
     run_form,
@@ -93,6 +92,7 @@ from spdsl.memory.simulate import (
 )
 from spdsl.memory.tracker import LiveBytes
 from spdsl.pipeline import Groups, planned_step, planning_group
+from spdsl.pipeline.run import wrap_output
 from spdsl.propagate.placement import PARTIAL, REPLICATE, Shard
 from spdsl.remat import Remat
 
@@ -231,7 +231,7 @@ def _simulate_path(owner, cut, args: tuple, kwargs: dict, *, rank: int, remat,
                     for j, (o, q, dq, node) in enumerate(zip(
                             outs, d.out_placements, data_out, _out_nodes(d.traced))):
                         if mesh:       # handed on as the run hands it on (a DTensor)
-                            o = handed_on(o, q, node, dq, built.groups)
+                            o = wrap_output(o, q, node, dq, built.groups)
                         fakes[("out", k, j)] = o
                         placed[("out", k, j)] = (q, dq, node, built.groups) if mesh else q
                     del xs, outs, own

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
 import tempfile
 import traceback
 
@@ -26,6 +27,14 @@ def _entry(fn, rank: int, world: int, port: int, out_dir: str, args: tuple) -> N
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
+    # the ranks share the cores: Inductor's compile workers (a process pool a rank, each
+    # worker importing torch: ~5 s of CPU a rank that compiles) only add to a launch of as
+    # many ranks as cores; the program compiled is the same
+    if world >= len(os.sched_getaffinity(0)):
+        threads = os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
+        config = sys.modules.get("torch._inductor.config")   # read once, when imported
+        if config is not None:
+            config.compile_threads = int(threads)
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world)
         result = fn(rank, world, *args)

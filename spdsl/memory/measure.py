@@ -106,9 +106,9 @@ def _settle() -> None:
 
     import spdsl.collectives as C
     gc.collect()
-    if dist.is_available() and dist.is_initialized():
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         C.barrier()
-    time.sleep(0.5)
+        time.sleep(0.5)     # one process alone has no collective's buffer to wait for
 
 
 def _measure_cuda(step, device: torch.device, warmup: bool) -> StepMemory:

@@ -8,7 +8,6 @@ from __future__ import annotations
 import copy
 import warnings
 
-import pytest
 import torch
 
 import spdsl

@@ -59,7 +59,7 @@ ELIDED = "..."                     # a quoted line that stands for lines left ou
 COMMANDS = ("python ", "torchrun ", "SPDSL_")
 # blocks that draw, not quote: (page, first line)
 DIAGRAMS = {("models.md", "user fn + specs"),
-            ("pipeline.md", ("sp_shard(model)                 annotate/api.py      "
+            ("pipeline.md", ("sp_shard(model)             annotate/api.py       "
                              "ShardOptions (options.py), a Sharded"))}
 
 

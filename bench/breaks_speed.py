@@ -20,6 +20,11 @@ that replayed and of those that traced (a step down a path not seen before; OPT'
 
     torchrun --standalone --nproc_per_node=2 bench/breaks_speed.py --tokens 1024 --steps 12
     torchrun --standalone --nproc_per_node=4 bench/breaks_speed.py --tokens 1024 --steps 12
+
+``--profile 20``: only the Python calls and CPU time a replayed step costs on rank 0
+(``cProfile``), against the tensor-op program::
+
+    torchrun --standalone --nproc_per_node=4 bench/breaks_speed.py --tokens 1024 --profile 20
 """
 
 from __future__ import annotations
@@ -158,6 +163,32 @@ def reads(world: int, tokens: int, dim: int, steps: int) -> dict:
                     lambda k: (_batch(k, tokens, dim),), steps, 1e-2)
 
 
+def profile(tokens: int, dim: int, steps: int) -> dict:
+    """Python calls and CPU milliseconds a step on this rank (``cProfile``) over ``steps``
+    steps after 3 warm ones, one batch (one path, replayed), SGD-free: the reads model and the
+    tensor-op program."""
+    import cProfile
+    import pstats
+    out = {}
+    for name, cls in (("reads", Reads), ("tensor ops", TensorOps)):
+        torch.manual_seed(0)
+        model = cls(dim)
+        step = spdsl.sp_shard(seq=dist.get_world_size())(model)
+        x = _batch(1, tokens, dim)
+        for _ in range(3):
+            step(x).backward()
+        prof = cProfile.Profile()
+        t0 = time.process_time()
+        prof.enable()
+        for _ in range(steps):
+            model.zero_grad()
+            step(x).backward()
+        prof.disable()
+        out[name] = {"calls": pstats.Stats(prof).total_calls / steps,
+                     "cpu_ms": (time.process_time() - t0) / steps * 1e3}
+    return out
+
+
 def opt(world: int, steps: int) -> dict:
     from tests.hf.cases import GRAD_FLOOR
     from tests.hf.families import batch, build
@@ -209,10 +240,20 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--out", default="")
     ap.add_argument("--no-opt", action="store_true", help="the reads model only")
+    ap.add_argument("--profile", type=int, default=0,
+                    help="only Python calls and CPU a step on rank 0, over this many steps")
     a = ap.parse_args()
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
     world = dist.get_world_size()
+    if a.profile:
+        got = profile(a.tokens, a.dim, a.profile)
+        if dist.get_rank() == 0:
+            for n, v in got.items():
+                print(f"SP {world} {n:12s} {v['calls']:7.0f} Python calls a step, "
+                      f"{v['cpu_ms']:.1f} ms CPU (rank 0, cProfile on)")
+        dist.destroy_process_group()
+        return
     res = {"world": world, "tokens": a.tokens, "dim": a.dim}
     res.update(reads(world, a.tokens, a.dim, a.steps))
     if not a.no_opt:

@@ -76,6 +76,7 @@ from spdsl.annotate.sharded import Sharded
 from spdsl.annotate.spec import P
 from spdsl.errors import ShardingError
 from spdsl.inspect.breaks import Break, SegmentedPlan
+from spdsl.pipeline.run import run_local
 from spdsl.propagate.placement import PARTIAL, Shard
 from spdsl.propagate.source import stack_line
 from spdsl.propagate.trace import Traced, trace
@@ -193,7 +194,7 @@ class Segments:
             self.volatile[key] = why
             self.paths.pop(key, None)
         elif key not in self.volatile and self.replay:
-            self._record(key, cut)
+            self._record(key, cut, _signature(self._inputs(args, kwargs)))
         self.last = cut.breaks
         # seconds of the last call: all of it, and the part outside the segments (the trace)
         self.seconds = (time.perf_counter() - t0, time.perf_counter() - t0 - cut.running)
@@ -226,8 +227,15 @@ class Segments:
         return tree_unflatten(new, tree)
 
     # -- recorded paths ---------------------------------------------------------------------
-    def _record(self, key, cut: Cut) -> None:
-        """Add the call's path (segments and reads, in order) to the paths of ``key``."""
+    def _inputs(self, args: tuple, kwargs: dict) -> list:
+        """The call's tensors a path reads as ``("in", i)``: parameters and buffers, then
+        arguments."""
+        leaves = [x for x in tree_flatten((args, kwargs))[0] if isinstance(x, torch.Tensor)]
+        return state_of(reachable_modules(self.owner.fn, args, kwargs))[1] + leaves
+
+    def _record(self, key, cut: Cut, sig: tuple) -> None:
+        """Add the call's path (segments and reads, in order) to the paths of ``key``; its
+        segments' built steps are kept for replays made with inputs of signature ``sig``."""
         if self.nodes > _PATHS:
             self.paths.clear()
             self.nodes = 0
@@ -235,9 +243,14 @@ class Segments:
         if node is None:
             node = self.paths[key] = PathNode(cut.n_in)
             self.nodes += 1
+        if node.sig != sig:
+            node.sig, node.gen = sig, node.gen + 1
+        gen = node.gen
         steps: list = []
         for step in cut.path:
             if isinstance(step, SegStep):
+                if step.built is not None:
+                    step.gen = gen
                 steps.append(step)
                 continue
             if node.steps is None:
@@ -255,10 +268,15 @@ class Segments:
         """Run a recorded path: its segments in order, each read computed and checked against
         the recorded continuations. ``_MISS`` where a read takes a path not recorded (the
         random generators are then as they were at the call)."""
-        leaves = [x for x in tree_flatten((args, kwargs))[0] if isinstance(x, torch.Tensor)]
-        ins = state_of(reachable_modules(self.owner.fn, args, kwargs))[1] + leaves
+        ins = self._inputs(args, kwargs)
         if len(ins) != node.n_in:
             return _MISS
+        # the call key covers the modes and the arguments; a parameter frozen, unfrozen or
+        # replaced re-keys every segment that reads it: the kept steps are then built again
+        sig = _signature(ins)
+        if node.sig != sig:
+            node.sig, node.gen = sig, node.gen + 1
+        gen = node.gen
         rng = torch.get_rng_state()
         dev = torch.cuda.get_rng_state() if torch.cuda.is_initialized() else None
         run = Replayed(ins)
@@ -266,7 +284,12 @@ class Segments:
         while True:
             for step in node.steps:
                 with torch.set_grad_enabled(step.grad):
-                    run.outs.append(step.prog(*[run.value(s) for s in step.srcs]))
+                    if step.gen != gen:       # through the full call once: its key, its build
+                        step.keep(step.prog.prepare(*[run.value(s) for s in step.srcs]).step,
+                                  gen)
+                    # the step as the first call built and checked it, on this rank's pieces
+                    vals, local = run.inputs(step.srcs)
+                    run.add(run_local(step.built, vals, local, step.prog.batch), step)
             if node.read is None:
                 break
             got, made = node.read.compute(run)
@@ -360,6 +383,10 @@ class Segments:
                        "values and take different branches",
                 fix="seed every rank of the mesh alike before the first call (random.seed(s) "
                     "and torch.manual_seed(s) with the same s)")
+
+
+def _signature(ins: list) -> tuple:
+    return tuple((x.shape, x.dtype, x.requires_grad) for x in ins)
 
 
 def _whole(v):

@@ -268,6 +268,7 @@ class Cut:
 
         root = self.tracer.root
         prog = self.segs.program(key, make, specs, final is not None, self.planning)
+        built: list = [None]
 
         def run():
             entry = prog.build(tuple(inputs), {}, agree=not self.planning)
@@ -285,6 +286,8 @@ class Cut:
                             for d in range(o.meta["val"].dim())])
             else:
                 vals = prog(*inputs)
+                # the step just built (cached): what a replay of this path runs directly
+                built[0] = prog.prepare(*inputs).step
             for o, n in zip(outs, _out_nodes(entry.traced)):    # what a later read costs
                 if o is read or o.meta["val"].numel() == 1:
                     self.cost[o] = made_whole(entry, n)
@@ -295,6 +298,8 @@ class Cut:
             entry, placed, vals = outside(run, torch.is_grad_enabled())
         self.running += time.perf_counter() - t0
         self.path.append(SegStep(prog, srcs, torch.is_grad_enabled()))
+        if built[0] is not None:
+            self.path[-1].keep(built[0], -1)    # its generation set when the path is recorded
         for j, (o, v, p) in enumerate(zip(outs, vals, placed)):
             self.env[o] = v
             self.src[o] = ("out", len(self.segments), j)

@@ -16,6 +16,7 @@ from torch.distributed.tensor import Shard as DShard
 
 from spdsl._torch import outside_fx_trace, tree_flatten, tree_unflatten
 from spdsl.annotate.spec import P
+from spdsl.pipeline.run import out_forms, split_output, wrap_output
 from spdsl.propagate.trace_state import reachable_modules
 
 
@@ -122,11 +123,19 @@ _READ = torch.ops.aten._local_scalar_dense.default
 
 @dataclass
 class SegStep:
-    """A segment of a recorded path: its program and where each of its inputs comes from."""
+    """A segment of a recorded path: its program, where each of its inputs comes from and,
+    once built, the program's built step a replay runs directly (``built``, valid while the
+    path's root has generation ``gen``; ``forms``: its outputs' placements)."""
 
     prog: Any              # the segment's Sharded
     srcs: list
     grad: bool
+    built: Any = None      # spdsl.pipeline.Step
+    gen: int = -1
+    forms: tuple = ()
+
+    def keep(self, built, gen: int) -> None:
+        self.built, self.gen, self.forms = built, gen, out_forms(built)
 
 
 @dataclass
@@ -168,20 +177,55 @@ class PathNode:
     kids: dict = field(default_factory=dict)
     result: list | None = None
     out_spec: Any = None
+    # at a root: the inputs' (shape, dtype, requires_grad) the kept steps were built for, and
+    # its generation, advanced when they change (a parameter frozen re-keys every segment)
+    sig: Any = None
+    gen: int = 0
 
 
 class Replayed:
-    """The values of one replayed call: its inputs, segments' outputs and reads' results."""
+    """The values of one replayed call: its inputs, segments' outputs and reads' results.
+    A segment's outputs are kept as this rank's pieces (``pipeline.run.run_local``): the next
+    segment takes them as they are; a read or the call's result wraps one as the DTensor it
+    is (once)."""
 
     def __init__(self, ins: list) -> None:
         self.ins, self.outs, self.made = ins, [], {}
+        self.forms: dict = {}     # segment -> its outputs' placements and groups, if pieces
+        self.wrapped: dict = {}
+
+    def add(self, outs: list, step: SegStep) -> None:
+        """A segment's outputs as ``run_local`` gives them (pieces)."""
+        self.forms[len(self.outs)] = step.forms, step.built.groups
+        self.outs.append(outs)
+
+    def inputs(self, srcs: list) -> tuple[list, frozenset]:
+        """A segment's arguments and the indices of those that are pieces already."""
+        vals, local = [], []
+        for k, s in enumerate(srcs):
+            if s[0] == "out" and s[1] in self.forms:
+                p, _, dp = self.forms[s[1]][0][s[2]]
+                if split_output(p, dp):
+                    vals.append(self.outs[s[1]][s[2]])
+                    local.append(k)
+                    continue
+            vals.append(self.value(s))
+        return vals, frozenset(local)
 
     def value(self, s: tuple):
         kind = s[0]
         if kind == "in":
             return self.ins[s[1]]
         if kind == "out":
-            return self.outs[s[1]][s[2]]
+            if s[1] not in self.forms:
+                return self.outs[s[1]][s[2]]
+            v = self.wrapped.get(s[1:])
+            if v is None:                    # the DTensor the piece is, made once
+                forms, groups = self.forms[s[1]]
+                p, node, dp = forms[s[2]]
+                v = self.wrapped[s[1:]] = wrap_output(self.outs[s[1]][s[2]], p, node, dp,
+                                                      groups)
+            return v
         if kind == "read":
             return self.made[s[1]][s[2]]
         return s[1]                          # "const", "lit"

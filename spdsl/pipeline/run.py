@@ -49,13 +49,45 @@ def run(step: Step, args: tuple, kwargs: dict, *, batch: str = "global") -> Any:
     return tree_unflatten(wrapped, d.traced.out_spec)
 
 
-def local_inputs(step: Step, args: tuple, kwargs: dict, batch: str = "global") -> list:
-    """This rank's pieces of the call's tensor arguments, in the program's input order."""
+def run_local(step: Step, values: list, local=frozenset(), batch: str = "global") -> list:
+    """``step`` on ``values`` (its tensor arguments in order; those whose index is in
+    ``local`` already this rank's pieces, as a DTensor's ``to_local`` gives them): the
+    program's outputs as they come, this rank's pieces. A replay of segments hands them on so
+    (``spdsl.annotate.breaks``); ``out_forms`` and ``wrap_output`` make one a DTensor where it
+    is read or returned."""
+    d = step.decisions
+    state = [t.to_local() if isinstance(t, DTensor) else t for t in d.traced.state]
+    with run_modes(), C.backward_order():
+        return list(C.tie_order(step.program(*state, *local_inputs(step, tuple(values), {},
+                                                                    batch, local))))
+
+
+def out_forms(step: Step) -> tuple:
+    """Per output of ``step``: its placement, traced node and data placement, what
+    ``wrap_output`` takes."""
+    d = step.decisions
+    data_out = d.data_out or (REPLICATE,) * len(d.out_placements)
+    return tuple(zip(d.out_placements, out_nodes(d.traced), data_out))
+
+
+def split_output(p: Placement, dp: Placement) -> bool:
+    """Whether an output placed ``p`` (``dp`` over the data axis) is handed back as a DTensor
+    (split, or a partial sum) rather than as the tensor itself."""
+    return isinstance(p, Shard) or isinstance(dp, Shard) or p == PARTIAL
+
+
+def local_inputs(step: Step, args: tuple, kwargs: dict, batch: str = "global",
+                 local=frozenset()) -> list:
+    """This rank's pieces of the call's tensor arguments, in the program's input order
+    (``local``: the indices of leaves that are pieces already)."""
     d, groups = step.decisions, step.groups
     leaves, _ = tree_flatten((args, kwargs))
     local_in = []
     for j, i in enumerate(d.traced.tensor_leaf_index):
         x = leaves[i]
+        if i in local:
+            local_in.append(x)
+            continue
         p = d.in_placements[j]
         dp = d.data_in[j] if d.data is not None else REPLICATE
         if isinstance(x, DTensor):
@@ -83,8 +115,7 @@ def wrap_output(local, p: Placement, node, dp: Placement, groups: Groups):
     """A program's output ``local`` (of the traced output ``node``) as the run hands it back:
     a DTensor where it is split or a partial sum, the tensor itself where replicated."""
     # a partial sum stays one only where a segment hands it on (``Starts.keep_partial``)
-    if (isinstance(p, Shard) or isinstance(dp, Shard) or p == PARTIAL) and \
-            isinstance(local, torch.Tensor):
+    if split_output(p, dp) and isinstance(local, torch.Tensor):
         val = node.meta["val"]
         return as_dtensor(local, p, dp, groups, val.shape, val.stride())
     return local

@@ -39,14 +39,10 @@ def run(step: Step, args: tuple, kwargs: dict, *, batch: str = "global") -> Any:
     the outputs as the traced function returns them, split ones as DTensors. ``batch``:
     ``"global"`` (every rank passed the whole batch, cut here over the data axis too) or
     ``"local"`` (each data rank passed its own rows)."""
-    d = step.decisions
-    state = [t.to_local() if isinstance(t, DTensor) else t for t in d.traced.state]
-    with run_modes(), C.backward_order():    # the trace's casts are ops of the program
-        outs = C.tie_order(step.program(*state, *local_inputs(step, args, kwargs, batch)))
-    data_out = d.data_out or (REPLICATE,) * len(d.out_placements)
-    wrapped = [wrap_output(o, p, node, dp, step.groups) for o, p, node, dp in zip(
-        outs, d.out_placements, out_nodes(d.traced), data_out)]
-    return tree_unflatten(wrapped, d.traced.out_spec)
+    outs = _pieces(step, args, kwargs, batch)
+    wrapped = [wrap_output(o, p, node, dp, step.groups)
+               for o, (p, node, dp) in zip(outs, out_forms(step))]
+    return tree_unflatten(wrapped, step.decisions.traced.out_spec)
 
 
 def run_local(step: Step, values: list, local=frozenset(), batch: str = "global") -> list:
@@ -55,11 +51,16 @@ def run_local(step: Step, values: list, local=frozenset(), batch: str = "global"
     program's outputs as they come, this rank's pieces. A replay of segments hands them on so
     (``spdsl.annotate.breaks``); ``out_forms`` and ``wrap_output`` make one a DTensor where it
     is read or returned."""
-    d = step.decisions
-    state = [t.to_local() if isinstance(t, DTensor) else t for t in d.traced.state]
-    with run_modes(), C.backward_order():
-        return list(C.tie_order(step.program(*state, *local_inputs(step, tuple(values), {},
-                                                                    batch, local))))
+    return _pieces(step, tuple(values), {}, batch, local)
+
+
+def _pieces(step: Step, args: tuple, kwargs: dict, batch: str, local=frozenset()) -> list:
+    """The program on this rank's pieces of the arguments (and of the parameters): its
+    outputs as they come."""
+    state = [t.to_local() if isinstance(t, DTensor) else t for t in step.decisions.traced.state]
+    with run_modes(), C.backward_order():    # the trace's casts are ops of the program
+        return list(C.tie_order(step.program(*state, *local_inputs(step, args, kwargs, batch,
+                                                                    local))))
 
 
 def out_forms(step: Step) -> tuple:

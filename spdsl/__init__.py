@@ -21,11 +21,11 @@ try:
     from spdsl.annotate.api import plan, shard, sp_shard
     from spdsl.annotate.mesh import mesh
     from spdsl.annotate.sharded import Sharded
-    from spdsl.annotate.spec import P
     from spdsl.annotate.specs import with_sharding_constraint
     from spdsl.dtensor_ops import dtensor_attention
     from spdsl.errors import ShardingError
     from spdsl.inspect.plan import Collective, ShardingPlan
+    from spdsl.pipeline.spec import P
     from spdsl.propagate.attention_choice import AttentionConfig, Links
     from spdsl.propagate.rules import RuleCtx, Strategy, register_rule
     from spdsl.propagate.tokenwise import token_wise

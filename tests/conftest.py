@@ -28,3 +28,16 @@ def one_rank():
     yield
     if made:
         dist.destroy_process_group()
+
+
+@pytest.fixture
+def fake_world():
+    """A 4-rank fake process group for this test only (planning needs no real one)."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialised")
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=4)
+    try:
+        yield 4
+    finally:
+        dist.destroy_process_group()

@@ -123,7 +123,7 @@ def plan(fn: Callable, *args, fit: bool = False, **kwargs) -> ShardingPlan:
     if segmented(fn, args, kwargs) is not None:
         return plan_segments(fn, args, kwargs)
     try:
-        return fn.build(args, kwargs, fit=fit).plan
+        return fn.plan_call(args, kwargs, fit=fit)
     except GraphBreak as e:
         return plan_segments(fn, args, kwargs, e)
 

@@ -73,11 +73,12 @@ from spdsl.annotate.segment import (
     hooked,
 )
 from spdsl.annotate.sharded import Sharded
-from spdsl.annotate.spec import P
 from spdsl.errors import ShardingError
 from spdsl.inspect.breaks import Break, SegmentedPlan
-from spdsl.pipeline.run import run_local
-from spdsl.propagate.placement import PARTIAL, Shard
+from spdsl.pipeline.programs import call_key
+from spdsl.pipeline.run import _split, as_dtensor, run_local
+from spdsl.pipeline.spec import P
+from spdsl.propagate.placement import Shard
 from spdsl.propagate.source import stack_line
 from spdsl.propagate.trace import Traced, trace
 from spdsl.propagate.trace_refusals import GraphBreak
@@ -164,7 +165,7 @@ class Segments:
 
     def _key(self, args, kwargs):
         leaves, spec = tree_flatten((args, kwargs))
-        return self.owner._key(args, kwargs, leaves, spec)
+        return call_key(self.owner.fn, args, kwargs, leaves, spec)
 
     def applies(self, args, kwargs) -> bool:
         return self._key(args, kwargs) in self.keys
@@ -208,22 +209,23 @@ class Segments:
         if o.batch != "local" or o.data_parts == 1:
             return args, kwargs
         leaves, tree = tree_flatten((args, kwargs))
-        specs = o._specs_for(args, kwargs, leaves)
+        reading, groups = o.reading, o.groups
+        specs = reading.specs_for(args, leaves)
         new = list(leaves)
         for i, x in enumerate(leaves):
             s = specs[i] if specs is not None else None
             if s is None or not isinstance(x, torch.Tensor) or isinstance(x, DTensor):
                 continue
-            dp = o._data_placement_of(x, s, i)
+            dp = reading.data_placement_of(x, s, i)
             if not isinstance(dp, Shard):
                 continue
-            sp = o._placement_of(x, s, i)
-            piece = o._split_input(x, sp, o.parts, o._group_and_rank()[1], o.axis) \
+            sp = reading.placement_of(x, s, i)
+            piece = _split(x, sp, o.parts, groups.rank, groups.group) \
                 if isinstance(sp, Shard) else x
             shape = list(x.shape)
             shape[dp.dim] = dp.size
-            new[i] = o._as_dtensor(piece.contiguous(), sp, dp, torch.Size(shape),
-                                   torch.empty(shape, device="meta").stride())
+            new[i] = as_dtensor(piece.contiguous(), sp, dp, groups, torch.Size(shape),
+                                torch.empty(shape, device="meta").stride())
         return tree_unflatten(new, tree)
 
     # -- recorded paths ---------------------------------------------------------------------
@@ -308,12 +310,13 @@ class Segments:
     def run(self, args: tuple, kwargs: dict, planning: bool = False) -> Cut:
         owner = self.owner
         leaves = tree_flatten((args, kwargs))[0]
-        specs = owner._specs_for(args, kwargs, leaves)
+        reading = owner.reading
+        specs = reading.specs_for(args, leaves)
         leaf_specs = [specs[i] if specs is not None else None
                       for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
         for x, s in zip([x for x in leaves if isinstance(x, torch.Tensor)], leaf_specs):
             if s is not None and not isinstance(x, DTensor):
-                owner._placement_of(x, s, 0)      # divisibility, as one program checks it
+                reading.placement_of(x, s, 0)     # divisibility, as one program checks it
         if planning and owner.data_parts > 1:
             # a plan's segments run on the sequence axis alone (the values read are global,
             # whatever splits the batch); the memory planner builds each with the mesh
@@ -373,7 +376,7 @@ class Segments:
         # the values read are global: every rank of the mesh must draw alike; the largest
         # and smallest checksum over every axis, so that every rank decides alike
         crc = zlib.crc32(state)
-        lo, hi = -o._most(-crc), o._most(crc)
+        lo, hi = -o.groups.most(-crc), o.groups.most(crc)
         if lo != hi:
             raise ShardingError(
                 rule="same random state", value=f"{what}: state checksums {lo} to {hi}",
@@ -424,19 +427,17 @@ class _Segment(Sharded):
     def __init__(self, make, data_axis: str | None = None, state_mesh=None,
                  final: bool = False, **kw) -> None:
         self._make, self._data, self._final = make, data_axis, final
+        self._made: Traced | None = None
         super().__init__(torch.fx.GraphModule(torch.nn.Module(), torch.fx.Graph()), **kw)
         self._state_mesh = state_mesh      # the function's parameters' mesh, not a new one
 
-    def _hands_on_partial(self) -> bool:
-        """A segment before the last hands a partial sum on as it is (a ``Partial`` DTensor):
-        the segment that uses it reduces it where its op needs it, or a read does; made whole
-        here, it would be reduced twice (once here, once for the op of this segment that
-        needed it whole). On a mesh of the sequence axis alone."""
-        return not self._final and self.data_parts == 1
-
-    def _placement_of(self, x: torch.Tensor, spec, i: int):
-        # planning hands a partial sum on as its placement (no DTensor to carry it)
-        return spec if spec == PARTIAL else super()._placement_of(x, spec, i)
+    def _reading_extra(self) -> dict:
+        """A segment may be handed a partial sum (planning: as its input spec); a segment
+        before the last hands a partial sum on as it is (a ``Partial`` DTensor): the segment
+        that uses it reduces it where its op needs it, or a read does; made whole here, it
+        would be reduced twice (once here, once for the op of this segment that needed it
+        whole). On a mesh of the sequence axis alone."""
+        return {"partial_in": True, "keep_partial": not self._final and self.data_parts == 1}
 
     @property
     def data_axis(self) -> str | None:
@@ -450,10 +451,14 @@ class _Segment(Sharded):
         (``spdsl.lower.grad_buckets.merge_buckets``)."""
         return replace(super().job, merge_buckets=True)
 
-    def _trace(self, args: tuple, kwargs: dict) -> Traced:
-        return self._make()
+    def _traced(self) -> Traced:
+        """The segment's graph, recorded already: made again once an entry took the last one
+        (a new entry decides on a graph of its own)."""
+        if self._made is None or any(e.traced is self._made for e in self._cache.values()):
+            self._made = self._make()
+        return self._made
 
-    def _check_same_inputs(self, args: tuple, kwargs: dict, full: bool = False) -> None:
+    def _check_same_inputs(self, args: tuple, kwargs: dict) -> None:
         """Checked once per call, by the function the segments split (its arguments)."""
 
     def _check_collectives(self, leaves: list) -> tuple:

@@ -26,7 +26,6 @@ from spdsl._torch import (
     tree_unflatten,
 )
 from spdsl.annotate.lifted import LiftMode
-from spdsl.annotate.runtime import _out_nodes
 from spdsl.annotate.segment import (
     Read,
     SegStep,
@@ -39,10 +38,11 @@ from spdsl.annotate.segment import (
     spec_key,
     spec_of,
 )
-from spdsl.annotate.spec import P
 from spdsl.errors import ShardingError
 from spdsl.inspect.breaks import Break, Segment
 from spdsl.inspect.plan import Collective
+from spdsl.pipeline.decide import out_nodes
+from spdsl.pipeline.spec import P
 from spdsl.propagate.placement import PARTIAL, REPLICATE, Shard, typed_shape
 from spdsl.propagate.source import stack_line
 from spdsl.propagate.trace import Traced
@@ -272,7 +272,8 @@ class Cut:
 
         def run():
             entry = prog.build(tuple(inputs), {}, agree=not self.planning)
-            placed = [entry.prop.placement(o) for o in _out_nodes(entry.traced)]
+            plan = prog.plan_of(entry, tuple(inputs), {})
+            placed = [entry.prop.placement(o) for o in out_nodes(entry.traced)]
             if self.planning:
                 with torch.no_grad():
                     # sharded parameters (shard_state=True) read whole: an all-gather each,
@@ -288,14 +289,14 @@ class Cut:
                 vals = prog(*inputs)
                 # the step just built (cached): what a replay of this path runs directly
                 built[0] = prog.prepare(*inputs).step
-            for o, n in zip(outs, _out_nodes(entry.traced)):    # what a later read costs
+            for o, n in zip(outs, out_nodes(entry.traced)):    # what a later read costs
                 if o is read or o.meta["val"].numel() == 1:
-                    self.cost[o] = made_whole(entry, n)
-            return entry, placed, vals
+                    self.cost[o] = made_whole(plan, entry, n)
+            return entry, plan, placed, vals
 
         t0 = time.perf_counter()
         with no_trace_hooks():
-            entry, placed, vals = outside(run, torch.is_grad_enabled())
+            entry, plan, placed, vals = outside(run, torch.is_grad_enabled())
         self.running += time.perf_counter() - t0
         self.path.append(SegStep(prog, srcs, torch.is_grad_enabled()))
         if built[0] is not None:
@@ -309,7 +310,7 @@ class Cut:
                        n.meta["val"].element_size(), 0, "output", (typed_shape(
                            n.meta["val"].shape, n.meta["val"].dtype, PARTIAL,
                            self.segs.owner.axis),), "", "", n.name) for n in back)
-        self.segments.append(Segment(len(self.segments), len(seg), len(outs), entry.plan,
+        self.segments.append(Segment(len(self.segments), len(seg), len(outs), plan,
                                      () if self.segments else self.check, after))
         self.done.update(seg)
         for b, r in again.items():      # a base rebuilt for Python to read, or handed back

@@ -11,6 +11,9 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from spdsl.errors import ShardingError, one_error_per_job
+from spdsl.pipeline.groups import axis_size
+
+__all__ = ["axis_size", "ensure_process_group", "mesh"]
 
 
 def _device_type() -> str:
@@ -79,15 +82,3 @@ def mesh(**axes: int) -> DeviceMesh:
                 f"{math.prod(axes.values())}) or change the axis sizes to multiply to {world}",
         )
     return init_device_mesh(_device_type(), tuple(axes.values()), mesh_dim_names=tuple(axes))
-
-
-def axis_size(m: DeviceMesh, axis: str) -> int:
-    names = m.mesh_dim_names or ()
-    if axis not in names:
-        raise ShardingError(
-            rule="unknown mesh axis",
-            detail=f"a spec names mesh axis {axis!r}, but the mesh has axes {tuple(names)}",
-            fix=f"use one of {tuple(names)} in P(...), or build the mesh with "
-                f"spdsl.mesh({axis}=N)",
-        )
-    return m.size(names.index(axis))

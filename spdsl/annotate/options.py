@@ -9,15 +9,15 @@ switch (``SPDSL_DEBUG``) is read here, when the options are made.
 =============  ==========================================  ==================================
 option         values                                      read by
 =============  ==========================================  ==================================
-seq_dim        the inputs' sequence dim (``sp_shard``)     ``annotate.specs``
+seq_dim        the inputs' sequence dim (``sp_shard``)     ``pipeline.starts``
 compile        run the rank's program compiled             ``pipeline``
-debug          position-sensitive input check, collective  ``annotate.runtime``, ``watchdog``
-               order compared before each one
+debug          position-sensitive input check, collective  ``pipeline.same_batch``,
+               order compared before each one              ``watchdog``
 remat          ``spdsl.remat.Remat`` (``memory_budget``     ``pipeline``, ``memory.fit``
                becomes its budget under ``"fit"``)
 kernels        ``spdsl.lower.kernels.KernelChoice``        ``pipeline``
 shard_state    parameters split over the mesh (ZeRO-3)     ``annotate.sharded_params``
-batch          ``"global"`` or ``"local"`` rows per dp     ``annotate.specs``, ``runtime``
+batch          ``"global"`` or ``"local"`` rows per dp     ``pipeline.starts``, ``run``
 strict         a gather of the sequence is an error        ``propagate.engine``
 attention      ``spdsl.propagate.attention_choice.``       ``propagate.engine``
                ``AttentionConfig``

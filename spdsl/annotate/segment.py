@@ -15,8 +15,8 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor import Shard as DShard
 
 from spdsl._torch import outside_fx_trace, tree_flatten, tree_unflatten
-from spdsl.annotate.spec import P
 from spdsl.pipeline.run import out_forms, split_output, wrap_output
+from spdsl.pipeline.spec import P
 from spdsl.propagate.trace_state import reachable_modules
 
 
@@ -47,8 +47,9 @@ def graph(seg: list, outs: list, root: torch.nn.Module, first=frozenset()):
     return torch.fx.GraphModule(mod, g), ext, key
 
 
-def made_whole(entry, node: torch.fx.Node) -> list[tuple[str, int]]:
-    """The collectives of a segment's program that make ``node`` whole for Python to read:
+def made_whole(plan, entry, node: torch.fx.Node) -> list[tuple[str, int]]:
+    """The collectives of a segment's program (``entry``, its ``plan``) that make ``node``
+    whole for Python to read:
     those at ``node`` and at the replicated ops between it and the split values it reads."""
     from spdsl.propagate.placement import Replicate
     cone, stack = {node.name}, [node]
@@ -58,7 +59,7 @@ def made_whole(entry, node: torch.fx.Node) -> list[tuple[str, int]]:
                     isinstance(entry.prop.decisions[a].output, Replicate):
                 cone.add(a.name)
                 stack.append(a)
-    return [(c.kind, c.bytes) for c in entry.plan.collectives
+    return [(c.kind, c.bytes) for c in plan.collectives
             if c.node in cone and c.purpose != "gradient"]
 
 

@@ -65,7 +65,6 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from spdsl._torch import FakeTensorMode, disable_current_modes, pop_mode_temporarily, tree_flatten
-from spdsl.annotate.runtime import _out_nodes
 from spdsl.annotate.segment import Read, SegStep
 from spdsl.annotate.segments_memory_mesh import (
     as_grad,
@@ -92,6 +91,7 @@ from spdsl.memory.simulate import (
 )
 from spdsl.memory.tracker import LiveBytes
 from spdsl.pipeline import Groups, planned_step, planning_group
+from spdsl.pipeline.decide import out_nodes
 from spdsl.pipeline.run import wrap_output
 from spdsl.propagate.placement import PARTIAL, REPLICATE, Shard
 from spdsl.remat import Remat
@@ -229,7 +229,7 @@ def _simulate_path(owner, cut, args: tuple, kwargs: dict, *, rank: int, remat,
                     d = built.decisions
                     data_out = d.data_out or [REPLICATE] * len(outs)
                     for j, (o, q, dq, node) in enumerate(zip(
-                            outs, d.out_placements, data_out, _out_nodes(d.traced))):
+                            outs, d.out_placements, data_out, out_nodes(d.traced))):
                         if mesh:       # handed on as the run hands it on (a DTensor)
                             o = wrap_output(o, q, node, dq, built.groups)
                         fakes[("out", k, j)] = o

@@ -48,7 +48,7 @@ def where_planned(owner, built, rank: int) -> str:
 def leaf_specs(owner, args: tuple, kwargs: dict) -> list:
     """The call's specs of its tensor arguments, as the run's segments read them."""
     leaves = tree_flatten((args, kwargs))[0]
-    specs = owner._specs_for(args, kwargs, leaves)
+    specs = owner.reading.specs_for(args, leaves)
     return [specs[i] if specs is not None else None
             for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
 

@@ -1,23 +1,19 @@
-"""``Sharded``: a function made to run split over a mesh, and what it decided per call signature.
+"""``Sharded``: a function made to run split over a mesh.
 
-A sharded function traces itself on first call (and again only when shapes, dtypes or specs
-change), reads its arguments, constraints and ``out_specs`` into placements (``Starts``) and
-hands them to the pipeline (``spdsl.pipeline``), which decides (``decide``), builds this
-rank's program (``build_step``) and runs it (``run``). ``Sharded`` is assembled from the parts
-of the public layer: ``options.py`` (every option, read once), ``specs.py`` (arguments to
-placements, ``with_sharding_constraint``), ``sharded_params.py`` (parameters sharded when
-wrapped), ``runtime.py`` (the same-batch check); this module keeps the mesh, one frozen
-:class:`Entry` per call signature, and the call itself. ``api.py`` holds the public
-transforms that make one.
+``Sharded`` holds what the user wrote, as values: the function, its options (``options.py``,
+every option read once), its specs, the mesh and the process groups made from it. A call
+hands them to the pipeline (``spdsl.pipeline``), which keeps the function's programs, one per
+call signature (``programs.py``: key, trace, starts, decide, build), checks that the ranks
+passed the same batch (``same_batch.py``) and runs the program (``run.py``). The plan of a call
+(``spdsl.inspect``) is made only when asked (:meth:`Sharded.plan_call`). ``api.py`` holds the
+public transforms that make one; ``sharded_params.py`` shards the parameters when wrapped.
 """
 
 from __future__ import annotations
 
 import functools
-import warnings
 from collections.abc import Callable
-from dataclasses import dataclass, replace
-from typing import Any
+from dataclasses import replace
 
 import torch
 import torch.distributed as dist
@@ -25,70 +21,30 @@ from torch.distributed.tensor import DTensor
 
 import spdsl.collectives as C
 import spdsl.watchdog as watchdog
-from spdsl._torch import tree_flatten, tree_unflatten
+from spdsl._torch import tree_flatten
 from spdsl.annotate.mesh import axis_size
 from spdsl.annotate.mesh import mesh as make_mesh
 from spdsl.annotate.options import ShardOptions
-from spdsl.annotate.runtime import Runtime
 from spdsl.annotate.sharded_params import StateSharding
-from spdsl.annotate.spec import P
-from spdsl.annotate.specs import InputSpecs, _axis_of, _check_specs, _decode
+from spdsl.annotate.specs import _axis_of, _check_specs
 from spdsl.errors import one_error_per_job
 from spdsl.inspect.decided import plan_of
-from spdsl.inspect.plan import PlanSources, ShardingPlan
+from spdsl.inspect.plan import Collective, PlanSources, ShardingPlan
 from spdsl.inspect.program import read_program
 from spdsl.memory.fit import SIZING
 from spdsl.memory.planner import plan_entry
-from spdsl.pipeline import Decisions, Groups, Job, Starts, Step, build_step, decide, run
-from spdsl.pipeline.decide import out_nodes
-from spdsl.propagate.modes import describe_change, global_modes, module_modes
-from spdsl.propagate.placement import REPLICATE, Shard
-from spdsl.propagate.trace import Traced, trace
+from spdsl.pipeline import Groups, Job, run
+from spdsl.pipeline.programs import Entry, Programs
+from spdsl.pipeline.same_batch import check_same_inputs
+from spdsl.pipeline.starts import Reading
+from spdsl.propagate.trace import Traced
 from spdsl.propagate.trace_refusals import GraphBreak
 from spdsl.propagate.trace_state import reachable_modules
-from spdsl.remat import Remat
 
-# programs traced by one step before it says why: train/eval x autocast x grad mode x a few
-# lengths are legitimately that many; state that changes every call reaches it at once
-_RETRACE_WARN = 16
+__all__ = ["Entry", "Sharded"]
 
 
-@dataclass(frozen=True)
-class Entry:
-    """What one call signature decided and built: ``decisions`` (``spdsl.pipeline.decide``),
-    the ``plan`` of them (``spdsl.inspect``) and, once a call has built it, ``step`` (this
-    rank's program, ``spdsl.pipeline.Step``). Replaced, never changed, when the step is built
-    or ``remat="fit"`` chooses."""
-
-    decisions: Decisions
-    plan: ShardingPlan
-    step: Step | None = None
-
-    # the decisions read through the entry (segments, the plan's readers)
-    traced = property(lambda self: self.decisions.traced)
-    prop = property(lambda self: self.decisions.prop)
-    in_placements = property(lambda self: self.decisions.in_placements)
-    out_placements = property(lambda self: self.decisions.out_placements)
-    data = property(lambda self: self.decisions.data)
-    data_in = property(lambda self: self.decisions.data_in)
-    data_out = property(lambda self: self.decisions.data_out)
-    sharded = property(lambda self: self.decisions.sharded)
-
-    @property
-    def local(self):
-        """The program that runs (None before the step is built)."""
-        return None if self.step is None else self.step.program
-
-    @property
-    def remat(self) -> Remat | None:
-        """The mode ``remat="fit"`` chose for this program (None: not built, or not "fit")."""
-        return self.step.remat if self.step is not None and self.step.why is not None else None
-
-    def stale(self) -> bool:
-        return self.decisions.stale()
-
-
-class Sharded(InputSpecs, StateSharding, Runtime):
+class Sharded(StateSharding):
     """A function (or module) made to run split over one mesh axis. See ``shard``."""
 
     def __init__(self, fn: Callable, *, mesh=None, in_specs=None, out_specs=None,
@@ -110,11 +66,15 @@ class Sharded(InputSpecs, StateSharding, Runtime):
         self._state_mesh = None
         self.axis = axis or _axis_of(in_specs) or "sp"
         self._parts = parts
-        self._cache: dict[Any, Entry] = {}        # call signature -> what it decided, built
-        self._agreed: set = set()     # signatures whose trace the ranks put in one order
-        self._traces, self._last_key = 0, None     # programs traced, the last one's key
         self._segmented = None     # spdsl.annotate.breaks: how calls that read values run
         functools.update_wrapper(self, getattr(fn, "forward", fn), updated=())
+        # the function's programs, one per call signature (spdsl.pipeline.programs), and the
+        # plans asked of them (plan_of)
+        self._programs = Programs(getattr(self, "__name__", "a sharded step"))
+        self._plans: dict[int, tuple] = {}
+        # (options, value): kept once the mesh is made, made again if the options change
+        self._reading: tuple | None = None
+        self._job: tuple | None = None           # the run's Job, with the job's groups
         if isinstance(fn, torch.nn.Module):
             self.module = fn
         if options.shard_state:
@@ -169,12 +129,6 @@ class Sharded(InputSpecs, StateSharding, Runtime):
                                           self._world() if every else None)
         return self._groups
 
-    def _group_and_rank(self, axis: str | None = None) -> tuple[str, int]:
-        g = self.groups
-        if axis in (None, self.axis):
-            return g.group, g.rank
-        return g.data_group, g.data_rank
-
     # -- the data axis and sharded state ------------------------------------------------------
     @property
     def data_axis(self) -> str | None:
@@ -203,148 +157,109 @@ class Sharded(InputSpecs, StateSharding, Runtime):
             self._state_mesh = state_mesh(self.mesh)
         return self._state_mesh
 
+    # -- what the pipeline is handed ------------------------------------------------------
+    @property
+    def reading(self) -> Reading:
+        """How this function's arguments are read into placements
+        (``spdsl.pipeline.starts.Reading``): axes, specs, ``seq_dim``, ``batch``."""
+        if self._reading is not None and self._reading[0] is self.options:
+            return self._reading[1]
+        reading = Reading(self.axis, self.parts, self.data_axis, self.data_parts, self.batch,
+                          self.seq_dim, self.in_specs, self.out_specs,
+                          tuple(self._mesh.mesh_dim_names or ())
+                          if self._mesh is not None else None, **self._reading_extra())
+        if self._mesh is not None:       # the mesh made, only the options may change it
+            self._reading = (self.options, reading)
+        return reading
 
-    # -- specs ----------------------------------------------------------------------------
+    def _reading_extra(self) -> dict:
+        return {}
 
+    @property
+    def job(self) -> Job:
+        """This function as the pipeline sees it (``spdsl.pipeline.Job``): axes, options and,
+        inside a job the mesh fits, its process groups (``groups``)."""
+        fits = dist.is_initialized() and (self._mesh is not None or
+                                          dist.get_world_size() % self.parts == 0)
+        return Job(parts=self.parts, axis=self.axis, data_axis=self.data_axis,
+                   data_parts=self.data_parts, remat=self.remat, kernels=self.kernels,
+                   compile=self.compile, batch=self.batch,
+                   groups=self.groups if fits else None, strict=self.strict,
+                   attention=self.attention, shard_state=self.shard_state)
 
-    # -- build and run --------------------------------------------------------------------
-    def _key(self, args, kwargs, leaves, spec) -> tuple:
-        """What the program depends on besides the inputs' values (``propagate.modes``):
-        a change picks (or traces) the program made under the same state."""
-        inputs = (spec, tuple((tuple(x.shape), x.dtype, x.device, isinstance(x, DTensor),
-                               x.requires_grad)
-                              if isinstance(x, torch.Tensor) else ("c", repr(x))
-                              for x in leaves))
-        return inputs, (global_modes(), module_modes(reachable_modules(self.fn, args, kwargs)))
+    def _run_job(self) -> Job:
+        """The job a run builds with: the running job's process groups."""
+        if self._job is None or self._job[0] is not self.options:
+            self._job = (self.options, replace(self.job, groups=self.groups))
+        return self._job[1]
 
-    def build(self, args: tuple, kwargs: dict, agree: bool = False, *,
-              fit: bool = False) -> Entry:
+    def _traced(self) -> Traced | None:
+        """The program already traced, if the function has one (a segment's), else None."""
+        return None
+
+    # -- build, plan and run ------------------------------------------------------------------
+    @property
+    def _cache(self) -> dict:
+        """Call key -> ``spdsl.pipeline.programs.Entry``."""
+        return self._programs.cache
+
+    @property
+    def _traces(self) -> int:
+        return self._programs.traces
+
+    def build(self, args: tuple, kwargs: dict, agree: bool = False) -> Entry:
         """Trace and decide (cached per call signature). ``agree``: the run's build, on every
         rank of the mesh at once: the ranks' programs are put in one order first
         (``spdsl.pipeline.decide.one_order``); the plan's build (one rank may ask) exchanges
-        nothing. ``fit``: under ``remat="fit"``, the plan's mode is chosen now."""
-        key, entry = self._entry(args, kwargs, agree)
-        if fit and self.remat.fit and entry.plan.remat is None:
-            entry = replace(entry, plan=self._planned(entry.plan, entry.decisions, args,
-                                                      kwargs, fit=True))
-            self._cache[key] = entry
-        return entry
+        nothing."""
+        job = self._run_job() if agree else self.job
+        return self._programs.entry(self.fn, args, kwargs, self.reading, job, agree=agree,
+                                    traced=self._traced())[1]
 
-    def _entry(self, args: tuple, kwargs: dict, agree: bool) -> tuple[tuple, Entry]:
-        leaves, spec = tree_flatten((args, kwargs))
-        key = self._key(args, kwargs, leaves, spec)
-        cached = self._cache.get(key)
-        if cached is not None and not cached.stale():
-            if not agree or key in self._agreed or not self._same_order(cached.traced.graph):
-                if agree:
-                    self._agreed.add(key)
-                return key, cached
-            traced = cached.traced          # traced before the ranks compared: decide again
-        else:
-            traced = None
-            self._note_retrace(key)
-        specs = self._specs_for(args, kwargs, leaves)
-        placements = self._leaf_placements(leaves, specs)
-        data_in = [self._data_placement_of(x, specs[i] if specs is not None else None, i)
-                   for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
-        if traced is None:
-            targs, tkwargs = self._global_args(args, kwargs, leaves, data_in)
-            traced = self._trace(targs, tkwargs)
-            if agree:
-                self._same_order(traced.graph)
-        decisions = decide(traced, self._starts(traced, leaves, placements, data_in),
-                           self.job)
-        entry = Entry(decisions, self._planned(plan_of(decisions), decisions, args, kwargs))
-        self._cache[key] = entry
-        if agree:
-            self._agreed.add(key)
-        else:
-            self._agreed.discard(key)
-        return key, entry
+    def plan_call(self, args: tuple, kwargs: dict, *, fit: bool = False) -> ShardingPlan:
+        """The plan of this call (``spdsl.plan``): built from its decisions and, once a call
+        has built it, its step. ``fit``: under ``remat="fit"``, the mode is chosen now if no
+        run chose it."""
+        return self.plan_of(self.build(args, kwargs), args, kwargs, fit=fit)
 
-    def _starts(self, traced: Traced, leaves: list, placements: list, data_in: list) -> Starts:
-        """What the arguments, ``with_sharding_constraint`` and ``out_specs`` say, as
-        placements (``spdsl.pipeline.decide.Starts``)."""
-        constraints = []
-        for node in traced.graph.graph.nodes:
-            if node.target is torch.ops.spdsl.constraint.default:
-                sp, val = _decode(node.args[1]), node.meta["val"]
-                data = self._data_placement_of(val, sp, -1) if self.data_parts > 1 and \
-                    self.data_axis in sp else None
-                constraints.append((node, self._placement_of(val, sp, -1) if len(sp)
-                                    else REPLICATE, data))
-        return Starts(tuple(placements), tuple(data_in),
-                      tuple(leaves[i].requires_grad for i in traced.tensor_leaf_index),
-                      tuple(constraints), self._out_pins(traced), self._hands_on_partial())
-
-    def _out_pins(self, traced: Traced) -> tuple:
-        """Per output, the placement ``out_specs`` gives it (None: as propagated)."""
-        if self.out_specs is None:
-            return ()
-        specs = self.out_specs if isinstance(self.out_specs, (list, tuple)) and not \
-            isinstance(self.out_specs, P) else [self.out_specs]
-        pins = []
-        for i, o in enumerate(out_nodes(traced)):
-            val = o.meta.get("val") if isinstance(o, torch.fx.Node) else None
-            if not isinstance(val, torch.Tensor) or i >= len(specs) or specs[i] is None:
-                pins.append(None)
-            else:
-                pins.append(self._placement_of(val, specs[i], i) if len(specs[i]) else REPLICATE)
-        return tuple(pins)
-
-    def _hands_on_partial(self) -> bool:
-        """Whether outputs that are partial sums stay so (a segment's, ``annotate.breaks``)."""
-        return False
-
-    def _planned(self, plan: ShardingPlan, decisions: Decisions, args: tuple, kwargs: dict, *,
-                 fit: bool = False, chosen: Remat | None = None) -> ShardingPlan:
-        """``plan`` with what it computes when first asked, from the pipeline's records only
-        (``PlanSources``): the calls this call's program runs (``spdsl.inspect.program``) and
-        its memory. ``fit=True``: the program is read now, ``remat="fit"`` choosing the mode
-        (``plan.remat``); ``chosen``: the mode the run chose (``Entry.remat``)."""
-        job = self.job
+    def plan_of(self, entry: Entry, args: tuple, kwargs: dict, *, fit: bool = False
+                ) -> ShardingPlan:
+        """The plan of ``entry`` (kept while the entry is the one cached): values, placements
+        and attention sites from its decisions (``spdsl.inspect.decided.plan_of``); what it
+        computes when first asked from the pipeline's records only (``PlanSources``): the
+        calls its program runs (``spdsl.inspect.program``) and its memory. ``fit=True``: the
+        program is read now, ``remat="fit"`` choosing the mode (``plan.remat``)."""
+        kept = self._plans.get(id(entry))
+        if kept is not None and kept[0] is entry and (kept[1] or not fit):
+            return kept[2]
+        job, decisions, chosen = self.job, entry.decisions, entry.remat
+        plan = plan_of(decisions)
+        if chosen is not None:       # remat="fit": what the run chose, once per program
+            plan = replace(plan, remat=entry.step.why)
         extra = self._check_collectives(tree_flatten((args, kwargs))[0])
         program = functools.partial(read_program, job, decisions, args, kwargs, extra=extra,
                                     chosen=chosen)
-        if fit:
+        if fit and self.remat.fit and plan.remat is None:
             read = program(plan, fit=True)
             program, plan = (lambda _: read), replace(plan, remat=read.chosen)
         memory = functools.partial(plan_entry, job, decisions, args, kwargs, chosen=chosen)
-        return replace(plan, remat_mode=job.remat.describe(),
+        plan = replace(plan, remat_mode=job.remat.describe(),
                        sources=PlanSources(program, memory))
+        if len(self._plans) > 2 * len(self._cache):
+            self._plans = {k: v for k, v in self._plans.items()
+                           if any(e is v[0] for e in self._cache.values())}
+        self._plans[id(entry)] = (entry, fit, plan)
+        return plan
 
-    def _trace(self, args: tuple, kwargs: dict) -> Traced:
-        return trace(self.fn, args, kwargs)
-
-    def _note_retrace(self, key: tuple) -> None:
-        """A step that keeps tracing anew is slow, and usually a sign of state that changes
-        every call (a counter on a module): at the ``_RETRACE_WARN``-th program, say what
-        changed from the one before, once. Programs picked again from the cache count once."""
-        self._traces += 1
-        last, self._last_key = self._last_key, key
-        if self._traces == _RETRACE_WARN and last is not None:
-            what = describe_change(last, key)
-            name = getattr(self, "__name__", "a sharded step")
-            warnings.warn(f"spdsl: {name} traced {self._traces} programs; the last "
-                          f"change: {what}. Each train/eval, autocast, grad-mode or shape "
-                          "change picks its own program; state that changes every call "
-                          "retraces every call", stacklevel=4)
-
-    def _global_args(self, args, kwargs, leaves, data_in):
-        """``batch="local"``: each dp group passed its own rows; the trace sees the global
-        batch (uninitialised rows: tracing reads shapes only)."""
-        if self.batch != "local" or self.data_parts == 1:
-            return args, kwargs
-        new, j = list(leaves), 0
-        for i, x in enumerate(leaves):
-            if isinstance(x, torch.Tensor):
-                p = data_in[j]
-                j += 1
-                if isinstance(p, Shard) and not isinstance(x, DTensor):
-                    shape = list(x.shape)
-                    shape[p.dim] = p.size
-                    new[i] = torch.empty(shape, dtype=x.dtype, device=x.device)
-        return tree_unflatten(new, tree_flatten((args, kwargs))[1])
+    def _check_collectives(self, leaves: list) -> tuple:
+        """The collective the same-batch check (``spdsl.pipeline.same_batch``) runs on every
+        call, as the plan lists it."""
+        n = sum(isinstance(x, torch.Tensor) and not isinstance(x, DTensor) for x in leaves)
+        if self.parts == 1 or not n:
+            return ()
+        kind, typed = ("all_gather", f"f64[{n},2]") if self.debug else ("all_reduce",
+                                                                        f"f64[{2 * n}]")
+        return (Collective(kind, self.axis, 16 * n, 0, "check", (typed,), "", "", ""),)
 
     def prepare(self, *args, **kwargs) -> Entry | None:
         """Trace, decide and build this rank's program for these arguments without running
@@ -364,32 +279,15 @@ class Sharded(InputSpecs, StateSharding, Runtime):
         if segmented(self, args, kwargs) is not None:
             return None
         try:
-            key, entry = self._entry(args, kwargs, agree=True)
+            return self._programs.prepare(self.fn, args, kwargs, self.reading,
+                                          self._run_job(), SIZING, traced=self._traced())[1]
         except GraphBreak as e:
             segmented(self, args, kwargs, e)     # raises where segments cannot run
             return None
-        if entry.step is None:
-            # -- lower for this rank, kernels, remat, compile: one pipeline (spdsl.pipeline) --
-            step = build_step(replace(self.job, groups=self.groups), entry.decisions, args,
-                              kwargs, SIZING)
-            plan = entry.plan
-            if step.why is not None:   # remat="fit": what was chosen, once per program
-                plan = self._planned(replace(plan, remat=step.why), entry.decisions, args,
-                                     kwargs, chosen=step.remat)
-            entry = self._cache[key] = replace(entry, plan=plan, step=step)
-        return entry
 
-    @property
-    def job(self) -> Job:
-        """This function as the pipeline sees it (``spdsl.pipeline.Job``): axes, options and,
-        inside a job the mesh fits, its process groups (``groups``)."""
-        fits = dist.is_initialized() and (self._mesh is not None or
-                                          dist.get_world_size() % self.parts == 0)
-        return Job(parts=self.parts, axis=self.axis, data_axis=self.data_axis,
-                   data_parts=self.data_parts, remat=self.remat, kernels=self.kernels,
-                   compile=self.compile, batch=self.batch,
-                   groups=self.groups if fits else None, strict=self.strict,
-                   attention=self.attention, shard_state=self.shard_state)
+    def _check_same_inputs(self, args: tuple, kwargs: dict) -> None:
+        """Every rank of the axis passed the same batch (``spdsl.pipeline.same_batch``)."""
+        check_same_inputs(self.groups, self.fn, args, kwargs, full=self.debug)
 
     def segments_runner(self):
         """This function's runner of calls that read tensor values in Python
@@ -416,7 +314,7 @@ class Sharded(InputSpecs, StateSharding, Runtime):
     def __call__(self, *args, **kwargs):
         from spdsl.annotate.breaks import segmented
         entry = self.prepare(*args, **kwargs)
-        self._check_same_inputs(args, kwargs, full=self.debug)   # 16 B per input (runtime.py)
+        self._check_same_inputs(args, kwargs)       # 16 B per input
         watchdog.set_check_order(self.debug)    # each collective compared across its group
         if entry is None:                      # a function that reads values: in segments
             with C.backward_order():

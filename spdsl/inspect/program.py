@@ -354,7 +354,8 @@ def read_program(job, decisions, args: tuple, kwargs: dict, plan: ShardingPlan, 
     Example::
 
         entry = step.build((ids, ids), {})
-        read = read_program(step.job, entry.decisions, (ids, ids), {}, entry.plan)
+        plan = step.plan_of(entry, (ids, ids), {})
+        read = read_program(step.job, entry.decisions, (ids, ids), {}, plan)
         [c.purpose for c in read.collectives]
     """
     try:

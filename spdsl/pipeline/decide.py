@@ -3,19 +3,19 @@
 
 :func:`decide` takes the trace (``spdsl.propagate.trace``; in a job, put in the mesh's one
 order first, :func:`one_order`)
-and what the arguments say as placements (:class:`Starts`: ``spdsl.annotate`` reads specs,
-DTensor arguments and the mesh into them) and propagates: the data axis first (the sequence
+and what the arguments say as placements (``spdsl.pipeline.starts.Starts``: specs, DTensor
+arguments and the mesh read into them) and propagates: the data axis first (the sequence
 axis must not cut what it splits), then the sequence axis (``spdsl.propagate.engine``); then
 the outputs' placements, which parameters are sharded, which of their gradients are one
 reduce-scatter (read off a lowering, :func:`spdsl.pipeline.build.reduced_state`) and which
-are gathered again under recompute. Nothing here runs a collective or calls back into the
-layer that asked; ``build_step`` turns the result into the rank's program and
-``spdsl.inspect.decided.plan_of`` into the plan.
+are gathered again under recompute. Nothing here runs a collective but :func:`one_order`'s,
+or calls back into the layer that asked; ``build_step`` turns the result into the rank's
+program and ``spdsl.inspect.decided.plan_of`` into the plan, when one is asked for.
 
 Example::
 
     step = spdsl.sp_shard(seq=4)(model)
-    d = step.build((ids, ids), {}).decisions       # decide(trace, step's Starts, step.job)
+    d = step.build((ids, ids), {}).decisions       # decide(trace, Starts, step.job)
     d.out_placements              # (Replicate(),): the loss, whole on every rank
     d.prop.decisions[node]        # how one value is split, and what it cost
 """
@@ -32,31 +32,13 @@ import spdsl.collectives as C
 from spdsl.errors import ShardingError
 from spdsl.pipeline.build import Job, reduced_state
 from spdsl.pipeline.groups import Groups
+from spdsl.pipeline.starts import Starts
 from spdsl.propagate.engine import Propagator
 from spdsl.propagate.order import digest, follow, merge_equal, structure_keys
 from spdsl.propagate.placement import PARTIAL, REPLICATE, Placement, Shard
 from spdsl.propagate.trace import Traced
 
 _CONSTRAINT = "spdsl_constraint"
-
-
-@dataclass(frozen=True)
-class Starts:
-    """What the call's arguments say, as placements. Per tensor argument (in
-    ``Traced.tensor_leaf_index`` order): ``inputs`` its placement over the sequence axis and
-    where that was said (``"in_specs[0]"``), ``data_in`` over the data axis, ``requires``
-    whether it needs a gradient. ``constraints``: per ``with_sharding_constraint`` node, the
-    placement it pins over the sequence axis and over the data axis (None: left free there).
-    ``outs``: per output, the placement ``out_specs`` pins (None: as propagated);
-    ``keep_partial``: outputs that are partial sums stay so (a segment before the last hands
-    them on, ``spdsl.annotate.breaks``)."""
-
-    inputs: tuple[tuple[Placement, str], ...]
-    data_in: tuple[Placement, ...]
-    requires: tuple[bool, ...]
-    constraints: tuple[tuple[torch.fx.Node, Placement, Placement | None], ...] = ()
-    outs: tuple[Placement | None, ...] = ()
-    keep_partial: bool = False
 
 
 @dataclass(frozen=True)

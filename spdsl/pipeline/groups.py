@@ -25,11 +25,29 @@ import torch
 import torch.distributed as dist
 
 from spdsl._torch import fake_store
+from spdsl.errors import ShardingError
 
 # hybrid attention's groups per (sequence-axis group, Ulysses degree): creating a group takes
 # every rank of the job, so each is created once and kept (the group object is held so that
 # its id names it while the entry lives)
 _HYBRID: dict[tuple[int, int], tuple[Any, tuple]] = {}
+
+
+def unknown_axis(axis: str, names: tuple) -> ShardingError:
+    """The error of a spec naming ``axis`` on a mesh of axes ``names``."""
+    return ShardingError(
+        rule="unknown mesh axis",
+        detail=f"a spec names mesh axis {axis!r}, but the mesh has axes {tuple(names)}",
+        fix=f"use one of {tuple(names)} in P(...), or build the mesh with "
+            f"spdsl.mesh({axis}=N)")
+
+
+def axis_size(mesh, axis: str) -> int:
+    """The number of ranks along mesh axis ``axis`` (an error naming the axes if none)."""
+    names = tuple(mesh.mesh_dim_names or ())
+    if axis not in names:
+        raise unknown_axis(axis, names)
+    return mesh.size(names.index(axis))
 
 
 @dataclass(frozen=True)

@@ -9,8 +9,8 @@ import torch
 
 from spdsl.annotate.api import plan, shard, sp_shard
 from spdsl.annotate.sharded import Sharded
-from spdsl.annotate.spec import P
 from spdsl.errors import ShardingError
+from spdsl.pipeline.spec import P
 from spdsl.remat import Remat
 
 

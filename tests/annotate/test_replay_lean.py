@@ -49,25 +49,27 @@ def _worst(model, ref) -> float:
 
 
 def check(rank: int, world: int) -> dict:
+    import spdsl.pipeline.programs as programs
     from spdsl.annotate.breaks import _Segment
     from spdsl.annotate.sharded import Sharded
 
     calls = {"prepare": 0, "key": 0, "wrapped": 0}
-    prepare, key, from_local = Sharded.prepare, Sharded._key, DTensor.from_local
+    prepare, key, from_local = Sharded.prepare, programs.call_key, DTensor.from_local
 
     def counted_prepare(self, *a, **kw):
         calls["prepare"] += isinstance(self, _Segment)
         return prepare(self, *a, **kw)
 
-    def counted_key(self, *a, **kw):
-        calls["key"] += isinstance(self, _Segment)
-        return key(self, *a, **kw)
+    def counted_key(fn, *a, **kw):
+        # a segment's function is the empty GraphModule it is built on (the model is not one)
+        calls["key"] += isinstance(fn, torch.fx.GraphModule)
+        return key(fn, *a, **kw)
 
     def counted_from_local(*a, **kw):
         calls["wrapped"] += 1
         return from_local(*a, **kw)
 
-    Sharded.prepare, Sharded._key = counted_prepare, counted_key
+    Sharded.prepare, programs.call_key = counted_prepare, counted_key
     DTensor.from_local = staticmethod(counted_from_local)
     torch.manual_seed(0)
     model = Reads()
@@ -102,7 +104,7 @@ def check(rank: int, world: int) -> dict:
         seg = step._segmented
         out["counts"].append((seg.traces, seg.replays))
     out["segments"] = len(seg.last) + 1
-    Sharded.prepare, Sharded._key = prepare, key
+    Sharded.prepare, programs.call_key = prepare, key
     DTensor.from_local = staticmethod(from_local)
     return out
 

@@ -72,7 +72,7 @@ def _case(ref: torch.nn.Module, loss_ref: torch.Tensor, mode: str, args: tuple,
     box = {}
     fwd = counted(lambda: box.setdefault("loss", step(*args)))
     bwd = counted(lambda: box["loss"].backward())
-    plan = step.build(args, {}).plan
+    plan = step.plan_call(args, {})
     res["ran"] = Counter([("fwd", *c) for c in fwd] + [("bwd", *c) for c in bwd])
     res["planned"] = planned_calls(plan.collectives)
     res["recomputed"] = sum(c.recomputed for c in plan.collectives)

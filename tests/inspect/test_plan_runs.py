@@ -75,7 +75,7 @@ def _case(name: str, world: int) -> dict:
     fwd = counted(lambda: box.setdefault("loss", step(ids, ids)))
     bwd = counted(lambda: box["loss"].backward())
     ran = Counter([("fwd", *c) for c in fwd] + [("bwd", *c) for c in bwd])
-    plan = step.build((ids, ids), {}).plan
+    plan = step.plan_call((ids, ids), {})
     return {"ran": ran, "planned": planned_calls(plan.collectives),
             "recomputed": sum(c.recomputed for c in plan.collectives),
             "buckets": [c.carries for c in plan.collectives if c.purpose == "gradient"],

@@ -81,7 +81,8 @@ def run_config(name: str, cfg, batch: int, seq: int, world: int, modes: dict,
         model.load_state_dict(init)
         f.options = f.options.replace(remat=Remat.of(remat))
         # same trace, lowered again under this mode: the entries without their built step
-        f._cache = {k: dataclasses.replace(e, step=None) for k, e in f._cache.items()}
+        f._programs.cache = {k: dataclasses.replace(e, step=None)
+                             for k, e in f._cache.items()}
         loss = f(ids, ids)
         loss.backward()
         grads = {k: p.grad.clone() for k, p in model.named_parameters()}

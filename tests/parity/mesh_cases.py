@@ -148,7 +148,7 @@ def counted(dp: int, sp: int, shard_state: bool) -> dict:
     with torch.profiler.profile(activities=acts, record_shapes=True) as prof:
         step(ids, labels).backward()
     calls = pg_calls(prof)
-    plan = step.build((ids, labels), {}).plan
+    plan = step.plan_call((ids, labels), {})
     return {"calls": calls, "numel": numel, "text": str(plan), "json": plan.to_json(),
             "plan": [(c.kind, c.purpose, c.axis, c.bytes, c.bytes_bwd) for c in plan.collectives],
             "rows": [_full(p.detach()).shape[0] for p in model.parameters()],

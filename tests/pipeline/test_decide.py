@@ -65,7 +65,7 @@ def test_decisions_are_frozen_and_one_per_call_signature():
     with pytest.raises(dataclasses.FrozenInstanceError):
         d.out_placements = ()
     with pytest.raises(dataclasses.FrozenInstanceError):
-        entry.plan = None
+        entry.step = None
     with pytest.raises(TypeError):
         d.requires[next(iter(d.requires))] = False      # a read-only view
     assert f.build((ids.clone(), ids.clone()), {}).decisions is d     # same key, same value

@@ -1,17 +1,16 @@
-"""``spdsl.annotate.runtime``'s helpers: the same-inputs checksum, the names an error gives
-arguments, placements as DTensor placements, and the check's entry in the plan."""
+"""``spdsl.pipeline.same_batch``'s helpers (the same-inputs checksum, the names an error gives
+arguments), placements as DTensor placements (``spdsl.pipeline.run``), and the check's entry in
+the plan (``Sharded._check_collectives``). The check itself across ranks:
+``tests/annotate/test_same_inputs.py``."""
 
 from __future__ import annotations
 
 import torch
 from torch.distributed.tensor import Partial, Replicate, Shard
 
-from spdsl.annotate.runtime import (
-    Runtime,
-    _checksum,
-    _dtensor_placement,
-    _leaf_names,
-)
+import spdsl
+from spdsl.pipeline.run import _dtensor_placement
+from spdsl.pipeline.same_batch import _checksum, _leaf_names
 from spdsl.propagate.placement import PARTIAL, REPLICATE
 from spdsl.propagate.placement import Shard as SShard
 
@@ -44,12 +43,11 @@ def test_placements_as_dtensor_placements():
 
 
 def test_the_check_is_one_small_collective_per_call():
-    r = Runtime()
-    r.parts, r.axis, r.debug = 4, "sp", False
+    def f(x, n, y):
+        return x.sum() + y.sum()
     leaves = [torch.zeros(2), 3, torch.zeros(5)]
-    (c,) = r._check_collectives(leaves)
+    (c,) = spdsl.Sharded(f, parts=4, seq_dim=0)._check_collectives(leaves)
     assert (c.kind, c.bytes) == ("all_reduce", 32)
-    r.debug = True
-    assert r._check_collectives(leaves)[0].kind == "all_gather"
-    r.parts = 1
-    assert r._check_collectives(leaves) == ()
+    debug = spdsl.Sharded(f, parts=4, seq_dim=0, debug=True)
+    assert debug._check_collectives(leaves)[0].kind == "all_gather"
+    assert spdsl.Sharded(f, parts=1, seq_dim=0)._check_collectives(leaves) == ()

@@ -1,4 +1,4 @@
-"""``spdsl.annotate.spec``: ``P`` as a frozen value, and ``as_spec``."""
+"""``spdsl.pipeline.spec``: ``P`` as a frozen value, and ``as_spec``."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import pickle
 
 import pytest
 
-from spdsl.annotate.spec import P, as_spec
 from spdsl.errors import ShardingError
+from spdsl.pipeline.spec import P, as_spec
 
 
 def test_p_is_a_value_whose_repr_is_its_constructor():

@@ -21,8 +21,9 @@ exception reaches it. A rank whose peer ended first (gloo: "Connection closed by
 ``CollectiveError`` with the same description instead.
 
 Under ``debug=True`` (``set_check_order(True)``) each collective is first compared across its
-group (an all-gather of three integers: number, kind, bytes), and a difference raises a
-``ShardingError`` on every rank before the mismatched collective is issued, naming the op.
+group (an all-gather of three integers: number, kind, bytes, issued by ``spdsl.collectives``
+and judged by ``check_order``), and a difference raises a ``ShardingError`` on every rank
+before the mismatched collective is issued, naming the op.
 An all-to-all with uneven splits (a window's halo, a ragged batch) moves different bytes on
 different ranks by design: its bytes are not compared, its number and kind are.
 """
@@ -75,18 +76,20 @@ class _Waiting:
 _STATE = _Waiting()
 
 
-def issued(kind: str, nbytes: int, group: str, even: bool = True) -> int:
-    """Number the collective about to be issued; under the order check, compare it across
-    the group first (its bytes too when ``even``: every rank moves the same amount). Under
-    ``torch.compile`` nothing (a compiled graph mutates no Python state; its waits are the
-    graph's), nor on fake tensors (the memory planner's run of a program: no data moves, and
-    the comparison's values would be fake too)."""
+def checks_order() -> bool:
+    """Whether each collective is compared across its group before it is issued."""
+    return _check[0]
+
+
+def issued(kind: str, nbytes: int, group: str) -> int:
+    """Number the collective about to be issued (0: not numbered). Under ``torch.compile``
+    nothing (a compiled graph mutates no Python state; its waits are the graph's), nor on fake
+    tensors (the memory planner's run of a program: no data moves, and the order check's
+    values would be fake too)."""
     if torch.compiler.is_compiling() or _faking():
         return 0
     _STATE.count += 1
     _STATE.op = _op_here(sys._getframe(1))
-    if _check[0]:
-        _compare(_STATE.count, kind, nbytes if even else -1, group)
     return _STATE.count
 
 
@@ -172,13 +175,18 @@ def _report(now: tuple) -> None:
     sys.stderr.flush()
 
 
-def _compare(number: int, kind: str, nbytes: int, group: str) -> None:
-    from spdsl._torch import all_gather_single
+def order_entry(number: int, kind: str, nbytes: int) -> torch.Tensor:
+    """What the order check compares across the group for the collective ``issued`` numbered:
+    its number, kind and bytes (-1: bytes not compared, an uneven all-to-all)."""
+    return torch.tensor([number, KINDS.index(kind), nbytes], dtype=torch.int64)
+
+
+def check_order(mine: torch.Tensor, every: torch.Tensor) -> None:
+    """Raise a ``ShardingError`` naming the difference unless every rank of the group is about
+    to issue the same collective: ``every`` holds the group's ``order_entry`` rows in rank
+    order, ``mine`` this rank's."""
     from spdsl.errors import ShardingError
-    mine = torch.tensor([number, KINDS.index(kind), nbytes], dtype=torch.int64)
-    # watched too: a rank that issues nothing more (it skipped a collective) never joins it
-    every = wait(all_gather_single(mine, 0, group), number, f"{kind}'s order check",
-                 mine.numel() * mine.element_size(), group).view(-1, 3)
+    every = every.view(-1, 3)
     if bool((every == mine).all()):
         return
     issued_by = "; ".join(f"rank {r} of the group: #{int(n)} {KINDS[int(k)]}"

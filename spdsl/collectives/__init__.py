@@ -26,7 +26,9 @@ collective waits where it is issued, except ``all_to_all_many_start``'s, which i
 later (pipelined Ulysses overlaps it with another head group's attention). The
 gradient all-reduces of parameters go in buckets (``grad_all_reduce_many``): one flat
 all-reduce per bucket instead of one per parameter; the buckets of a segmented forward's
-programs are merged across its segments in backward (``grads``).
+programs are merged across its segments in backward (``grads``). Ring attention's exchange is
+the one not functional: point-to-point sends and receives inside its op (``ring``), whose
+backward is the op's own.
 
 =================  ======================================================================
 module             what it holds
@@ -38,6 +40,7 @@ module             what it holds
 ``grads``          gradient all-reduces, one value or a bucket, overlapped with backward
 ``params``         sharded parameters: gathered before use, gradient reduce-scattered
 ``agreements``     the hosts' checks and shared objects, groups and barriers
+``ring``           ring attention's point-to-point exchange and its op (``spdsl::ring_attn``)
 =================  ======================================================================
 """
 
@@ -63,13 +66,14 @@ from spdsl.collectives.moves import (
 from spdsl.collectives.order import backward_order, tie_order, unordered
 from spdsl.collectives.params import gather_param, param_grad
 from spdsl.collectives.raw import made_whole
+from spdsl.collectives.ring import ring_attn
 
 __all__ = [
     "PendingAllToAll", "all_gather_pieces", "all_reduce", "all_to_all", "all_to_all_many",
     "all_to_all_many_start", "all_to_all_rows", "backward_order", "barrier", "broadcast_",
     "gather", "gather_each", "gather_param", "grad_all_reduce", "grad_all_reduce_many",
-    "made_whole", "new_group", "param_grad", "rechunk", "reduce_", "reduce_scatter", "share",
-    "take", "tie_order", "unordered", "window",
+    "made_whole", "new_group", "param_grad", "rechunk", "reduce_", "reduce_scatter", "ring_attn",
+    "share", "take", "tie_order", "unordered", "window",
 ]
 
 # the lowering's graphs call these by this module's name: ``spdsl.lower.graph`` tells a

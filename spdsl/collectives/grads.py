@@ -19,7 +19,7 @@ import spdsl.env as env
 import spdsl.watchdog as watchdog
 from spdsl._torch import at_backward_end, backward_task_id, c10d_functional, engine_will_accumulate
 from spdsl.collectives.order import _after, _before, _ordered
-from spdsl.collectives.raw import _all_reduce_raw, _run
+from spdsl.collectives.raw import _all_reduce_raw, _issued, _run
 
 
 class _GradAllReduce(torch.autograd.Function):
@@ -129,7 +129,7 @@ def _this_backward() -> None:
 def _start_bucket(flat: torch.Tensor, into: list, group: str) -> None:
     """Start ``flat``'s all-reduce; its pieces go to ``into`` when backward ends."""
     _this_backward()
-    watchdog.issued("all_reduce", flat.numel() * flat.element_size(), group)
+    _issued("all_reduce", flat.numel() * flat.element_size(), group)
     _STARTED.append((c10d_functional.all_reduce_(flat, "sum", group), into))
 
 

@@ -16,13 +16,13 @@ import spdsl.watchdog as watchdog
 from spdsl._torch import c10d_functional
 from spdsl.collectives.moves import _packed, _unpack
 from spdsl.collectives.order import _after, _before, _ordered
-from spdsl.collectives.raw import _pairs
+from spdsl.collectives.raw import _issued, _pairs
 
 
 def _a2a_issue(buf: torch.Tensor, parts: int, group: str) -> torch.Tensor:
     buf = buf.contiguous()
     sizes = [buf.shape[0] // parts] * parts
-    watchdog.issued("all_to_all", buf.numel() * buf.element_size(), group)
+    _issued("all_to_all", buf.numel() * buf.element_size(), group)
     return c10d_functional.all_to_all_single(buf, sizes, sizes, group)
 
 

@@ -22,11 +22,26 @@ def _unpairs(y: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     return torch.view_as_complex(y.contiguous()) if like.is_complex() else y
 
 
+def _issued(kind: str, nbytes: int, group: str, even: bool = True) -> int:
+    """The collective about to be issued numbered (``watchdog.issued``) and, under the order
+    check (``debug=True``), first compared across the group (``watchdog.check_order``): its
+    number, kind and, when ``even`` (every rank of the group sends as many bytes as this one),
+    bytes, all-gathered. The gather is watched too: a rank that issues nothing more (it skipped
+    a collective) never joins it."""
+    number = watchdog.issued(kind, nbytes, group)
+    if number and watchdog.checks_order():
+        mine = watchdog.order_entry(number, kind, nbytes if even else -1)
+        every = watchdog.wait(all_gather_single(mine, 0, group), number,
+                              f"{kind}'s order check", mine.numel() * mine.element_size(), group)
+        watchdog.check_order(mine, every)
+    return number
+
+
 def _run(kind: str, x: torch.Tensor, group: str, issue, even: bool = True) -> torch.Tensor:
     """``issue(x)`` (a functional collective) numbered and waited under the watchdog;
     ``even``: every rank of the group sends as many bytes as this one."""
     nbytes = x.numel() * x.element_size()
-    number = watchdog.issued(kind, nbytes, group, even)
+    number = _issued(kind, nbytes, group, even)
     return watchdog.wait(issue(x), number, kind, nbytes, group)
 
 

@@ -1,4 +1,6 @@
-"""Ring attention on local tensors: ``torch.ops.spdsl.ring_attn`` (+ ``ring_attn_backward``).
+"""Ring attention's steps on local tensors, given the ring's exchange: the op
+``torch.ops.spdsl.ring_attn`` (+ ``ring_attn_backward``, :mod:`spdsl.collectives.ring`) runs
+:func:`forward` and :func:`backward` with its point-to-point exchange.
 
 Each of the ``parts`` ranks of a ring holds its piece of the sequence of q, k and v
 (``[B, H, S/P, D]``; kv heads unrepeated). In ``P`` steps the k/v pieces pass once around the
@@ -7,7 +9,7 @@ its queries to the keys it holds, with the block recurrence of
 :mod:`spdsl.kernels.masked_attn` (fp32 running row max, sum and output), so the pieces merge
 exactly as the flash recurrence merges key blocks: the result is the softmax over the whole
 sequence, within fp32 rounding of the single-device computation. The exchange of step
-``t + 1`` is posted before step ``t`` computes (``batch_isend_irecv``) and waited on after:
+``t + 1`` is posted before step ``t`` computes (``ring.shift``) and waited on after:
 transfer overlaps compute, on gloo as on NCCL.
 
 Backward (ring-flash-attn's): the k/v pieces go around again; each rank adds its queries'
@@ -29,11 +31,11 @@ balances causal work over the ranks).
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
-import torch.distributed as dist
 from torch.profiler import record_function
 
-from spdsl._torch import process_group
 from spdsl.kernels.masked_attn import (
     _Blocks,
     _grouped,
@@ -47,9 +49,23 @@ from spdsl.kernels.masked_attn import (
 
 LAYOUTS = ("contiguous", "zigzag")
 COMPUTE = "spdsl.ring_attn.compute"   # profiler range: a step's attention, no transfer or wait
-_KV_TAG, _DKV_TAG = 7, 8
+# backward has two streams in flight at once (the k/v pieces, the accumulators): their tags
+# pair each receive with its send
+KV_TAG, DKV_TAG = 7, 8
 # mask-free pieces on PyTorch's fused CPU flash attention ([False]: always the block recurrence)
 FUSED = [True]
+
+
+class Received(Protocol):
+    def wait(self) -> torch.Tensor: ...
+
+
+class Exchange(Protocol):
+    """What the steps need of the ring (``spdsl.collectives.ring.Ring``): ``shift(x, tag)``
+    posts the send of ``x`` to the next rank and the receive of the previous rank's tensor of
+    the same shape, and returns at once; ``wait()`` gives what was received."""
+
+    def shift(self, x: torch.Tensor, tag: int) -> Received: ...
 
 
 def segments(layout: str, n: int, parts: int, rank: int) -> list[tuple[int, int, int]]:
@@ -59,35 +75,6 @@ def segments(layout: str, n: int, parts: int, rank: int) -> list[tuple[int, int,
         c = n // 2
         return [(0, rank * c, c), (c, (2 * parts - 1 - rank) * c, c)]
     return [(0, rank * n, n)]
-
-
-class _Pending:
-    def __init__(self, works, buf: torch.Tensor) -> None:
-        self.works, self.buf = works, buf
-
-    def wait(self) -> torch.Tensor:
-        for w in self.works:
-            w.wait()
-        self.works = ()     # the works hold the sent tensor: it goes now, not at the next shift
-        return self.buf
-
-
-class _Ring:
-    """The neighbours of ``rank`` in the ring over the process group named ``group``."""
-
-    def __init__(self, group: str, parts: int, rank: int) -> None:
-        self.pg = process_group(group)
-        self.next = dist.get_global_rank(self.pg, (rank + 1) % parts)
-        self.prev = dist.get_global_rank(self.pg, (rank - 1) % parts)
-
-    def shift(self, x: torch.Tensor, tag: int) -> _Pending:
-        """Send ``x`` to the next rank, receive the previous rank's into a new buffer."""
-        x = x.contiguous()
-        buf = torch.empty_like(x)
-        works = dist.batch_isend_irecv([
-            dist.P2POp(dist.isend, x, self.next, self.pg, tag),
-            dist.P2POp(dist.irecv, buf, self.prev, self.pg, tag)])
-        return _Pending(works, buf)
 
 
 def _pack(*ts: torch.Tensor) -> torch.Tensor:
@@ -154,10 +141,14 @@ def _grouped_spans(spans, h: int, hk: int):
         yield j0, j1, five(keep), five(bias)
 
 
-def _forward(q, k, v, leaves, program_key, causal, scale, layout, parts, rank, group):
-    """Queries held as ``[B, H_kv, G, S, D]`` (the query heads grouped by the kv head they
-    read), k and v at their own heads: the matmuls broadcast over the group, nothing is
-    repeated; q is cast to fp32 a block of rows at a time, k and v a piece at a time."""
+def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, leaves: list[torch.Tensor],
+            program_key: str, causal: bool, scale: float, layout: str, parts: int, rank: int,
+            ring: Exchange | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The op's forward: the output and each row's max and sum (``[B, H, S/P, 2]``, fp32).
+    ``ring``: the exchange (None on a ring of one rank). Queries held as ``[B, H_kv, G, S, D]``
+    (the query heads grouped by the kv head they read), k and v at their own heads: the
+    matmuls broadcast over the group, nothing is repeated; q is cast to fp32 a block of rows
+    at a time, k and v a piece at a time."""
     program = mask_program(program_key) if program_key else None
     leaves = typed_leaves(program_key, leaves)
     b, h, s_q, _ = q.shape
@@ -168,11 +159,10 @@ def _forward(q, k, v, leaves, program_key, causal, scale, layout, parts, rank, g
     den = q.new_zeros((b, hk, h // hk, s_q, 1), dtype=f32)
     acc = q.new_zeros((b, hk, h // hk, s_q, dv), dtype=f32)
     rows, cols = block_sizes(b, h, s_q, s_k)
-    ring = _Ring(group, parts, rank) if parts > 1 else None
     kv = _pack(k, v)
     for t in range(parts):
         src = (rank - t) % parts
-        nxt = ring.shift(kv, _KV_TAG) if t < parts - 1 else None
+        nxt = ring.shift(kv, KV_TAG) if t < parts - 1 else None
         kt, vt = _unpack(kv, k.shape, v.shape)
         kf, vf = kt.unsqueeze(2), vt.unsqueeze(2)   # [B, H_kv, 1, S, D], cast a block at a time
         for lq, gq, nq, lk, gk, nk in _pairs(layout, s_q, s_k, parts, rank, src, causal):
@@ -199,10 +189,13 @@ def _forward(q, k, v, leaves, program_key, causal, scale, layout, parts, rank, g
     return out.to(q.dtype), torch.cat([m, den], dim=-1).flatten(1, 2)
 
 
-def _backward(dout, q, k, v, out, stats, leaves, program_key, causal, scale, layout, parts,
-              rank, group):
-    """As forward: grouped query heads, k and v at their own heads (dk and dv summed over
-    the group as they are made), q, dout and out cast a block of rows at a time."""
+def backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             out: torch.Tensor, stats: torch.Tensor, leaves: list[torch.Tensor], program_key: str,
+             causal: bool, scale: float, layout: str, parts: int, rank: int,
+             ring: Exchange | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The op's backward: dq, dk, dv. As forward: grouped query heads, k and v at their own
+    heads (dk and dv summed over the group as they are made), q, dout and out cast a block of
+    rows at a time."""
     program = mask_program(program_key) if program_key else None
     leaves = typed_leaves(program_key, leaves)
     b, h, s_q, _ = q.shape
@@ -214,19 +207,18 @@ def _backward(dout, q, k, v, out, stats, leaves, program_key, causal, scale, lay
     lse = None                          # the rows' log-sum-exp, for fused pieces
     dq = q.new_zeros((b, hk, g, s_q, d), dtype=f32)
     rows, cols = block_sizes(b, h, s_q, s_k)
-    ring = _Ring(group, parts, rank) if parts > 1 else None
     n_dk, n_dv = b * hk * s_k * d, b * hk * s_k * dv
     # the others' pieces first, the rank's own last: its share of dk/dv is then added to
     # what the others send home, and no accumulator waits for it through the whole loop (the
     # first piece's transfer is not hidden); a piece's accumulator, one flat fp32 buffer
     # that dk and dv are views of, follows it one rank behind
-    nxt = ring.shift(_pack(k, v), _KV_TAG) if ring is not None else None
+    nxt = ring.shift(_pack(k, v), KV_TAG) if ring is not None else None
     grads = None
     for t in list(range(1, parts)) + [0]:
         src = (rank - t) % parts
         if t:
             kv = nxt.wait()
-            nxt = ring.shift(kv, _KV_TAG) if t < parts - 1 else None
+            nxt = ring.shift(kv, KV_TAG) if t < parts - 1 else None
             kt, vt = _unpack(kv, k.shape, v.shape)
         else:
             kv, kt, vt = None, k, v
@@ -265,85 +257,12 @@ def _backward(dout, q, k, v, out, stats, leaves, program_key, causal, scale, lay
             mine += grads.wait()         # last, the rank's own from all the others)
             grads = None                 # the received buffer goes before the next is made
         if t:                            # on to the next rank: the owner after the last step
-            grads = ring.shift(mine, _DKV_TAG)
+            grads = ring.shift(mine, DKV_TAG)
             mine = None
     dk, dvv = mine[:n_dk].view(b, hk, s_k, d), mine[n_dk:].view(b, hk, s_k, dv)
     # dk and dv are views of one buffer: copies, so the op's outputs do not alias
     return (dq.flatten(1, 2).to(q.dtype), dk.to(k.dtype, copy=True),
             dvv.to(v.dtype, copy=True))
-
-
-@torch.library.custom_op("spdsl::ring_attn", mutates_args=())
-def _ring_attn_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                  leaves: list[torch.Tensor], program: str, causal: bool, scale: float,
-                  layout: str, parts: int, rank: int, group: str,
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
-    return _forward(q, k, v, leaves, program, causal, scale, layout, parts, rank, group)
-
-
-@_ring_attn_op.register_fake
-def _(q, k, v, leaves, program, causal, scale, layout, parts, rank, group):
-    b, h, s_q, _ = q.shape
-    return (q.new_empty((b, h, s_q, v.shape[-1])),
-            q.new_empty((b, h, s_q, 2), dtype=torch.promote_types(q.dtype, torch.float32)))
-
-
-@torch.library.custom_op("spdsl::ring_attn_backward", mutates_args=())
-def _ring_attn_backward_op(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
-                           v: torch.Tensor, out: torch.Tensor, stats: torch.Tensor,
-                           leaves: list[torch.Tensor], program: str, causal: bool, scale: float,
-                           layout: str, parts: int, rank: int, group: str,
-                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return _backward(dout, q, k, v, out, stats, leaves, program, causal, scale, layout, parts,
-                     rank, group)
-
-
-@_ring_attn_backward_op.register_fake
-def _(dout, q, k, v, out, stats, leaves, program, causal, scale, layout, parts, rank, group):
-    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
-
-
-def _setup_context(ctx, inputs, output) -> None:
-    q, k, v, leaves, program, causal, scale, layout, parts, rank, group = inputs
-    out, stats = output
-    ctx.save_for_backward(q, k, v, out, stats, *leaves)
-    ctx.args = (program, causal, scale, layout, parts, rank, group)
-
-
-def _backward_rule(ctx, dout, dstats):
-    q, k, v, out, stats, *leaves = ctx.saved_tensors
-    if dout is None:
-        dout = torch.zeros_like(out)
-    dq, dk, dv = _ring_attn_backward_op(dout, q, k, v, out, stats, leaves, *ctx.args)
-    return (dq, dk, dv, [None] * len(leaves)) + (None,) * 7
-
-
-_ring_attn_op.register_autograd(_backward_rule, setup_context=_setup_context)
-
-
-def ring_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group: str, parts: int,
-              rank: int, mask_fn=None, leaves: list[torch.Tensor] = (), causal: bool = False,
-              scale: float | None = None, layout: str = "contiguous") -> torch.Tensor:
-    """Attention over the whole sequence for this rank's piece of the queries, its keys and
-    values passing around the ring of ``parts`` ranks of the process group named ``group``
-    (see the module docstring). ``mask_fn(*leaves)`` as in
-    :func:`spdsl.kernels.masked_attn.masked_attn`, with global leaves.
-
-    Example (4 ranks, each holding a quarter of a causal sequence)::
-
-        pg = dist.group.WORLD
-        o = ring_attn(q_piece, k_piece, v_piece, group=pg.group_name, parts=4,
-                      rank=dist.get_rank(), causal=True)
-    """
-    from spdsl.kernels.masked_attn import register_mask_program
-    if layout not in LAYOUTS:
-        raise ValueError(f"layout must be one of {LAYOUTS}, not {layout!r}")
-    key = mask_fn if isinstance(mask_fn, str) or mask_fn is None else \
-        register_mask_program(mask_fn, getattr(mask_fn, "__name__", "mask"))
-    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
-    out, _ = torch.ops.spdsl.ring_attn(q, k, v, list(leaves), key or "", bool(causal), scale,
-                                       layout, parts, rank, group)
-    return out
 
 
 def workspace_bytes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, leaves: list = (),

@@ -6,7 +6,8 @@ The axis' ``P`` ranks are ``R`` groups of ``U`` consecutive ranks (``P = U x R``
 ``r % U``. Hybrid first exchanges q, k, v inside its Ulysses group (the group's ``U`` pieces of
 the sequence are consecutive: after the exchange each member holds ``H / U`` heads over the
 group's contiguous stretch of ``S / R`` positions), then runs the ring over the ``R`` groups
-(``spdsl.kernels.ring_attn``), then exchanges the output back.
+(the op ``spdsl::ring_attn`` of ``spdsl.collectives.ring``, the steps of
+``spdsl.kernels.ring_attn``), then exchanges the output back.
 
 Masks: a mask program's leaves (``spdsl.propagate.masks``) and a dense mask given to SDPA are
 replicated, global: the ring kernel cuts them at each step's global rows and columns (a dense
@@ -20,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from spdsl.collectives import all_to_all, all_to_all_rows, new_group
-from spdsl.kernels import ring_attn as _ring_attn  # noqa: F401  (spdsl::ring_attn)
+from spdsl.collectives import ring as _ring  # noqa: F401  (spdsl::ring_attn)
 from spdsl.kernels.masked_attn import register_mask_program
 from spdsl.lower.ops import _HEADS, _SEQ, _to_heads
 

@@ -81,7 +81,7 @@ def _ring_attn_backward(args, kwargs) -> int:
 
 
 def _ring_entries() -> None:
-    from spdsl.kernels import ring_attn  # noqa: F401  (registers the ops)
+    from spdsl.collectives import ring  # noqa: F401  (registers the ops)
     WORKSPACE[torch.ops.spdsl.ring_attn.default] = _ring_attn
     WORKSPACE[torch.ops.spdsl.ring_attn_backward.default] = _ring_attn_backward
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 from torch.utils.checkpoint import CheckpointPolicy
 
-import spdsl.kernels.ring_attn  # noqa: F401  (defines spdsl::ring_attn)
+import spdsl.collectives.ring  # noqa: F401  (defines spdsl::ring_attn)
 from spdsl._torch import tree_flatten
 from spdsl.propagate.forms import is_attention_op
 

@@ -1,4 +1,5 @@
-"""``spdsl.kernels.ring_attn`` on 2 and 4 gloo ranks against the dense single-process
+"""Ring attention (``spdsl.collectives.ring_attn``: the steps of ``spdsl.kernels.ring_attn``
+with the ring's point-to-point exchange) on 2 and 4 gloo ranks against the dense single-process
 computation: forward and every gradient, contiguous and zigzag pieces, causal, boolean and
 additive mask programs (rows that keep no key included), GQA with kv heads moved unrepeated,
 blocks smaller than a piece; mask-free pieces on PyTorch's fused CPU flash attention (causal and
@@ -10,9 +11,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from spdsl.collectives.ring import ring_attn
 from spdsl.kernels import masked_attn as M
 from spdsl.kernels import ring_attn as R
-from spdsl.kernels.ring_attn import ring_attn, segments
+from spdsl.kernels.ring_attn import segments
 from tests.dist import spawn
 from tests.kernels.test_masked_attn import _dense, _masks
 

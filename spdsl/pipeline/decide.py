@@ -4,8 +4,9 @@
 :func:`decide` takes the trace (``spdsl.propagate.trace``; in a job, put in the mesh's one
 order first, :func:`one_order`)
 and what the arguments say as placements (``spdsl.pipeline.starts.Starts``: specs, DTensor
-arguments and the mesh read into them) and propagates: the data axis first (the sequence
-axis must not cut what it splits), then the sequence axis (``spdsl.propagate.engine``); then
+arguments and the mesh read into them) and propagates every axis in one walk over the graph
+(``spdsl.propagate.mesh_propagation``), the data axis before the sequence axis at each node
+(the sequence axis must not cut what it splits); then
 the outputs' placements, which parameters are sharded, which of their gradients are one
 reduce-scatter (read off a lowering, :func:`spdsl.pipeline.build.reduced_state`) and which
 are gathered again under recompute. Nothing here runs a collective but :func:`one_order`'s,
@@ -34,11 +35,10 @@ from spdsl.pipeline.build import Job, reduced_state
 from spdsl.pipeline.groups import Groups
 from spdsl.pipeline.starts import Starts
 from spdsl.propagate.engine import Propagator
+from spdsl.propagate.mesh_propagation import MeshAxis, MeshPropagator
 from spdsl.propagate.order import digest, follow, merge_equal, structure_keys
 from spdsl.propagate.placement import PARTIAL, REPLICATE, Placement, Shard
 from spdsl.propagate.trace import Traced
-
-_CONSTRAINT = "spdsl_constraint"
 
 
 @dataclass(frozen=True)
@@ -90,14 +90,20 @@ def decide(traced: Traced, starts: Starts, job: Job) -> Decisions:
             inputs[ph] = starts.inputs[j - n_state]
             requires[ph] = starts.requires[j - n_state]
         ph.meta["spdsl_requires_grad"] = requires[ph]
-    for node, sp, _ in starts.constraints:
-        node.meta[_CONSTRAINT] = sp
-    dprop, data_out = None, ()
+    axes, starts_of, pins = [], {}, {}
     if job.data_parts > 1:         # first: the sequence axis must not cut what dp splits
-        dprop, data_out = _propagate_data(traced, phs, starts, job)
-    prop = Propagator(gm, job.parts, job.axis, gathers="error" if job.strict else "warn",
-                      attention=job.attention, taken=dprop)
-    prop.run(inputs)
+        axes.append(MeshAxis(job.data_axis, job.data_parts))
+        starts_of[job.data_axis] = _data_inputs(traced, phs, starts, job)
+        pins[job.data_axis] = {node: dp for node, _, dp in starts.constraints}
+    axes.append(MeshAxis(job.axis, job.parts, gathers="error" if job.strict else "warn",
+                         attention=job.attention))
+    starts_of[job.axis] = inputs
+    pins[job.axis] = {node: sp for node, sp, _ in starts.constraints}
+    mesh = MeshPropagator(gm, axes)
+    mesh.run(starts_of, pins)
+    prop = mesh[job.axis]
+    dprop = mesh[job.data_axis] if job.data_parts > 1 else None
+    data_out = _data_out(traced, dprop) if dprop is not None else ()
     outs = _out_placements(traced, prop, starts)
     sharded = tuple(sharded_inputs(traced, job.shard_state))
     reduced = reduced_state(prop, list(outs), dprop, list(data_out), list(sharded), job.parts,
@@ -169,27 +175,23 @@ def _out_placements(traced: Traced, prop: Propagator, starts: Starts
     return tuple(outs)
 
 
-def _propagate_data(traced: Traced, phs: list, starts: Starts, job: Job):
-    """The same rules over the same graph for the data axis: where batch rows meet.
-    Constraints that name no data axis leave it free."""
+def _data_inputs(traced: Traced, phs: list, starts: Starts, job: Job) -> dict:
+    """The graph inputs over the data axis: parameters whole, arguments as their specs say
+    (the batch's rows, where batch rows meet)."""
     n_state = len(traced.state)
-    inputs = {ph: (REPLICATE, "parameter") if j < n_state else
-              (starts.data_in[j - n_state], f"in_specs[{j - n_state}] over {job.data_axis!r}")
-              for j, ph in enumerate(phs)}
-    for node, _, dp in starts.constraints:
-        node.meta[_CONSTRAINT] = dp
-    try:
-        dprop = Propagator(traced.graph, job.data_parts, job.data_axis)
-        dprop.run(inputs)
-    finally:
-        for node, sp, _ in starts.constraints:
-            node.meta[_CONSTRAINT] = sp
+    return {ph: (REPLICATE, "parameter") if j < n_state else
+            (starts.data_in[j - n_state], f"in_specs[{j - n_state}] over {job.data_axis!r}")
+            for j, ph in enumerate(phs)}
+
+
+def _data_out(traced: Traced, dprop: Propagator) -> tuple[Placement, ...]:
+    """The outputs' placements over the data axis: a split of a whole dim, else whole."""
     data_out = []
     for o in out_nodes(traced):
         val = o.meta.get("val") if isinstance(o, torch.fx.Node) else None
         have = dprop.placement(o) if isinstance(val, torch.Tensor) else REPLICATE
         data_out.append(have if _whole_shard(have, val) else REPLICATE)
-    return dprop, tuple(data_out)
+    return tuple(data_out)
 
 
 def sharded_inputs(traced: Traced, shard_state: bool) -> list:

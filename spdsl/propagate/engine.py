@@ -13,6 +13,7 @@ import functools
 import math
 import operator
 import warnings
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -183,22 +184,38 @@ class Propagator:
     """Placements for every node of ``gm`` split over ``parts`` ranks of ``axis``.
     ``gathers``: what a sort, top-k, scan or FFT along the split dim does, which gathers the
     whole value on every rank: None (nothing), ``"warn"`` or ``"error"`` (``strict=True``).
-    ``attention``: how attention runs over the axis (``spdsl.propagate.attention_choice``)."""
+    ``attention``: how attention runs over the axis (``spdsl.propagate.attention_choice``).
+    ``taken``: the axes decided before this one (dp before sp), whose whole-dim splits this
+    one must not cut (:meth:`_clashes`); several axes walk together in
+    ``spdsl.propagate.mesh_propagation``."""
 
     def __init__(self, gm: torch.fx.GraphModule, parts: int, axis: str,
                  gathers: str | None = None, attention=None,
-                 taken: Propagator | None = None) -> None:
+                 taken: tuple[Propagator, ...] = ()) -> None:
         self.gm, self.parts, self.axis, self.gathers = gm, parts, axis, gathers
         self.attention = attention
-        self.taken = taken      # another axis' decisions (dp): the whole dims it splits
+        self.taken = tuple(taken)
         self.decisions: dict[torch.fx.Node, Decision] = {}
+        self.pins: Mapping[torch.fx.Node, Placement | None] = {}
         self.constraints: dict[torch.fx.Node, tuple[Placement, torch.fx.Node]] = {}
 
     def placement(self, node: torch.fx.Node, index: int | None = None) -> Placement:
         p = self.decisions[node].output
         return p[index] if index is not None else p
 
-    def run(self, inputs: dict[torch.fx.Node, tuple[Placement, str]]) -> None:
+    def run(self, inputs: Mapping[torch.fx.Node, tuple[Placement, str]],
+            pins: Mapping[torch.fx.Node, Placement | None] | None = None) -> None:
+        """Decide every node from ``inputs`` (placeholder -> placement and where it was said).
+        ``pins``: ``spdsl.constraint`` node -> the placement it pins over this axis (absent
+        or None: the constraint names no split over this axis, the value stays as it is)."""
+        self.start(inputs, pins)
+        for node in self.gm.graph.nodes:
+            self.step(node)
+
+    def start(self, inputs: Mapping[torch.fx.Node, tuple[Placement, str]],
+              pins: Mapping[torch.fx.Node, Placement | None] | None = None) -> None:
+        """What :meth:`run` reads before its walk; :meth:`step` then decides one node."""
+        self.inputs, self.pins = inputs, pins or {}
         # the global sizes of the split input dims: the sequence (a tie-break, ``_along``)
         self.split_sizes = {int(n.meta["val"].shape[p.dim]) for n, (p, _) in inputs.items()
                             if isinstance(p, Shard) and isinstance(n.meta.get("val"), torch.Tensor)}
@@ -209,16 +226,18 @@ class Propagator:
                     node.op == "call_function" and
                     any(a in self.with_grad for a in node.all_input_nodes)):
                 self.with_grad.add(node)
-        for node in self.gm.graph.nodes:
-            if node.op == "placeholder":
-                p, origin = inputs[node]
-                self.decisions[node] = Decision(p, Strategy((), p, None, "input"), origin=origin)
-                node.meta["spdsl_atoms"] = tuple((int(n),) for n in node.meta["val"].shape)
-            elif node.op == "get_attr":
-                self.decisions[node] = Decision(REPLICATE, Strategy((), REPLICATE, None,
-                                                                    "constant"), origin="constant")
-            elif node.op == "call_function":
-                self._call(node)
+
+    def step(self, node: torch.fx.Node) -> None:
+        """Decide ``node``, its inputs (and the ``taken`` axes' of them) decided."""
+        if node.op == "placeholder":
+            p, origin = self.inputs[node]
+            self.decisions[node] = Decision(p, Strategy((), p, None, "input"), origin=origin)
+            node.meta["spdsl_atoms"] = tuple((int(n),) for n in node.meta["val"].shape)
+        elif node.op == "get_attr":
+            self.decisions[node] = Decision(REPLICATE, Strategy((), REPLICATE, None,
+                                                                "constant"), origin="constant")
+        elif node.op == "call_function":
+            self._call(node)
 
     def _current(self, a: torch.fx.Node) -> Placement:
         out = self.decisions[a].output
@@ -259,7 +278,7 @@ class Propagator:
                 self._atoms(node, ins)
                 return
             self._unknown(node, ins, cur)
-        ctx = RuleCtx(node, ins, cur, self.parts, self.attention)
+        ctx = RuleCtx(node, ins, cur, self.parts, self.attention, self.pins.get(node))
         best, best_cost = None, INF
         candidates = list(rule(ctx))
         for s in candidates:
@@ -310,19 +329,18 @@ class Propagator:
         return isinstance(out, Shard) and out.size in getattr(self, "split_sizes", ())
 
     def _clashes(self, s: Strategy, cur: list[Placement], ins: list[torch.fx.Node]) -> bool:
-        """``s`` would move an input to a split of a whole dim that the other axis (``taken``:
-        the batch over dp) already splits: this axis would cut the other's local piece, which
-        neither the engine's sizes nor the lowering's local shapes describe. Such a strategy
-        is not taken (another is, or the op is refused)."""
-        if self.taken is None:
-            return False
+        """``s`` would move an input to a split of a whole dim that an axis decided before
+        (``taken``: the batch over dp) already splits: this axis would cut the other's local
+        piece, which neither the engine's sizes nor the lowering's local shapes describe.
+        Such a strategy is not taken (another is, or the op is refused)."""
         for c, r, a in zip(cur, s.inputs, ins):
             if c == r or not isinstance(r, Shard) or r.outer != 1:
                 continue
-            d = self.taken.decisions.get(a)
-            t = d.output if d is not None else None
-            if isinstance(t, Shard) and t.outer == 1 and t.dim == r.dim:
-                return True
+            for other in self.taken:
+                d = other.decisions.get(a)
+                t = d.output if d is not None else None
+                if isinstance(t, Shard) and t.outer == 1 and t.dim == r.dim:
+                    return True
         return False
 
     def _atoms(self, node: torch.fx.Node, ins: list[torch.fx.Node]) -> None:
@@ -354,7 +372,7 @@ class Propagator:
         node.meta["spdsl_atoms"] = atoms
 
     def _constraint(self, node: torch.fx.Node, src: torch.fx.Node) -> None:
-        target = node.meta["spdsl_constraint"]
+        target = self.pins.get(node)
         if target is None:          # the constraint names no split over this axis
             return
         prev = self.constraints.get(src)

@@ -2,7 +2,8 @@
 (Ulysses at every attention, the loss whole, hidden states split on the sequence), frozen and
 one per call signature, made from values alone (a trace, ``Starts``, the ``Job``) the same as
 ``Sharded`` makes them, ``out_specs`` pins and partial outputs kept, the data axis on a dp x sp
-mesh, and the refusal of ``shard_state`` over a parameter that is still whole."""
+mesh (a constraint naming both axes pinning each), and the refusal of ``shard_state`` over a
+parameter that is still whole."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import torch
 
 import spdsl
 import spdsl.pipeline as PR
+from spdsl import P
 from spdsl.models.llama import Llama, LlamaConfig
 from spdsl.pipeline.decide import Decisions, Starts, decide, out_nodes
 from spdsl.propagate.forms import is_attention_node
@@ -113,6 +115,26 @@ def test_the_data_axis_is_decided_before_the_sequence_axis():
     assert d.data_in == (Shard(0, 1, 2), Shard(0, 1, 2))       # the batch's rows
     assert d.data_out == (REPLICATE, Shard(0, 1, 2))
     assert d.in_placements == (Shard(1, 1, SEQ), Shard(1, 1, SEQ))
+
+
+def test_a_constraint_naming_both_axes_pins_each_axis_in_one_walk():
+    def f(x):
+        a = spdsl.with_sharding_constraint(x * 2, P("dp", None, "sp"))    # tokens -> features
+        b = spdsl.with_sharding_constraint(a + 1, P(None, "sp", None))    # dp free: as it comes
+        c = spdsl.with_sharding_constraint(b * 3, P("dp", None, None))    # sp gathered
+        return c.sum()
+
+    with PR.planning_group(4):
+        g = spdsl.shard(f, mesh=spdsl.mesh(dp=2, sp=2), in_specs=(P("dp", "sp", None),),
+                        out_specs=P())
+        d = g.build((torch.randn(4, SEQ, 8),), {}).decisions
+    a, b, c = [n for n in d.traced.graph.graph.nodes
+               if n.target is torch.ops.spdsl.constraint.default]
+    rows, seq, features = Shard(0, 1, 4), Shard(1, 1, SEQ), Shard(2, 1, 8)
+    assert [d.prop.decisions[n].redistribute for n in (a, b, c)] == [
+        {0: (seq, features)}, {0: (features, seq)}, {0: (seq, REPLICATE)}]
+    assert [d.data.placement(n) for n in (a, b, c)] == [rows] * 3
+    assert not any(d.data.decisions[n].redistribute for n in (a, b, c))
 
 
 def test_shard_state_refuses_a_parameter_that_is_still_whole():

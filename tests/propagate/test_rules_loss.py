@@ -100,8 +100,8 @@ def test_a_constraint_is_the_placement_it_names():
     x = torch.randn(2, 16, 8)
     ctx = ctx_of(lambda x: torch.ops.spdsl.constraint(x, "sp"), (x,), torch.ops.spdsl.constraint,
                  [REPLICATE])
-    ctx.node.meta["spdsl_constraint"] = Shard(1, 1, 16)
+    ctx.constraint = Shard(1, 1, 16)
     assert table(strategies(ctx)) == [("constraint", ("Shard(1)",), "Shard(1)")]
-    ctx.node.meta["spdsl_constraint"] = None       # names another axis: left as it comes
+    ctx.constraint = None                          # names another axis: left as it comes
     ctx.placements = [Shard(2, 1, 8)]
     assert table(strategies(ctx)) == [("constraint", ("Shard(2)",), "Shard(2)")]

@@ -40,6 +40,7 @@ class RuleCtx:
     placements: list[Placement]
     parts: int                             # size of the mesh axis
     attention: Any = None                  # the user's attention= (AttentionConfig)
+    constraint: Placement | None = None    # what a with_sharding_constraint pins on this axis
 
     def meta(self, i: int):
         return self.inputs[i].meta["val"]

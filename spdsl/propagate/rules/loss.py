@@ -78,7 +78,7 @@ def elementwise_loss(ctx: RuleCtx) -> list[Strategy]:
 
 @rule(torch.ops.spdsl.constraint, name="constraint")
 def constraint(ctx: RuleCtx) -> list[Strategy]:
-    target = ctx.node.meta["spdsl_constraint"]
+    target = ctx.constraint
     if target is None:               # a constraint that does not name this axis
         target = ctx.placements[0]
     return [Strategy((target,), target, "constraint", "constraint")]

@@ -287,7 +287,8 @@ class Sharded(StateSharding):
 
     def _check_same_inputs(self, args: tuple, kwargs: dict) -> None:
         """Every rank of the axis passed the same batch (``spdsl.pipeline.same_batch``)."""
-        check_same_inputs(self.groups, self.fn, args, kwargs, full=self.debug)
+        if self.parts > 1 and dist.is_initialized():
+            check_same_inputs(self.groups, self.fn, args, kwargs, full=self.debug)
 
     def segments_runner(self):
         """This function's runner of calls that read tensor values in Python

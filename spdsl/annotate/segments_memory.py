@@ -38,8 +38,10 @@ later call down another path adds its path and the step's peak is the worst of t
 runner's recorded paths that no plan has taken yet are counted apart.
 
 Measured: at SP 2 (``tests/annotate/test_segments_memory.py``) each path's peak equals a real
-replayed step's ``LiveBytes`` count to the byte, and the allocator's to 20 B (bytes C++ allocates
-below the dispatcher); with ``x[mask]`` the plan is one copy of the gathered gradient above the
+replayed step's ``LiveBytes`` count to the byte (but for a collective's buffers that gloo's
+worker thread releases after the wait has let the step go on, ``LiveBytes.released_elsewhere``:
+seen on one core, up to 48,000 B above the plan), and the allocator's to 20 B (bytes C++
+allocates below the dispatcher); with ``x[mask]`` the plan is one copy of the gathered gradient above the
 allocator (its backward scatters out of place under any dispatch mode, in place when nothing
 watches). At dp 2 x sp 2, with and without sharded state
 (``tests/annotate/test_segments_memory_mesh.py``): to the byte against ``LiveBytes``, the

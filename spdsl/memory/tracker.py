@@ -19,10 +19,18 @@ PyTorch's pinned host allocator takes it (``spdsl.memory.host.pinned_bytes``: th
 two): ``host_taken``, ``host_taken_peak``. Tensors made while ``on_host`` is set (a host
 optimizer's update) or registered as ``"host-pageable"`` are pageable host memory: in ``host``
 and ``host_taken`` as they are.
+
+A storage may die on another thread: a collective backend's worker (gloo's) holds the buffers of
+the collective it ran until it drops its work, which can be after the wait that returned them
+has let this thread go on. Such a storage stays counted until then, as it stays allocated;
+``released_elsewhere`` sums those bytes, the most by which a real run's ``peak`` can exceed the
+same program's with every buffer freed where Python dropped it. The bookkeeping is locked: the
+other thread's release may come between this thread's read and write of a count.
 """
 
 from __future__ import annotations
 
+import threading
 import weakref
 from collections import defaultdict
 
@@ -84,16 +92,23 @@ class LiveBytes(TorchDispatchMode):
         self.host = 0                                    # offloaded bytes held on the host
         self.host_peak = 0
         self.one_pool_peak = 0          # device + host at one instant (a CPU run: one memory)
+        self.released_elsewhere = 0     # bytes whose storage died on another thread
+        self._thread = threading.get_ident()
+        self._lock = threading.RLock()
 
     # -- bookkeeping ----------------------------------------------------------------------
     def _add(self, t: torch.Tensor, category: str) -> None:
+        with self._lock:
+            self._add_locked(t, category)
+
+    def _add_locked(self, t: torch.Tensor, category: str) -> None:
         if is_traceable_wrapper_subclass(t):
             # a wrapper (a collective's AsyncCollectiveTensor, say) owns no memory of its own;
             # its storage reports the full size but holds nothing: count what it wraps
             for name in t.__tensor_flatten__()[0]:
                 inner = getattr(t, name)
                 if isinstance(inner, torch.Tensor):     # a DTensor names its mesh too
-                    self._add(inner, category)
+                    self._add_locked(inner, category)
             return
         st = t.untyped_storage()
         key = st._cdata
@@ -133,7 +148,13 @@ class LiveBytes(TorchDispatchMode):
             self.phase_peaks[self.phase] = at
 
     def _free(self, key: int) -> None:
+        with self._lock:
+            self._free_locked(key)
+
+    def _free_locked(self, key: int) -> None:
         entry = self.live.pop(key, None)
+        if entry is not None and threading.get_ident() != self._thread:
+            self.released_elsewhere += entry[0]
         self._refs.pop(key, None)
         if entry is not None and entry[1] in HOST:
             self.host -= entry[0]
@@ -150,13 +171,14 @@ class LiveBytes(TorchDispatchMode):
 
     def retag(self, t: torch.Tensor, category: str) -> None:
         """Move a live tensor's bytes to another category (a fresh gradient, say)."""
-        entry = self.live.get(storage_key(t))
-        if entry is None:
-            self._add(t, category)
-        elif entry[1] != category:
-            self.sums[entry[1]] -= entry[0]
-            self.sums[category] += entry[0]
-            entry[1] = category
+        with self._lock:
+            entry = self.live.get(storage_key(t))
+            if entry is None:
+                self._add_locked(t, category)
+            elif entry[1] != category:
+                self.sums[entry[1]] -= entry[0]
+                self.sums[category] += entry[0]
+                entry[1] = category
 
     def watch_gradients(self, params) -> list:
         """Re-tag each parameter's gradient once autograd has accumulated it."""
@@ -201,7 +223,8 @@ class LiveBytes(TorchDispatchMode):
         if self.workspace:
             scratch = workspace_bytes(func, args, kwargs)
             if scratch:
-                self._check_peak(scratch)
+                with self._lock:
+                    self._check_peak(scratch)
         return out
 
 

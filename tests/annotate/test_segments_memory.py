@@ -6,7 +6,8 @@ both paths (each replayed, the steady state) and counts each step's live tensor 
 ``LiveBytes`` on the real tensors, and with the allocator's own count
 (``spdsl.memory.measure``); each rank plans both paths for itself. The predicted peak of a path
 equals the real step's ``LiveBytes`` peak to the byte (above what was held when the step
-began: parameters, AdamW state, the batch), and the allocator's within 1% (``ALLOCATOR``); for
+began: parameters, AdamW state, the batch; a collective's buffers gloo's thread releases late
+may add to the real peak, by at most their bytes), and the allocator's within 1% (``ALLOCATOR``); for
 ``x[mask]`` (``Picks``) the plan is above the allocator's by at most the copy autograd's
 formula makes under a dispatch mode (see the test). In one process (a fake group stands in for
 SP 2): the two paths' peaks differ, the step's peak is their max, meta arguments are refused.
@@ -88,8 +89,10 @@ def _fn(model: Reads):
 
 # -- one 2-rank launch ----------------------------------------------------------------------
 
-def _live_bytes_step(f, opt, params, x) -> int:
-    """The real step's peak of live tensor bytes above what it began with."""
+def _live_bytes_step(f, opt, params, x) -> tuple[int, int]:
+    """The real step's peak of live tensor bytes above what it began with, and the bytes
+    released on gloo's thread (``LiveBytes.released_elsewhere``: buffers of a collective its
+    worker still held when the wait had returned, as the step went on)."""
     from spdsl.memory import LiveBytes
     from spdsl.memory.simulate import _rng_states_counted
 
@@ -112,7 +115,7 @@ def _live_bytes_step(f, opt, params, x) -> int:
     finally:
         for h in hooks:
             h.remove()
-    return tracker.peak - before
+    return tracker.peak - before, tracker.released_elsewhere
 
 
 def _measured(f, model, x, rank: int) -> dict:
@@ -133,13 +136,13 @@ def _measured(f, model, x, rank: int) -> dict:
     step()                              # replays it
     replays = f._segmented.replays
     gc.collect()
-    live = _live_bytes_step(f, opt, params, x)
+    live, late = _live_bytes_step(f, opt, params, x)
     replayed = f._segmented.replays - replays == 1      # no trace: the steady state
     alloc = min(measure_step(step, warmup=False).peak for _ in range(2))
     plan = plan_memory(f, x, rank=rank)
     path = plan.paths[plan.this]
-    return {"live": live, "alloc": alloc, "replayed": replayed, "planned": path.peak,
-            "reads": path.reads, "plan": plan,
+    return {"live": live, "late": late, "alloc": alloc, "replayed": replayed,
+            "planned": path.peak, "reads": path.reads, "plan": plan,
             "held": path.plan.parameters + path.plan.optimizer + path.plan.inputs}
 
 
@@ -161,6 +164,19 @@ def _rank(rank: int, world: int) -> dict:
     return out
 
 
+def live_matches(planned: int, r: dict) -> bool:
+    """The plan equals the real step's ``LiveBytes`` peak, but for buffers gloo's worker thread
+    released late: it holds a collective's buffers until it drops the work, which may be after
+    the wait returned them and the step went on (seen on one core: an all-gather's 65,536 B
+    output, 1,080 B over the peak, in one run of two). Such bytes raise the real peak by at
+    most ``late``, and never lower it."""
+    return planned <= r["live"] <= planned + r["late"]
+
+
+def late_shown(r: dict) -> str:
+    return f" ({r['late']:,} released late on gloo's thread)" if r["late"] else ""
+
+
 @functools.cache
 def _launch() -> list[dict]:
     from tests.dist import spawn
@@ -178,14 +194,15 @@ def test_planned_peak_equals_the_real_segmented_step():
             planned = r["planned"] - r["held"]
             err = planned / r["alloc"] - 1
             row = (f"r{rank} {name} reads {', '.join(r['reads'])}: planned {planned:,} "
-                   f"live {r['live']:,} allocator {r['alloc']:,} ({err:+.1%})")
+                   f"live {r['live']:,}{late_shown(r)} allocator {r['alloc']:,} ({err:+.1%})")
             rows.append(row)
             # x[mask]: its backward scatters into zeros out of place under any dispatch mode
             # (autograd's formula for tensor subclasses), the plan's fake tensors and a
             # LiveBytes count alike, in place in the run: at most one more copy of the
             # gathered activation's gradient, never less than the run
             extra = 0 if name != "picks" else TOKENS * DIM * 4
-            if planned != r["live"] or not -ALLOCATOR <= err <= ALLOCATOR + extra / r["alloc"]:
+            in_bounds = -ALLOCATOR <= err <= ALLOCATOR + extra / r["alloc"]
+            if not live_matches(planned, r) or not in_bounds:
                 off.append(row)
     print("\n" + "\n".join(rows))
     assert not off, "\n".join(rows)

@@ -73,3 +73,31 @@ def test_an_undefined_gradient_counts_nothing():
         h.remove()
     assert w.grad is None and v.grad is not None
     assert tracker.sums["gradient"] == 16 * 4
+
+
+def test_a_storage_released_on_another_thread_is_counted_until_then():
+    # what gloo's worker does with a collective's buffers: it holds them until it drops its
+    # work, which may be after this thread has dropped them and gone on
+    import threading
+
+    held, go = [], threading.Event()
+
+    def worker():
+        go.wait()
+        held.clear()
+
+    tracker = LiveBytes()
+    with tracker:
+        out = torch.ones(1000)
+        held.append(out)
+        kept = torch.ones(10)
+        del out
+        assert tracker.current == 4040          # still allocated: the other thread holds it
+        t = threading.Thread(target=worker)
+        t.start()
+        go.set()
+        t.join()
+        assert tracker.current == 40
+        del kept                                # released here: not counted as elsewhere
+    assert tracker.peak == 4040 and tracker.current == 0
+    assert tracker.released_elsewhere == 4000

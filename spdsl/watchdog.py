@@ -25,7 +25,8 @@ group (an all-gather of three integers: number, kind, bytes, issued by ``spdsl.c
 and judged by ``check_order``), and a difference raises a ``ShardingError`` on every rank
 before the mismatched collective is issued, naming the op.
 An all-to-all with uneven splits (a window's halo, a ragged batch) moves different bytes on
-different ranks by design: its bytes are not compared, its number and kind are.
+different ranks by design: its bytes are not compared, its number and kind are; so are a ring
+attention's exchanges' (``send_recv``: one step's send and receive, ``spdsl.collectives.ring``).
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ import torch
 import spdsl.env as env
 
 HANG_EXIT = 124
-KINDS = ("all_to_all", "all_reduce", "all_gather", "reduce_scatter")
+KINDS = ("all_to_all", "all_reduce", "all_gather", "reduce_scatter", "send_recv")
 
 _bound = [float(env.value("SPDSL_COLLECTIVE_TIMEOUT"))]
 _check = [False]
@@ -93,6 +94,12 @@ def issued(kind: str, nbytes: int, group: str) -> int:
     return _STATE.count
 
 
+def last_op() -> tuple | None:
+    """The op of the collective issued last (``issued``), for a wait that comes after others
+    were issued (``watched``'s ``op``)."""
+    return _STATE.op
+
+
 def _faking() -> bool:
     from spdsl._torch import fake_mode_active
     return fake_mode_active()
@@ -100,15 +107,23 @@ def _faking() -> bool:
 
 def wait(t: torch.Tensor, number: int, kind: str, nbytes: int, group: str):
     """``wait_tensor(t)``, watched."""
-    from spdsl._torch import backward_task_id
     from spdsl._torch import functional_collectives as fc
     if torch.compiler.is_compiling():
         return fc.wait_tensor(t)
+    return watched(lambda: fc.wait_tensor(t), number, kind, nbytes, group)
+
+
+def watched(block, number: int, kind: str, nbytes: int, group: str, op: tuple | None = None):
+    """``block()``, a wait on the collective ``issued`` numbered ``number``, watched: past the
+    bound the process ends with the report; a backend that gives up raises ``CollectiveError``.
+    ``op``: the op it belongs to (default: that of the collective issued last)."""
+    from spdsl._torch import backward_task_id
     _ensure_thread()
     direction = "backward" if backward_task_id() >= 0 else "forward"
-    _STATE.now = now = (number, kind, nbytes, group, direction, _STATE.op, time.monotonic())
+    _STATE.now = now = (number, kind, nbytes, group, direction,
+                        _STATE.op if op is None else op, time.monotonic())
     try:
-        return fc.wait_tensor(t)
+        return block()
     except RuntimeError as e:       # the backend gave up (a peer gone: its watchdog, a crash)
         op = describe(now[-2])
         raise CollectiveError(f"spdsl: rank {_rank()}: {_what(now)}"
@@ -241,8 +256,10 @@ def _op_here(frame) -> tuple | None:
 def tag(t: torch.Tensor) -> None:
     """Record on ``t``'s autograd node (a collective's, in forward) the op it is issued for:
     its backward's collective is reported with it."""
+    if torch.compiler.is_compiling():       # Dynamo would trace the grad_fn read
+        return
     fn = t.grad_fn
-    if fn is not None and not torch.compiler.is_compiling():
+    if fn is not None:
         op = _op_here(sys._getframe(1))
         if op is not None:
             fn.metadata[SITE] = op

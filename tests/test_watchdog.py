@@ -45,3 +45,14 @@ def test_an_uneven_all_to_all_is_compared_by_number_and_kind():
         check_order(mine, _rows((5, "all_to_all", -1), (6, "all_to_all", -1)))
     assert "rank 0 of the group: #5 all_to_all; rank 1 of the group: #6 all_to_all)" \
         in str(e.value), str(e.value)
+
+
+def test_a_ring_exchange_against_another_collective_raises():
+    # ring attention's exchange (spdsl.collectives.ring) is compared by number and kind: the
+    # ring's pieces may differ in bytes
+    mine = order_entry(2, "send_recv", -1)
+    check_order(mine, _rows((2, "send_recv", -1), (2, "send_recv", -1)))
+    with pytest.raises(ShardingError) as e:
+        check_order(mine, _rows((2, "send_recv", -1), (2, "all_reduce", 4)))
+    assert "rank 0 of the group: #2 send_recv; rank 1 of the group: #2 all_reduce of 4 B)" \
+        in str(e.value), str(e.value)

@@ -5,8 +5,10 @@
 The op is one node for FX and ``torch.compile`` (its fake gives the shapes, its backward is the
 second op), so the exchange runs eagerly inside it, compiled or not. Each step's send and
 receive are posted together (``batch_isend_irecv``) before the step computes and waited after,
-so the transfer overlaps the step's attention. The exchanges are not numbered by
-``spdsl.watchdog``: neither its order check nor its hang bound covers them.
+so the transfer overlaps the step's attention. Each exchange is a collective of
+``spdsl.watchdog`` (kind ``send_recv``): numbered where posted, its wait watched with the bound
+(a ring whose neighbour never sends ends with the report), compared across the ring's group
+under the order check (number and kind: the pieces of a ring may differ in bytes).
 """
 
 from __future__ import annotations
@@ -14,19 +16,27 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+import spdsl.watchdog as watchdog
 from spdsl._torch import process_group
+from spdsl.collectives.raw import _issued
 from spdsl.kernels import ring_attn as kernel
+
+KIND = "send_recv"     # the watchdog's name of one exchange: a send and a receive
 
 
 class _Received:
-    def __init__(self, works, buf: torch.Tensor) -> None:
-        self.works, self.buf = works, buf
+    def __init__(self, works, buf: torch.Tensor, watch: tuple) -> None:
+        self.works, self.buf, self.watch = works, buf, watch
 
     def wait(self) -> torch.Tensor:
-        for w in self.works:
-            w.wait()
+        number, nbytes, group, op = self.watch
+        watchdog.watched(self._wait, number, KIND, nbytes, group, op)
         self.works = ()     # the works hold the sent tensor: it goes now, not at the next shift
         return self.buf
+
+    def _wait(self) -> None:
+        for w in self.works:
+            w.wait()
 
 
 class Ring:
@@ -39,7 +49,7 @@ class Ring:
     """
 
     def __init__(self, group: str, parts: int, rank: int) -> None:
-        self.pg = process_group(group)
+        self.group, self.pg = group, process_group(group)
         self.next = dist.get_global_rank(self.pg, (rank + 1) % parts)
         self.prev = dist.get_global_rank(self.pg, (rank - 1) % parts)
 
@@ -47,10 +57,12 @@ class Ring:
         """Send ``x`` to the next rank, receive the previous rank's into a new buffer."""
         x = x.contiguous()
         buf = torch.empty_like(x)
+        nbytes = x.numel() * x.element_size()
+        number = _issued(KIND, nbytes, self.group, even=False)
         works = dist.batch_isend_irecv([
             dist.P2POp(dist.isend, x, self.next, self.pg, tag),
             dist.P2POp(dist.irecv, buf, self.prev, self.pg, tag)])
-        return _Received(works, buf)
+        return _Received(works, buf, (number, nbytes, self.group, watchdog.last_op()))
 
 
 def _ring(group: str, parts: int, rank: int) -> Ring | None:
@@ -106,6 +118,18 @@ def _backward_rule(ctx, dout, dstats):
 _ring_attn_op.register_autograd(_backward_rule, setup_context=_setup_context)
 
 
+def ring_attn_program(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                      leaves: list[torch.Tensor], program: str, causal: bool, scale: float,
+                      layout: str, parts: int, rank: int, group: str) -> torch.Tensor:
+    """The op on a registered mask program (``program``, "" for none): the output, its
+    autograd node tagged with the op of the program that runs it (``spdsl.watchdog.tag``), so
+    that its backward's exchanges are reported with it."""
+    out, _ = torch.ops.spdsl.ring_attn(q, k, v, leaves, program, causal, scale, layout, parts,
+                                       rank, group)
+    watchdog.tag(out)
+    return out
+
+
 def ring_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group: str, parts: int,
               rank: int, mask_fn=None, leaves: list[torch.Tensor] = (), causal: bool = False,
               scale: float | None = None, layout: str = "contiguous") -> torch.Tensor:
@@ -126,6 +150,5 @@ def ring_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group: str, 
     key = mask_fn if isinstance(mask_fn, str) or mask_fn is None else \
         register_mask_program(mask_fn, getattr(mask_fn, "__name__", "mask"))
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
-    out, _ = torch.ops.spdsl.ring_attn(q, k, v, list(leaves), key or "", bool(causal), scale,
-                                       layout, parts, rank, group)
-    return out
+    return ring_attn_program(q, k, v, list(leaves), key or "", bool(causal), scale, layout,
+                             parts, rank, group)

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from spdsl.collectives import all_to_all, all_to_all_rows, new_group
-from spdsl.collectives import ring as _ring  # noqa: F401  (spdsl::ring_attn)
+from spdsl.collectives.ring import ring_attn_program
 from spdsl.kernels.masked_attn import register_mask_program
 from spdsl.lower.ops import _HEADS, _SEQ, _to_heads
 
@@ -53,8 +53,8 @@ def ring_attention_fn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, leaves:
     if compute_dtype is not None:
         q, k, v = (t.to(compute_dtype) for t in (q, k, v))
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
-    o, _ = torch.ops.spdsl.ring_attn(q, k, v, list(leaves), program, bool(is_causal), scale,
-                                     layout, ring, rrank, rgroup)
+    o = ring_attn_program(q, k, v, list(leaves), program, bool(is_causal), scale, layout,
+                          ring, rrank, rgroup)
     if out_dtype is not None:
         o = o.to(out_dtype)
     if layout != "contiguous":

@@ -1,7 +1,9 @@
 """A job never hangs: two ranks that issue different collectives (an all-gather on one, an
 all-reduce on the other) end within the bound, each with the collective it waited in, instead
 of waiting for gloo's 30 minutes; under the order check (``debug=True``) both raise the
-``ShardingError`` naming the difference before either collective is issued. One launch each."""
+``ShardingError`` naming the difference before either collective is issued; a rank that stops
+before backward leaves the other's report naming the backward collective and its op, an
+all-to-all or, under ring attention, a ring's exchange. One launch each."""
 
 from __future__ import annotations
 
@@ -64,7 +66,7 @@ def test_order_check_raises_on_every_rank():
         assert "#1 all_gather of 8.0 KiB" in msg and "#1 all_reduce of 4 B" in msg, msg
 
 
-def _stall_in_backward(rank: int, world: int):
+def _stall_in_backward(rank: int, world: int, attention: str = "auto"):
     import spdsl
     from spdsl import watchdog
     from spdsl.models.llama import Llama, LlamaConfig
@@ -72,7 +74,7 @@ def _stall_in_backward(rank: int, world: int):
     torch.manual_seed(0)
     model = Llama(LlamaConfig.tiny())
     ids = torch.randint(0, 100, (1, 64))
-    loss = spdsl.sp_shard(seq=world)(model)(ids, ids)
+    loss = spdsl.sp_shard(seq=world, attention=attention)(model)(ids, ids)
     if rank == 1:
         time.sleep(4 * BOUND)          # rank 0 waits in backward's first collective meanwhile
     loss.backward()
@@ -87,4 +89,16 @@ def test_a_wait_in_backward_names_the_op_and_its_module(capfd):
     err = capfd.readouterr().err + str(failed.value)
     report = err.split("spdsl: rank 0 waited", 1)[1].split(" without it completing")[0]
     assert "all_to_all" in report and "backward" in report, report
+    assert "(llama.py:" in report and ", in layers.1.attention" in report, report
+
+
+def test_a_ring_exchange_in_backward_is_watched_too(capfd):
+    """Ring attention's point-to-point exchanges (``spdsl.collectives.ring``) under the same
+    bound: rank 0 waits in a backward exchange (``send_recv``) of the ring's group, and its
+    report names the attention's line and module."""
+    with pytest.raises(RuntimeError) as failed:
+        spawn(_stall_in_backward, 2, "ring", timeout=120)
+    err = capfd.readouterr().err + str(failed.value)
+    report = err.split("spdsl: rank 0 waited", 1)[1].split(" without it completing")[0]
+    assert "(send_recv, " in report and "backward" in report, report
     assert "(llama.py:" in report and ", in layers.1.attention" in report, report

@@ -6,6 +6,7 @@ in one launch and the tests read the results.
 
 from __future__ import annotations
 
+import gc
 import os
 import socket
 import sys
@@ -37,6 +38,12 @@ def _entry(fn, rank: int, world: int, port: int, out_dir: str, args: tuple) -> N
             config.compile_threads = int(threads)
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world)
+        # what exists now (torch, the test's modules, their imports) is never garbage: out of
+        # the collector's reach, a full collection (the allocator measurements settle with
+        # one before and after every step) walks only what the test made, 0.14 s instead of
+        # 0.37 s a collection with 4 ranks on 2 cores
+        gc.collect()
+        gc.freeze()
         result = fn(rank, world, *args)
         torch.save({"ok": True, "result": result}, os.path.join(out_dir, f"{rank}.pt"))
     except BaseException:  # noqa: BLE001 - reported to the parent test

@@ -16,7 +16,10 @@ above what was held when the step began; the step is forward, backward, ``AdamW.
 rank=r, optimizer="adamw-torch")``). The ratio of each doubling, measured and planned: an
 activation linear in the sequence doubles; what does not grow (weights' gradients, the
 mixers' states, AdamW's temporaries) pulls the ratio below 2, what grows faster (a
-``[S, S]`` score or mask) above it.
+``[S, S]`` score or mask) above it. Each point is measured once more with the step inside a
+dispatch mode that only calls the ops (``measured_under_a_mode``): the run the planner models,
+where autograd sums gradients out of place (bench/MEMORY.md, "Why Kimi-Linear plans 14%
+above the allocator").
 """
 
 from __future__ import annotations
